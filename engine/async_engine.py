@@ -1,0 +1,202 @@
+"""`AsyncEngine`: the serving face. The step loop runs in a thread of its own; `generate`
+streams cumulative outputs to the caller's event loop as tokens arrive.
+
+    async with AsyncEngine(model=DIR) as engine:
+        async for out in engine.generate("Hello", SamplingParams(max_tokens=8), "req-1"):
+            print(out.outputs[0].delta_text, end="")
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections import deque
+from collections.abc import AsyncIterator
+from typing import Any
+
+from engine.config import EngineConfig, ModelConfig
+from engine.engine_core import EngineCore
+from engine.errors import EngineDead, EngineOverloaded
+from engine.llm import to_token_ids
+from engine.outputs import RequestOutput
+from engine.request import EngineRequest
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+class AsyncEngine:
+    def __init__(self, model: str, **kwargs: Any) -> None:
+        self.config = EngineConfig(model=str(model), **kwargs)
+        self.core: EngineCore | None = None
+        self._inbox: deque[tuple[str, Any]] = deque()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._lock = threading.Lock()
+        self._pending_by_class: dict[str, int] = {}
+        self._stats: dict = {}
+        self._error: BaseException | None = None
+
+    # -- life cycle -------------------------------------------------------------------------
+    async def start(self) -> None:
+        if self.core is None:
+            self.core = await asyncio.to_thread(EngineCore, self.config, stream_outputs=True)
+            self._stats = self.core.stats()
+        if self._thread is None:
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._loop, name="lockgate-engine", daemon=True)
+            self._thread.start()
+
+    async def shutdown(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join)
+            self._thread = None
+        for rid in list(self._streams):
+            self._deliver(rid, EngineDead("engine shut down"))
+
+    async def __aenter__(self) -> AsyncEngine:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.shutdown()
+
+    # -- what the gateway reads ---------------------------------------------------------------
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self._core.tokenizer
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return self._core.model_config
+
+    @property
+    def _core(self) -> EngineCore:
+        if self.core is None:
+            raise RuntimeError("AsyncEngine is not started; call `await engine.start()` first")
+        return self.core
+
+    def stats(self) -> dict:
+        """A snapshot taken after the latest step (safe to read from any thread)."""
+        return dict(self._stats)
+
+    # -- requests ---------------------------------------------------------------------------
+    async def generate(
+        self,
+        prompt: str | list[int] | dict[str, Any],
+        sampling_params: SamplingParams,
+        request_id: str,
+        *,
+        tenant: str = "default",
+        service_class: str = "online",
+        priority: int = 0,
+        model: str | None = None,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Cumulative outputs as tokens arrive; the last one has `finished` set. Raises
+        ValueError for bad input and EngineOverloaded for a full queue before queueing."""
+        core = self._core
+        if self._error is not None:
+            raise EngineDead(f"engine stopped: {self._error!r}")
+        text, ids = to_token_ids(core, prompt)
+        req = EngineRequest(request_id, ids, sampling_params, prompt=text, tenant=tenant,
+                            service_class=service_class, priority=priority, model=model,
+                            cache_salt=cache_salt)
+        core.validate(req)
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        with self._lock:
+            if request_id in self._streams:
+                raise ValueError(f"request_id: {request_id!r} is already in the engine")
+            waiting = self._stats.get("waiting", {}).get(service_class, 0)
+            if waiting + self._pending_by_class.get(service_class, 0) >= self.config.max_waiting_per_class:
+                raise EngineOverloaded(
+                    f"service_class {service_class!r}: {self.config.max_waiting_per_class} requests "
+                    "already waiting"
+                )
+            self._pending_by_class[service_class] = self._pending_by_class.get(service_class, 0) + 1
+            self._streams[request_id] = (loop, queue)
+            self._inbox.append(("add", req))
+        self._wake.set()
+        finished = False
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            if not finished:
+                self._post_abort(request_id)
+            with self._lock:
+                self._streams.pop(request_id, None)
+
+    async def abort(self, request_id: str) -> None:
+        """Stop a request and free its KV blocks at the next turn of the loop."""
+        self._post_abort(request_id)
+
+    def _post_abort(self, request_id: str) -> None:
+        with self._lock:
+            self._inbox.append(("abort", request_id))
+        self._wake.set()
+
+    # -- the loop thread ----------------------------------------------------------------------
+    def _loop(self) -> None:
+        core = self._core
+        while not self._stop.is_set():
+            try:
+                self._drain_inbox(core)
+                if not core.has_unfinished:
+                    self._stats = core.stats()
+                    self._wake.wait(timeout=0.5)
+                    self._wake.clear()
+                    continue
+                outputs = core.step()
+                self._stats = core.stats()
+                for out in outputs:
+                    self._deliver(out.request_id, out)
+            except Exception as exc:   # a bug: fail every caller loudly rather than hang them
+                logger.exception("engine step failed")
+                self._error = exc
+                for rid in list(self._streams):
+                    self._deliver(rid, EngineDead(f"engine step failed: {exc!r}"))
+                return
+
+    def _drain_inbox(self, core: EngineCore) -> None:
+        while True:
+            with self._lock:
+                if not self._inbox:
+                    return
+                kind, payload = self._inbox.popleft()
+                if kind == "add":
+                    cls = payload.service_class
+                    self._pending_by_class[cls] -= 1
+            if kind == "add":
+                if payload.request_id not in self._streams:
+                    continue    # the caller went away before the request got in
+                try:
+                    core.add_request(payload)
+                except Exception as exc:  # validated already; a race on request ids at most
+                    self._deliver(payload.request_id, exc)
+            else:
+                core.abort_request(payload)
+
+    def _deliver(self, request_id: str, item: Any) -> None:
+        with self._lock:
+            target = self._streams.get(request_id)
+        if target is None:
+            return
+        loop, queue = target
+        try:
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+        except RuntimeError:  # the caller's loop is closed
+            pass

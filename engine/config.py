@@ -1,0 +1,151 @@
+"""Engine and model configuration, checked on construction."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """Everything `LLM` and `AsyncEngine` take besides the model directory."""
+
+    model: str
+    dtype: str = "auto"
+    device: str = "auto"
+    block_size: int = 16
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    num_kv_blocks: int | None = None
+    kv_cache_memory: int | None = None
+    gpu_memory_utilization: float = 0.9
+    scheduling_policy: Literal["priority", "fcfs"] = "priority"
+    seed: int = 0
+    service_classes: tuple[str, ...] = ("online", "offline")
+    max_waiting_per_class: int = 100_000
+    num_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", *DTYPES):
+            raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {self.dtype!r}")
+        if self.device not in ("auto", "cpu", "cuda") and not str(self.device).startswith("cuda:"):
+            raise ValueError(f"device must be auto, cpu or cuda[:N]; got {self.device!r}")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two >= 1; got {self.block_size}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting_per_class"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1; got {getattr(self, name)}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2; got {self.max_model_len}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1; got {self.num_kv_blocks}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
+            raise ValueError(f"kv_cache_memory must be a positive byte count; got {self.kv_cache_memory}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1]; got {self.gpu_memory_utilization}"
+            )
+        if self.scheduling_policy not in ("priority", "fcfs"):
+            raise ValueError(
+                f"scheduling_policy must be 'priority' or 'fcfs'; got {self.scheduling_policy!r}"
+            )
+        self.service_classes = tuple(self.service_classes)
+        if not self.service_classes or len(set(self.service_classes)) != len(self.service_classes):
+            raise ValueError("service_classes must be a non-empty list of distinct names")
+        if not Path(self.model).is_dir():
+            raise ValueError(f"model must be a model directory; {self.model!r} is not one")
+
+    def resolve_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    """What the engine needs of a Hugging Face config.json."""
+
+    architecture: str
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    torch_dtype: str
+    eos_token_ids: list[int] = field(default_factory=list)
+    max_model_len: int = 0
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> ModelConfig:
+        model_dir = Path(model_dir)
+        path = model_dir / "config.json"
+        if not path.is_file():
+            raise ValueError(f"model: {model_dir} has no config.json")
+        raw = json.loads(path.read_text())
+        archs = raw.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ValueError(
+                f"model: architectures {archs} not supported; supported: {SUPPORTED_ARCHITECTURES}"
+            )
+        heads = raw["num_attention_heads"]
+        model_type = raw.get("model_type", "llama")
+        rope_scaling = raw.get("rope_scaling") or None
+        rope_params = raw.get("rope_parameters") or None  # transformers >= 5 spelling
+        rope_theta = raw.get("rope_theta")
+        if rope_params:
+            rope_theta = rope_params.get("rope_theta", rope_theta)
+            if rope_params.get("rope_type", "default") != "default":
+                rope_scaling = rope_params
+        eos = _eos_ids(model_dir, raw)
+        return cls(
+            architecture=arch,
+            model_type=model_type,
+            vocab_size=raw["vocab_size"],
+            hidden_size=raw["hidden_size"],
+            intermediate_size=raw["intermediate_size"],
+            num_hidden_layers=raw["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=raw.get("num_key_value_heads") or heads,
+            head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
+            rope_scaling=rope_scaling,
+            max_position_embeddings=raw.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            # Qwen2 has q/k/v biases and no attention_bias key; Llama/Mistral say so explicitly.
+            attention_bias=bool(raw.get("attention_bias", model_type == "qwen2")),
+            torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
+            eos_token_ids=eos,
+        )
+
+
+def _eos_ids(model_dir: Path, raw: dict[str, Any]) -> list[int]:
+    gen = model_dir / "generation_config.json"
+    value = None
+    if gen.is_file():
+        value = json.loads(gen.read_text()).get("eos_token_id")
+    if value is None:
+        value = raw.get("eos_token_id")
+    if value is None:
+        return []
+    return [int(v) for v in (value if isinstance(value, list) else [value])]

@@ -1,0 +1,393 @@
+"""Offline, deterministic demo models (llama / qwen2 / mistral) for tests and demos.
+
+MEASURED: (filled in below after tuning)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import math
+import os
+import pathlib
+import random
+from functools import lru_cache
+from typing import Any
+
+import torch
+
+__all__ = [
+    "FAMILIES",
+    "SIZES",
+    "SPECIAL_TOKENS",
+    "ENDOFTEXT_ID",
+    "IM_START_ID",
+    "IM_END_ID",
+    "CHAT_TEMPLATE",
+    "build_config",
+    "build_tokenizer_json",
+    "build_state_dict",
+    "write_demo_model",
+]
+
+FAMILIES = ("llama", "qwen2", "mistral")
+
+SIZES: dict[str, dict[str, int]] = {
+    "tiny": dict(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        vocab_size=512,
+        max_position_embeddings=2048,
+    ),
+    "small": dict(
+        hidden_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        intermediate_size=704,
+        vocab_size=8192,
+        max_position_embeddings=4096,
+    ),
+}
+
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+ENDOFTEXT_ID, IM_START_ID, IM_END_ID = 0, 1, 2  # the BPE trainer puts the special tokens first
+
+# ChatML. `content` is normally a string; a list of {"type": "text", "text": ...} parts is joined.
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' -}}"
+    "{%- if message['content'] is string -%}"
+    "{{- message['content'] -}}"
+    "{%- elif message['content'] -%}"
+    "{%- for part in message['content'] -%}"
+    "{%- if part['type'] == 'text' -%}{{- part['text'] -}}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- endif -%}"
+    "{{- '<|im_end|>\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+
+
+# --------------------------------------------------------------------------------------------
+# config
+# --------------------------------------------------------------------------------------------
+
+
+def _check_args(family: str, size: str) -> None:
+    if family not in FAMILIES:
+        raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
+    if size not in SIZES:
+        raise ValueError(f"size must be one of {tuple(SIZES)}, got {size!r}")
+
+
+def build_config(family: str, size: str) -> dict[str, Any]:
+    """The config.json contents (a plain dict) for one family and size.
+
+    RoPE settings are written twice, consistently: the legacy top-level ``rope_theta`` /
+    ``rope_scaling`` that transformers 4.x reads, and ``rope_parameters`` that transformers 5.x
+    writes (5.x gives ``rope_scaling`` priority when both are present; they are identical here).
+    """
+    _check_args(family, size)
+    s = SIZES[size]
+    cfg: dict[str, Any] = dict(s)
+    cfg.update(
+        hidden_act="silu",
+        initializer_range=0.02,
+        rms_norm_eps=1e-5,
+        attention_dropout=0.0,
+        use_cache=True,
+        torch_dtype="float32",
+        bos_token_id=None,
+        eos_token_id=IM_END_ID,
+        pad_token_id=ENDOFTEXT_ID,
+    )
+    if family == "llama":
+        rope_theta = 10000.0
+        rope_scaling: dict[str, Any] | None = {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 256,
+        }
+        cfg.update(
+            architectures=["LlamaForCausalLM"],
+            model_type="llama",
+            tie_word_embeddings=False,
+            attention_bias=False,
+            mlp_bias=False,
+            pretraining_tp=1,
+        )
+    elif family == "qwen2":
+        rope_theta = 1000000.0
+        rope_scaling = None
+        n = s["num_hidden_layers"]
+        cfg.update(
+            architectures=["Qwen2ForCausalLM"],
+            model_type="qwen2",
+            tie_word_embeddings=True,
+            use_sliding_window=False,
+            sliding_window=None,
+            max_window_layers=n,
+            layer_types=["full_attention"] * n,
+        )
+    else:  # mistral
+        rope_theta = 10000.0
+        rope_scaling = None
+        cfg.update(
+            architectures=["MistralForCausalLM"],
+            model_type="mistral",
+            tie_word_embeddings=False,
+            sliding_window=None,
+        )
+    cfg["rope_theta"] = rope_theta
+    cfg["rope_scaling"] = dict(rope_scaling) if rope_scaling else None
+    rope_parameters = {"rope_type": "default", "rope_theta": rope_theta}
+    if rope_scaling:
+        rope_parameters.update(rope_scaling)
+    cfg["rope_parameters"] = rope_parameters
+    return cfg
+
+
+# --------------------------------------------------------------------------------------------
+# tokenizer
+# --------------------------------------------------------------------------------------------
+
+_ONSETS = ("", "b", "c", "d", "f", "g", "h", "j", "k", "l", "m", "n", "p", "r", "s", "t", "v", "w",
+           "z", "br", "ch", "cl", "dr", "fl", "gr", "kr", "pl", "qu", "sh", "st", "th", "tr")
+_VOWELS = ("a", "e", "i", "o", "u", "ai", "ea", "ou", "y", "ie")
+_CODAS = ("", "", "", "n", "r", "s", "l", "m", "nd", "st", "ck", "ng", "x", "rt")
+_EXOTIC = ("café", "naïve", "Zürich", "straße", "façade", "smörgåsbord", "crème brûlée",
+           "São Paulo", "Ελληνικά", "Привет", "мир", "中文", "日本語", "東京", "北京欢迎你", "한국어",
+           "안녕하세요", "こんにちは", "🙂", "🚀", "👍🏽", "🎉", "❤️", "→", "≤", "∑", "€", "£", "½",
+           "مرحبا", "שלום", "हिन्दी")
+_PUNCT = (".", ",", "!", "?", ";", ":", "-", "...", "'s", "(", ")", '"', "/", "%", "&", "#", "@",
+          "*", "+", "=")
+_CORPUS_SEED = 20240607  # the corpus never depends on the model seed
+_CORPUS_LEXICON = 8000
+_CORPUS_SENTENCES = 4000
+
+
+@lru_cache(maxsize=1)
+def _corpus() -> tuple[str, ...]:
+    """Synthetic training text: Zipf-distributed pseudo-words built from syllables, with
+    capitals, digits, punctuation, newlines and some accented / CJK / emoji strings."""
+    rng = random.Random(_CORPUS_SEED)
+    lexicon: list[str] = []
+    seen: set[str] = set()
+    while len(lexicon) < _CORPUS_LEXICON:
+        k = rng.choice((1, 2, 2, 2, 3, 3, 3, 4, 4, 5))
+        w = "".join(rng.choice(_ONSETS) + rng.choice(_VOWELS) + rng.choice(_CODAS) for _ in range(k))
+        if w not in seen:
+            seen.add(w)
+            lexicon.append(w)
+    cum = list(itertools.accumulate(1.0 / (r + 2.7) ** 1.07 for r in range(len(lexicon))))
+    out = []
+    for _ in range(_CORPUS_SENTENCES):
+        words = rng.choices(lexicon, cum_weights=cum, k=rng.randint(4, 18))
+        parts = []
+        for i, w in enumerate(words):
+            x = rng.random()
+            if i == 0 or x < 0.05:
+                w = w.capitalize()
+            if x > 0.97:
+                w = str(rng.randint(0, 99999))
+            elif x > 0.94:
+                w = rng.choice(_EXOTIC)
+            elif x > 0.92:
+                w = w + rng.choice(_PUNCT)
+            parts.append(w)
+        s = " ".join(parts) + rng.choice((".", ".", ".", "!", "?", ":", ""))
+        if rng.random() < 0.2:
+            s += "\n"
+        out.append(s)
+    return tuple(out)
+
+
+@lru_cache(maxsize=4)
+def build_tokenizer_json(vocab_size: int) -> str:
+    """Train the byte-level BPE (deterministic) and return its tokenizer.json text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(), trainer)
+    if tok.get_vocab_size() != vocab_size:
+        raise RuntimeError(f"BPE reached {tok.get_vocab_size()} tokens, wanted {vocab_size}")
+    for i, t in enumerate(SPECIAL_TOKENS):
+        if tok.token_to_id(t) != i:
+            raise RuntimeError(f"special token {t} got id {tok.token_to_id(t)}, wanted {i}")
+    return tok.to_str(pretty=True) + "\n"
+
+
+def _tokenizer_config(model_max_length: int) -> dict[str, Any]:
+    added = {
+        str(i): {
+            "content": t,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": True,
+        }
+        for i, t in enumerate(SPECIAL_TOKENS)
+    }
+    return {
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "add_prefix_space": False,
+        "added_tokens_decoder": added,
+        "additional_special_tokens": [SPECIAL_TOKENS[1], SPECIAL_TOKENS[2]],
+        "bos_token": None,
+        "chat_template": CHAT_TEMPLATE,
+        "clean_up_tokenization_spaces": False,
+        "eos_token": SPECIAL_TOKENS[IM_END_ID],
+        "errors": "replace",
+        "model_max_length": model_max_length,
+        "pad_token": SPECIAL_TOKENS[ENDOFTEXT_ID],
+        "split_special_tokens": False,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "unk_token": None,
+    }
+
+
+def _special_tokens_map() -> dict[str, Any]:
+    return {
+        "additional_special_tokens": [SPECIAL_TOKENS[1], SPECIAL_TOKENS[2]],
+        "eos_token": SPECIAL_TOKENS[IM_END_ID],
+        "pad_token": SPECIAL_TOKENS[ENDOFTEXT_ID],
+    }
+
+
+def _generation_config() -> dict[str, Any]:
+    return {
+        "bos_token_id": None,
+        "do_sample": False,
+        "eos_token_id": [IM_END_ID, ENDOFTEXT_ID],
+        "pad_token_id": ENDOFTEXT_ID,
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# weights
+# --------------------------------------------------------------------------------------------
+
+# Scales (see the measurements in the module docstring). Inputs to every projection are
+# RMS-normalised (rms ~ 1), so a weight std of c / sqrt(fan_in) gives outputs of std ~ c.
+_EMBED_STD = 1.0
+_QK_STD = 2.0  # q and k entries ~ N(0, 2^2): attention logits have std ~ 4 -> sharp attention
+_ATTN_OUT = (2.0, 4.0)  # o_proj output scale per layer position (first, last; geometric between)
+_MLP_OUT = (1.0, 2.0)
+_LOGIT_STD = 8.0  # std of the logits over the vocabulary
+_SPECIAL_LOGIT_SCALE = 0.05  # lm_head rows of the special tokens: greedy (almost) never emits EOS
+_NORM_JITTER = 0.2  # norm weights ~ U(1 - j, 1 + j): an engine that ignores them is caught
+_BIAS_STD = 0.5  # qwen2 q/k/v biases
+
+
+def _seed_for(family: str, size: str, seed: int) -> int:
+    h = hashlib.sha256(f"lockgate-demo/{family}/{size}/{int(seed)}".encode()).digest()
+    return int.from_bytes(h[:8], "little") & ((1 << 63) - 1)
+
+
+def build_state_dict(family: str, size: str, seed: int = 0) -> dict[str, torch.Tensor]:
+    """The weights, in Hugging Face's names, fp32, contiguous, drawn from a seeded CPU generator."""
+    _check_args(family, size)
+    s = SIZES[size]
+    H, L = s["hidden_size"], s["num_hidden_layers"]
+    nh, nkv, d = s["num_attention_heads"], s["num_key_value_heads"], s["head_dim"]
+    inter, V = s["intermediate_size"], s["vocab_size"]
+    g = torch.Generator(device="cpu").manual_seed(_seed_for(family, size, seed))
+
+    def normal(shape: tuple[int, ...], std: float) -> torch.Tensor:
+        return torch.randn(shape, generator=g, dtype=torch.float32) * std
+
+    def norm_weight() -> torch.Tensor:
+        return 1.0 + (torch.rand((H,), generator=g, dtype=torch.float32) * 2 - 1) * _NORM_JITTER
+
+    def interp(pair: tuple[float, float], i: int) -> float:
+        if L == 1:
+            return pair[1]
+        return pair[0] * (pair[1] / pair[0]) ** (i / (L - 1))
+
+    sd: dict[str, torch.Tensor] = {}
+    tied = family == "qwen2"
+    embed = normal((V, H), _EMBED_STD)
+    if tied:
+        # the same matrix is the lm_head: its std sets the logit scale together with model.norm
+        embed[: len(SPECIAL_TOKENS)] *= _SPECIAL_LOGIT_SCALE
+    sd["model.embed_tokens.weight"] = embed
+    for i in range(L):
+        p = f"model.layers.{i}."
+        sd[p + "input_layernorm.weight"] = norm_weight()
+        sd[p + "self_attn.q_proj.weight"] = normal((nh * d, H), _QK_STD / math.sqrt(H))
+        sd[p + "self_attn.k_proj.weight"] = normal((nkv * d, H), _QK_STD / math.sqrt(H))
+        sd[p + "self_attn.v_proj.weight"] = normal((nkv * d, H), 1.0 / math.sqrt(H))
+        if family == "qwen2":
+            sd[p + "self_attn.q_proj.bias"] = normal((nh * d,), _BIAS_STD)
+            sd[p + "self_attn.k_proj.bias"] = normal((nkv * d,), _BIAS_STD)
+            sd[p + "self_attn.v_proj.bias"] = normal((nkv * d,), _BIAS_STD)
+        sd[p + "self_attn.o_proj.weight"] = normal((H, nh * d), interp(_ATTN_OUT, i) / math.sqrt(nh * d))
+        sd[p + "post_attention_layernorm.weight"] = norm_weight()
+        sd[p + "mlp.gate_proj.weight"] = normal((inter, H), 1.0 / math.sqrt(H))
+        sd[p + "mlp.up_proj.weight"] = normal((inter, H), 1.0 / math.sqrt(H))
+        sd[p + "mlp.down_proj.weight"] = normal((H, inter), interp(_MLP_OUT, i) / math.sqrt(inter))
+    final = norm_weight()
+    if tied:
+        final *= _LOGIT_STD / (_EMBED_STD * math.sqrt(H))
+    sd["model.norm.weight"] = final
+    if not tied:
+        head = normal((V, H), _LOGIT_STD / math.sqrt(H))
+        head[: len(SPECIAL_TOKENS)] *= _SPECIAL_LOGIT_SCALE
+        sd["lm_head.weight"] = head
+    return {k: v.contiguous() for k, v in sd.items()}
+
+
+# --------------------------------------------------------------------------------------------
+# writing
+# --------------------------------------------------------------------------------------------
+
+
+def _dump_json(path: pathlib.Path, obj: Any) -> None:
+    path.write_text(json.dumps(obj, sort_keys=True, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def write_demo_model(
+    out_dir: str | os.PathLike, *, family: str = "llama", size: str = "tiny", seed: int = 0
+) -> pathlib.Path:
+    """Write a complete Hugging Face model directory (config, safetensors weights, generation
+    config, fast tokenizer with a ChatML template) into ``out_dir`` and return its path.
+
+    Fully offline and deterministic: the same (family, size, seed) gives byte-identical files.
+    """
+    _check_args(family, size)
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ValueError(f"seed must be an int, got {seed!r}")
+    from safetensors.torch import save_file
+
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = build_config(family, size)
+    _dump_json(out / "config.json", cfg)
+    _dump_json(out / "generation_config.json", _generation_config())
+    (out / "tokenizer.json").write_text(build_tokenizer_json(cfg["vocab_size"]), encoding="utf-8")
+    _dump_json(out / "tokenizer_config.json", _tokenizer_config(cfg["max_position_embeddings"]))
+    _dump_json(out / "special_tokens_map.json", _special_tokens_map())
+    save_file(build_state_dict(family, size, seed), str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out

@@ -1,0 +1,316 @@
+"""The engine core: requests in, one `step()` at a time, outputs out. Single-threaded; `LLM`
+drives it directly and `AsyncEngine` from a thread of its own."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+
+import torch
+
+from engine.config import DTYPES, EngineConfig, ModelConfig
+from engine.errors import PromptTooLong, UnknownModel
+from engine.kv_cache import KVCacheManager
+from engine.memory import MemoryBudget
+from engine.model_runner import ModelRunner, StepTimings
+from engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from engine.request import EngineRequest, RequestState, Sequence, SeqStatus
+from engine.sampler import SamplerOutput
+from engine.scheduler import Scheduler
+from engine.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_dtype(name: str, model_dtype: str, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return DTYPES[name]
+    dtype = DTYPES.get(model_dtype.removeprefix("torch."), torch.float32)
+    if device.type == "cpu" and dtype is torch.float16:
+        return torch.float32  # CPUs have no fast fp16 matmul
+    return dtype
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, *, stream_outputs: bool = False) -> None:
+        self.config = config
+        self.stream_outputs = stream_outputs
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.device = config.resolve_device()
+        self.model_config = ModelConfig.from_dir(config.model)
+        mc = self.model_config
+        if config.max_model_len and config.max_model_len > mc.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len {config.max_model_len} exceeds the model's "
+                f"max_position_embeddings {mc.max_position_embeddings}"
+            )
+        self.max_model_len = config.max_model_len or mc.max_position_embeddings
+        mc.max_model_len = self.max_model_len
+        self.dtype = resolve_dtype(config.dtype, mc.torch_dtype, self.device)
+        self.tokenizer = Tokenizer(config.model)
+        torch.manual_seed(config.seed)
+        self.runner = ModelRunner(config.model, mc, self.max_model_len, self.dtype, self.device, config.seed)
+        self.memory = MemoryBudget.for_device(
+            self.device,
+            gpu_memory_utilization=config.gpu_memory_utilization,
+            kv_cache_memory=config.kv_cache_memory,
+            weight_bytes=self.runner.weight_bytes,
+        )
+        bs = config.block_size
+        self.num_kv_blocks = self.memory.kv_blocks(
+            self.runner.bytes_per_block(bs),
+            num_kv_blocks=config.num_kv_blocks,
+            kv_cache_memory=config.kv_cache_memory,
+        )
+        self.runner.allocate_kv_cache(self.num_kv_blocks, bs)
+        self.kv = KVCacheManager(self.num_kv_blocks, bs, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.kv)
+        self.class_rank = {name: i for i, name in enumerate(config.service_classes)}
+        self.eos_token_ids = set(mc.eos_token_ids)
+        # a sequence can grow until the context or the whole cache is full
+        self.max_seq_len = min(self.max_model_len, self.num_kv_blocks * bs)
+        self.requests: dict[str, RequestState] = {}
+        self.timings = StepTimings()
+        self.num_generated_tokens = 0
+        self.kv_util_sum = 0.0
+        logger.info(
+            "engine ready: %s on %s (%s), %d KV blocks of %d tokens",
+            config.model, self.device, self.dtype, self.num_kv_blocks, bs,
+        )
+
+    # -- requests ------------------------------------------------------------------------
+    def validate(self, req: EngineRequest) -> None:
+        """Raise ValueError (naming the field) for anything that could never run."""
+        ids = req.prompt_token_ids
+        if not isinstance(req.request_id, str) or not req.request_id:
+            raise ValueError("request_id: must be a non-empty string")
+        if req.request_id in self.requests:
+            raise ValueError(f"request_id: {req.request_id!r} is already in the engine")
+        if not ids:
+            raise ValueError("prompt: must not be empty")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt_token_ids: token id {bad!r} is outside the vocabulary [0, {vocab})")
+        if len(ids) >= self.max_model_len:
+            raise PromptTooLong(
+                f"prompt: {len(ids)} tokens leave no room for output within max_model_len "
+                f"{self.max_model_len}"
+            )
+        if len(ids) >= self.max_seq_len:
+            raise PromptTooLong(
+                f"prompt: {len(ids)} tokens cannot fit the whole KV cache "
+                f"({self.num_kv_blocks} blocks of {self.config.block_size} tokens)"
+            )
+        if not self.config.enable_chunked_prefill and len(ids) > self.config.max_num_batched_tokens:
+            raise PromptTooLong(
+                f"prompt: {len(ids)} tokens exceed max_num_batched_tokens "
+                f"{self.config.max_num_batched_tokens} with chunked prefill disabled"
+            )
+        if req.service_class not in self.class_rank:
+            raise ValueError(
+                f"service_class: {req.service_class!r} is not one of {list(self.config.service_classes)}"
+            )
+        if req.model is not None and req.model not in self.served_model_names:
+            raise UnknownModel(f"model: {req.model!r} is not served by this engine")
+
+    @property
+    def served_model_names(self) -> set[str]:
+        from pathlib import Path
+
+        return {Path(self.config.model).name, self.config.model}
+
+    def add_request(self, req: EngineRequest) -> RequestState:
+        self.validate(req)
+        state = RequestState(req=req, class_rank=self.class_rank[req.service_class])
+        for i in range(req.sampling.n):
+            seq = Sequence(state, i, list(req.prompt_token_ids), len(req.prompt_token_ids))
+            seq.decode_stream = self.tokenizer.decode_stream(req.sampling.skip_special_tokens)
+            if req.sampling.logprobs is not None:
+                seq.logprobs = []
+            state.seqs.append(seq)
+        self.requests[req.request_id] = state
+        self.scheduler.add(state)
+        return state
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Free the request's blocks at once; returns its last output, finish_reason 'abort'."""
+        state = self.requests.pop(request_id, None)
+        if state is None:
+            return None
+        for seq in state.seqs:
+            if seq.status is not SeqStatus.FINISHED:
+                self.scheduler.finish(seq, "abort")
+        state.finished_time = time.time()
+        return self._output(state)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # -- one step -------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        sched = self.scheduler.schedule()
+        t1 = time.perf_counter()
+        self.timings.schedule += t1 - t0
+        if sched.is_empty:
+            return []
+        self.timings.num_steps += 1
+        self.kv_util_sum += self.kv_utilization()
+        sampled_seqs, out = self.runner.execute(sched, self.kv, self.timings)
+        t2 = time.perf_counter()
+        for seq, num_new in sched.scheduled:
+            seq.num_computed_tokens += num_new
+            self.kv.cache_full_blocks(seq)
+        touched: dict[str, RequestState] = {}
+        if out is not None:
+            self._append_tokens(sampled_seqs, out, touched)
+        outputs = []
+        for state in touched.values():
+            if state.finished:
+                state.finished_time = time.time()
+                self.requests.pop(state.request_id, None)
+                outputs.append(self._output(state))
+            elif self.stream_outputs:
+                outputs.append(self._output(state))
+        self.timings.detokenize += time.perf_counter() - t2
+        return outputs
+
+    def _append_tokens(
+        self, seqs: list[Sequence], out: SamplerOutput, touched: dict[str, RequestState]
+    ) -> None:
+        now = time.time()
+        tok = self.tokenizer
+        for seq, token, lp in zip(seqs, out.token_ids, out.logprobs):
+            state = seq.state
+            touched[state.request_id] = state
+            if state.first_token_time is None:
+                state.first_token_time = now
+            seq.token_ids.append(token)
+            self.num_generated_tokens += 1
+            if lp is not None:
+                self._record_logprobs(seq, token, lp)
+            p = seq.params
+            if not p.ignore_eos and token in self.eos_token_ids:
+                self.scheduler.finish(seq, "stop")
+                continue
+            if token in p.stop_token_ids:
+                self.scheduler.finish(seq, "stop", token)
+                continue
+            delta = tok.step_stream(seq.decode_stream, token)
+            if delta:
+                seq.text += delta
+                if p.stop_strings and self._check_stop_strings(seq, len(delta)):
+                    continue
+            if (p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens) or (
+                seq.num_tokens >= self.max_seq_len
+            ):
+                self.scheduler.finish(seq, "length")
+
+    def _check_stop_strings(self, seq: Sequence, delta_len: int) -> bool:
+        p = seq.params
+        longest = max(len(s) for s in p.stop_strings)
+        window_start = max(0, len(seq.text) - delta_len - longest + 1)
+        best = None
+        for stop in p.stop_strings:
+            idx = seq.text.find(stop, window_start)
+            if idx >= 0 and (best is None or idx < best[0]):
+                best = (idx, stop)
+        if best is None:
+            return False
+        idx, stop = best
+        seq.text = seq.text[: idx + len(stop)] if p.include_stop_str_in_output else seq.text[:idx]
+        self.scheduler.finish(seq, "stop", stop)
+        return True
+
+    def _record_logprobs(self, seq: Sequence, token: int, lp: tuple) -> None:
+        chosen, rank, top = lp
+        seq.cumulative_logprob += chosen
+        entry = {token: Logprob(chosen, rank, self.tokenizer.decode([token], False))}
+        for i, (tid, val) in enumerate(top):
+            if tid not in entry:
+                entry[tid] = Logprob(val, i + 1, self.tokenizer.decode([tid], False))
+        assert seq.logprobs is not None
+        seq.logprobs.append(entry)
+
+    def _output(self, state: RequestState) -> RequestOutput:
+        completions = []
+        for seq in state.seqs:
+            text = seq.text
+            finished = seq.status is SeqStatus.FINISHED
+            if not finished and seq.params.stop_strings:
+                # hold back what could still turn out to be the start of a stop string
+                hold = max(len(s) for s in seq.params.stop_strings) - 1
+                text = text[: max(seq.num_sent_chars, len(text) - hold)]
+            out_ids = seq.output_token_ids
+            completions.append(CompletionOutput(
+                index=seq.index,
+                text=text,
+                token_ids=out_ids,
+                cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
+                logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
+                finish_reason=seq.finish_reason,
+                stop_reason=seq.stop_reason,
+                delta_text=text[seq.num_sent_chars:],
+                delta_token_ids=out_ids[seq.num_sent_tokens:],
+            ))
+            seq.num_sent_chars = len(text)
+            seq.num_sent_tokens = len(out_ids)
+        return RequestOutput(
+            request_id=state.request_id,
+            prompt=state.req.prompt,
+            prompt_token_ids=state.req.prompt_token_ids,
+            outputs=completions,
+            finished=state.finished,
+            num_cached_tokens=state.num_cached_tokens,
+            metrics=RequestMetrics(
+                arrival_time=state.arrival_time,
+                first_scheduled_time=state.first_scheduled_time,
+                first_token_time=state.first_token_time,
+                finished_time=state.finished_time,
+                num_preemptions=sum(s.num_preemptions for s in state.seqs),
+            ),
+        )
+
+    # -- introspection --------------------------------------------------------------------
+    def kv_utilization(self) -> float:
+        """Tokens stored / (blocks held x block size), over the blocks sequences hold now."""
+        held = self.kv.num_used_blocks
+        if held == 0:
+            return 1.0
+        stored_blocks = set()
+        tokens = 0
+        bs = self.config.block_size
+        for seq in self.scheduler.running:
+            for i, block in enumerate(self.kv.blocks_of(seq)):
+                if block.block_id in stored_blocks:
+                    continue
+                stored_blocks.add(block.block_id)
+                tokens += min(bs, max(0, seq.num_tokens - i * bs))
+        return tokens / (len(stored_blocks) * bs) if stored_blocks else 1.0
+
+    def stats(self) -> dict:
+        sched = self.scheduler
+        running = Counter(s.state.req.service_class for s in sched.running)
+        waiting = Counter(s.state.req.service_class for s in sched.waiting)
+        run_t = Counter(s.state.req.tenant for s in sched.running)
+        wait_t = Counter(s.state.req.tenant for s in sched.waiting)
+        classes = self.config.service_classes
+        return {
+            "running": {c: running.get(c, 0) for c in classes},
+            "waiting": {c: waiting.get(c, 0) for c in classes},
+            "running_by_tenant": dict(run_t),
+            "waiting_by_tenant": dict(wait_t),
+            "num_requests": len(self.requests),
+            "num_preemptions": sched.num_preemptions,
+            "kv_blocks_total": self.num_kv_blocks,
+            "kv_blocks_used": self.kv.num_used_blocks,
+            "kv_blocks_free": self.kv.num_free_blocks,
+            "prefix_cache_queries": self.kv.num_cache_queries,
+            "prefix_cache_hits": self.kv.num_cache_hits,
+            "num_generated_tokens": self.num_generated_tokens,
+            "num_steps": self.timings.num_steps,
+        }

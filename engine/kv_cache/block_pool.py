@@ -1,0 +1,171 @@
+"""The block pool: every KV block of the device cache, its reference count and its hash.
+
+Free blocks wait in a doubly linked queue (O(1) removal from the middle, for a prefix-cache
+hit on a free block). Blocks that still hold a cached prefix are appended at the tail and
+evicted from the head, least recently freed first; blocks that hold nothing reusable go to
+the head so they are reused before any cached one. No torch here: block ids only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+BlockHash = bytes
+
+
+class KVBlock:
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free", "next_free")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.block_hash: BlockHash | None = None
+        self.prev_free: KVBlock | None = None
+        self.next_free: KVBlock | None = None
+
+    def __repr__(self) -> str:
+        return f"KVBlock(id={self.block_id}, ref={self.ref_cnt}, cached={self.block_hash is not None})"
+
+
+class FreeBlockQueue:
+    """Doubly linked list of free blocks with sentinels at both ends."""
+
+    def __init__(self, blocks: Iterable[KVBlock]) -> None:
+        self._head = KVBlock(-1)
+        self._tail = KVBlock(-2)
+        self._head.next_free, self._tail.prev_free = self._tail, self._head
+        self.num_free = 0
+        for block in blocks:
+            self.append(block)
+
+    def popleft(self) -> KVBlock:
+        block = self._head.next_free
+        if block is self._tail or block is None:
+            raise IndexError("no free blocks")
+        self.remove(block)
+        return block
+
+    def remove(self, block: KVBlock) -> None:
+        prev, nxt = block.prev_free, block.next_free
+        if prev is None or nxt is None:
+            raise ValueError(f"{block} is not in the free queue")
+        prev.next_free, nxt.prev_free = nxt, prev
+        block.prev_free = block.next_free = None
+        self.num_free -= 1
+
+    def append(self, block: KVBlock) -> None:
+        self._link(block, self._tail.prev_free, self._tail)
+
+    def appendleft(self, block: KVBlock) -> None:
+        self._link(block, self._head, self._head.next_free)
+
+    def _link(self, block: KVBlock, prev: KVBlock | None, nxt: KVBlock | None) -> None:
+        if block.prev_free is not None or block.next_free is not None:
+            raise ValueError(f"{block} is already in the free queue")
+        assert prev is not None and nxt is not None
+        block.prev_free, block.next_free = prev, nxt
+        prev.next_free = block
+        nxt.prev_free = block
+        self.num_free += 1
+
+    def __iter__(self):
+        block = self._head.next_free
+        while block is not None and block is not self._tail:
+            yield block
+            block = block.next_free
+
+
+class BlockPool:
+    """Owns all blocks: allocation, reference counts and the prefix-cache map."""
+
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self.free_queue = FreeBlockQueue(self.blocks)
+        self.cached: dict[BlockHash, KVBlock] = {}
+        self.num_evictions = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.free_queue.num_free
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.free_queue.num_free
+
+    def get_cached_block(self, block_hash: BlockHash) -> KVBlock | None:
+        return self.cached.get(block_hash) if self.enable_caching else None
+
+    def allocate(self, num_blocks: int) -> list[KVBlock] | None:
+        """Take `num_blocks` fresh blocks (evicting cached ones from the LRU head), or None."""
+        if num_blocks > self.free_queue.num_free:
+            return None
+        out = []
+        for _ in range(num_blocks):
+            block = self.free_queue.popleft()
+            self._evict(block)
+            block.ref_cnt = 1
+            out.append(block)
+        return out
+
+    def touch(self, blocks: Iterable[KVBlock]) -> None:
+        """Share already-filled blocks (a prefix hit or a sibling's prompt): one more reference."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                self.free_queue.remove(block)
+            block.ref_cnt += 1
+
+    def free(self, blocks: Iterable[KVBlock]) -> None:
+        """Drop one reference from each block; blocks that reach zero go back to the queue.
+
+        Pass a request's blocks tail first so that, under pressure, the tail of a prefix is
+        evicted before its head.
+        """
+        for block in blocks:
+            if block.ref_cnt <= 0:
+                raise RuntimeError(f"double free of {block}")
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                if block.block_hash is not None:
+                    self.free_queue.append(block)
+                else:
+                    self.free_queue.appendleft(block)
+
+    def cache_block(self, block: KVBlock, block_hash: BlockHash) -> None:
+        """Record that `block` now holds the full block identified by `block_hash`."""
+        if not self.enable_caching or block.block_hash is not None:
+            return
+        if block_hash in self.cached:  # another request filled the same prefix first
+            return
+        block.block_hash = block_hash
+        self.cached[block_hash] = block
+
+    def _evict(self, block: KVBlock) -> None:
+        if block.block_hash is not None:
+            if self.cached.get(block.block_hash) is block:
+                del self.cached[block.block_hash]
+            block.block_hash = None
+            self.num_evictions += 1
+
+    def reset_prefix_cache(self) -> None:
+        for block in self.blocks:
+            if block.ref_cnt == 0 and block.block_hash is not None:
+                self._evict(block)
+
+    def check_integrity(self) -> None:
+        """Raise if counts don't add up (used by tests at every step)."""
+        free_ids = [b.block_id for b in self.free_queue]
+        if len(free_ids) != self.free_queue.num_free or len(set(free_ids)) != len(free_ids):
+            raise AssertionError("free queue corrupted")
+        for block in self.blocks:
+            in_free = block.prev_free is not None
+            if (block.ref_cnt == 0) != in_free:
+                raise AssertionError(f"{block}: ref count and free-queue membership disagree")
+            if block.ref_cnt < 0:
+                raise AssertionError(f"{block}: negative ref count")
+        for h, block in self.cached.items():
+            if block.block_hash != h:
+                raise AssertionError(f"{block}: cache map points at a block with another hash")

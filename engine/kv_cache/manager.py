@@ -1,0 +1,144 @@
+"""Per-sequence block tables over the block pool, and prefix-cache lookups.
+
+A sequence holds exactly the blocks its computed-or-scheduled tokens need: block i holds
+tokens [i * block_size, (i + 1) * block_size). A full block is identified by a hash chain,
+SHA-256 over (parent hash, model variant, cache salt, its token ids), so equal hashes mean
+equal contents from the first token on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+
+from engine.kv_cache.block_pool import BlockHash, BlockPool, KVBlock
+from engine.request import Sequence
+
+ROOT_HASH = b"lockgate-kv-root"
+
+
+def hash_block(parent: BlockHash | None, token_ids: list[int], extra: bytes) -> BlockHash:
+    h = hashlib.sha256(parent or ROOT_HASH)
+    h.update(extra)
+    h.update(array("q", token_ids).tobytes())
+    return h.digest()
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.enable_caching = enable_caching
+        self.tables: dict[int, list[KVBlock]] = {}   # id(sequence) -> its blocks
+        self.num_cache_queries = 0
+        self.num_cache_hits = 0   # in tokens
+
+    # -- lookups ---------------------------------------------------------------------------
+    def blocks_of(self, seq: Sequence) -> list[KVBlock]:
+        return self.tables.get(id(seq), [])
+
+    def block_ids(self, seq: Sequence) -> list[int]:
+        return [b.block_id for b in self.tables.get(id(seq), [])]
+
+    def _extra_key(self, seq: Sequence) -> bytes:
+        req = seq.state.req
+        return f"{req.model or ''}\x00{req.cache_salt or ''}".encode()
+
+    def update_hashes(self, seq: Sequence) -> None:
+        """Extend `seq.block_hashes` over every full block of its known tokens."""
+        bs = self.block_size
+        num_full = seq.num_tokens // bs
+        extra = self._extra_key(seq)
+        hashes = seq.block_hashes
+        while len(hashes) < num_full:
+            i = len(hashes)
+            parent = hashes[-1] if hashes else None
+            hashes.append(hash_block(parent, seq.token_ids[i * bs:(i + 1) * bs], extra))
+
+    def get_computed_blocks(self, seq: Sequence) -> list[KVBlock]:
+        """The longest cached prefix of `seq`, in whole blocks, leaving at least one token to
+        compute (the last token's logits are needed)."""
+        if not self.enable_caching:
+            return []
+        self.update_hashes(seq)
+        max_blocks = (seq.num_tokens - 1) // self.block_size
+        hits = []
+        for block_hash in seq.block_hashes[:max_blocks]:
+            block = self.pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        self.num_cache_queries += seq.num_tokens
+        self.num_cache_hits += len(hits) * self.block_size
+        return hits
+
+    # -- allocation ------------------------------------------------------------------------
+    def num_blocks_needed(self, seq: Sequence, num_new_tokens: int, num_shared: int = 0) -> int:
+        held = len(self.tables.get(id(seq), ())) + num_shared
+        return max(0, cdiv(seq.num_computed_tokens + num_new_tokens, self.block_size) - held)
+
+    def try_allocate(
+        self, seq: Sequence, num_new_tokens: int, shared: list[KVBlock] | None = None
+    ) -> bool:
+        """Give `seq` blocks for `num_new_tokens` more tokens past its computed ones.
+
+        `shared` are filled blocks (a prefix hit, or a sibling's prompt) that the sequence
+        adopts first; its `num_computed_tokens` must already count them. All or nothing.
+        """
+        shared = shared or []
+        num_new_blocks = self.num_blocks_needed(seq, num_new_tokens, len(shared))
+        num_revived = sum(1 for b in shared if b.ref_cnt == 0)  # free blocks a hit takes back
+        if num_new_blocks + num_revived > self.pool.num_free_blocks:
+            return False
+        table = self.tables.setdefault(id(seq), [])
+        if shared:
+            self.pool.touch(shared)
+            table.extend(shared)
+        if num_new_blocks:
+            new = self.pool.allocate(num_new_blocks)
+            assert new is not None
+            table.extend(new)
+        return True
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Register every block of `seq` that is full of computed tokens in the prefix cache."""
+        if not self.enable_caching:
+            return
+        num_full = seq.num_computed_tokens // self.block_size
+        if num_full == 0:
+            return
+        self.update_hashes(seq)
+        table = self.tables[id(seq)]
+        for i in range(num_full):
+            if table[i].block_hash is None:
+                self.pool.cache_block(table[i], seq.block_hashes[i])
+
+    def free(self, seq: Sequence) -> None:
+        table = self.tables.pop(id(seq), None)
+        if table:
+            self.pool.free(reversed(table))
+
+    # -- accounting ------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.pool.num_used_blocks
+
+    def check_integrity(self) -> None:
+        self.pool.check_integrity()
+        refs: dict[int, int] = {}
+        for table in self.tables.values():
+            for block in table:
+                refs[block.block_id] = refs.get(block.block_id, 0) + 1
+        for block in self.pool.blocks:
+            if refs.get(block.block_id, 0) != block.ref_cnt:
+                raise AssertionError(
+                    f"{block}: held by {refs.get(block.block_id, 0)} tables, ref count {block.ref_cnt}"
+                )

@@ -1,0 +1,105 @@
+"""`LLM`: offline batches, as vLLM's. Every prompt is queued at once and the engine steps
+until all are done; outputs come back in input order."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence as Seq
+from typing import Any
+
+from engine.config import EngineConfig
+from engine.engine_core import EngineCore
+from engine.outputs import RequestOutput
+from engine.request import EngineRequest
+from engine.sampling_params import SamplingParams
+
+PromptType = str | dict[str, Any]
+
+
+def to_token_ids(core: EngineCore, prompt: PromptType | list[int]) -> tuple[str | None, list[int]]:
+    if isinstance(prompt, str):
+        return prompt, core.tokenizer.encode(prompt)
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        if "prompt" in prompt:
+            return prompt["prompt"], core.tokenizer.encode(prompt["prompt"])
+        raise ValueError("prompt: a dict prompt needs 'prompt_token_ids' or 'prompt'")
+    if isinstance(prompt, list):
+        return None, list(prompt)
+    raise ValueError(f"prompt: expected a string or a dict, got {type(prompt).__name__}")
+
+
+class LLM:
+    def __init__(self, model: str, **kwargs: Any) -> None:
+        self.config = EngineConfig(model=str(model), **kwargs)
+        self.engine = EngineCore(self.config)
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Seq[PromptType],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        *,
+        use_progress_bar: bool = True,
+        service_class: str = "online",
+        priority: int = 0,
+    ) -> list[RequestOutput]:
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = (
+            [sampling_params] * len(prompts)
+            if isinstance(sampling_params, SamplingParams)
+            else list(sampling_params)
+        )
+        if len(params) != len(prompts):
+            raise ValueError(
+                f"sampling_params: {len(params)} given for {len(prompts)} prompts; pass one or one each"
+            )
+        requests = []
+        for prompt, sp in zip(prompts, params):   # validate all before queueing any
+            text, ids = to_token_ids(self.engine, prompt)
+            req = EngineRequest(str(next(self._ids)), ids, sp, prompt=text,
+                                service_class=service_class, priority=priority)
+            self.engine.validate(req)
+            requests.append(req)
+        for req in requests:
+            self.engine.add_request(req)
+        return self._run(requests, use_progress_bar and len(requests) > 1)
+
+    def _run(self, requests: list[EngineRequest], progress: bool) -> list[RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        bar = _Progress(len(requests)) if progress else None
+        try:
+            while self.engine.has_unfinished:
+                for out in self.engine.step():
+                    if out.finished:
+                        done[out.request_id] = out
+                        if bar:
+                            bar.advance()
+        finally:
+            if bar:
+                bar.close()
+        return [done[r.request_id] for r in requests]
+
+
+class _Progress:
+    def __init__(self, total: int) -> None:
+        from rich.progress import Progress
+
+        self._p = Progress(transient=True)
+        self._p.start()
+        self._task = self._p.add_task("generating", total=total)
+
+    def advance(self) -> None:
+        self._p.advance(self._task)
+
+    def close(self) -> None:
+        self._p.stop()

@@ -1,0 +1,162 @@
+"""Runs one scheduled step on the device: inputs from the scheduler's choice, one forward
+over the flattened batch, logits of the last position of each sequence that samples."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import ModelConfig
+from engine.kv_cache import KVCacheManager
+from engine.models import AttentionMetadata, load_model
+from engine.request import Sequence
+from engine.sampler import Sampler, SampleRow, SamplerOutput
+from engine.scheduler import SchedulerOutput
+
+
+@dataclass(slots=True)
+class StepTimings:
+    """Seconds spent in each part of `step()`, summed over steps."""
+
+    schedule: float = 0.0
+    prepare: float = 0.0
+    forward: float = 0.0
+    sample: float = 0.0
+    detokenize: float = 0.0
+    num_steps: int = 0
+
+    def as_dict(self) -> dict[str, float]:
+        return {k: getattr(self, k) for k in ("schedule", "prepare", "forward", "sample", "detokenize")}
+
+
+@dataclass(slots=True)
+class ModelInput:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor
+    sample_seqs: list[Sequence]
+    sample_rows: list[SampleRow]
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model_dir: str,
+        model_config: ModelConfig,
+        max_model_len: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        seed: int,
+    ) -> None:
+        self.cfg = model_config
+        self.dtype, self.device = dtype, device
+        self.model = load_model(model_dir, model_config, max_model_len, dtype, device)
+        self.sampler = Sampler(seed, device)
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.block_size = 0
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    def bytes_per_block(self, block_size: int) -> int:
+        c = self.cfg
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        return 2 * c.num_hidden_layers * block_size * c.num_key_value_heads * c.head_dim * elem
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        """One tensor per layer for K and one for V, written in place, never copied.
+        `empty`, not `zeros`: pages are touched only as blocks are used, and attention
+        never reads a slot past a sequence's length."""
+        c = self.cfg
+        shape = (num_blocks, block_size, c.num_key_value_heads, c.head_dim)
+        self.block_size = block_size
+        self.kv_caches = [
+            (torch.empty(shape, dtype=self.dtype, device=self.device),
+             torch.empty(shape, dtype=self.dtype, device=self.device))
+            for _ in range(c.num_hidden_layers)
+        ]
+
+    def prepare(self, sched: SchedulerOutput, kv: KVCacheManager) -> ModelInput:
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        tables: list[list[int]] = []
+        seq_lens: list[int] = []
+        starts = [0]
+        logits_indices: list[int] = []
+        sample_seqs: list[Sequence] = []
+        rows: list[SampleRow] = []
+        for seq, num_new in sched.scheduled:
+            start = seq.num_computed_tokens
+            end = start + num_new
+            table = kv.block_ids(seq)
+            input_ids.extend(seq.token_ids[start:end])
+            if num_new == 1:
+                positions.append(start)
+                slots.append(table[start // bs] * bs + start % bs)
+            else:
+                pos = range(start, end)
+                positions.extend(pos)
+                slots.extend([table[p // bs] * bs + p % bs for p in pos])
+            tables.append(table)
+            seq_lens.append(end)
+            starts.append(starts[-1] + num_new)
+            if end == seq.num_tokens:        # the chunk reaches the end: sample a token
+                logits_indices.append(starts[-1] - 1)
+                sample_seqs.append(seq)
+                p = seq.params
+                hist = p.needs_penalties
+                rows.append(SampleRow(
+                    p,
+                    seq.token_ids[: seq.num_prompt_tokens] if hist else [],
+                    seq.output_token_ids if hist else [],
+                    seq.index,
+                    end,
+                ))
+        width = max(len(t) for t in tables)
+        padded = [t + [0] * (width - len(t)) for t in tables]
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            block_tables=torch.tensor(padded, dtype=torch.long, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.long, device=dev),
+            query_start_loc=torch.tensor(starts, dtype=torch.long, device=dev),
+        )
+        return ModelInput(
+            input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev),
+            positions=torch.tensor(positions, dtype=torch.long, device=dev),
+            meta=meta,
+            logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=dev),
+            sample_seqs=sample_seqs,
+            sample_rows=rows,
+        )
+
+    @torch.inference_mode()
+    def forward_logits(self, inp: ModelInput) -> torch.Tensor:
+        hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)
+        return self.model.compute_logits(hidden[inp.logits_indices])
+
+    @torch.inference_mode()
+    def execute(
+        self, sched: SchedulerOutput, kv: KVCacheManager, timings: StepTimings
+    ) -> tuple[list[Sequence], SamplerOutput | None]:
+        t0 = time.perf_counter()
+        inp = self.prepare(sched, kv)
+        t1 = time.perf_counter()
+        logits = self.forward_logits(inp) if inp.sample_seqs else None
+        if logits is None:
+            self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        t2 = time.perf_counter()
+        out = self.sampler(logits, inp.sample_rows) if logits is not None else None
+        t3 = time.perf_counter()
+        timings.prepare += t1 - t0
+        timings.forward += t2 - t1
+        timings.sample += t3 - t2
+        return inp.sample_seqs, out

@@ -1,0 +1,59 @@
+"""Build a model from a Hugging Face directory: config.json plus safetensors, sharded or not."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from engine.config import ModelConfig
+from engine.models.llama import LlamaForCausalLM
+from engine.models.rope import RotaryEmbedding
+
+logger = logging.getLogger(__name__)
+
+MODEL_CLASSES = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+}
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [model_dir / name for name in sorted(set(weight_map.values()))]
+    single = model_dir / "model.safetensors"
+    if single.is_file():
+        return [single]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"model: no safetensors weights in {model_dir}")
+    return files
+
+
+def iter_weights(model_dir: Path, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    for path in safetensors_files(model_dir):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name).to(dtype)
+
+
+def load_model(
+    model_dir: str | Path, cfg: ModelConfig, max_positions: int, dtype: torch.dtype, device: torch.device
+) -> LlamaForCausalLM:
+    model_dir = Path(model_dir)
+    cls = MODEL_CLASSES[cfg.architecture]
+    rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, dtype, device)
+    with torch.device("meta"):   # no init work: every parameter is overwritten by the checkpoint
+        model = cls(cfg, rope)
+    model = model.to_empty(device=device).to(dtype)
+    with torch.no_grad():
+        model.load_weights(iter_weights(model_dir, dtype))
+    model.eval()
+    return model

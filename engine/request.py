@@ -1,0 +1,130 @@
+"""Requests as the engine sees them, and the sequences (samples) they fan out into."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.kv_cache.block_pool import BlockHash
+
+
+@dataclass(slots=True, frozen=True)
+class EngineRequest:
+    """One caller's request, validated, as it enters the engine."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    prompt: str | None = None
+    tenant: str = "default"           # opaque to the engine: the fairness key
+    service_class: str = "online"     # one of EngineConfig.service_classes, most urgent first
+    priority: int = 0                 # smaller runs sooner, among its tenant's own requests
+    model: str | None = None          # model variant: base, quantized, or base+LoRA
+    cache_salt: str | None = None     # mixed into prefix-cache hashes
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"   # waiting again, to be recomputed
+    FINISHED = "finished"
+
+
+_arrival_counter = itertools.count()
+
+
+@dataclass(slots=True)
+class RequestState:
+    """Shared by the n sequences of one request."""
+
+    req: EngineRequest
+    class_rank: int
+    arrival_time: float = field(default_factory=time.time)
+    arrival_seq: int = field(default_factory=lambda: next(_arrival_counter))
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    seqs: list[Sequence] = field(default_factory=list)
+    num_cached_tokens: int = 0
+
+    @property
+    def request_id(self) -> str:
+        return self.req.request_id
+
+    @property
+    def finished(self) -> bool:
+        return all(s.status is SeqStatus.FINISHED for s in self.seqs)
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    """One sample of a request: its tokens, KV progress and output state."""
+
+    state: RequestState
+    index: int                                  # sample index in [0, n)
+    token_ids: list[int]
+    num_prompt_tokens: int
+    status: SeqStatus = SeqStatus.WAITING
+    num_computed_tokens: int = 0
+    block_hashes: list[BlockHash] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_preemptions: int = 0
+    # detokenized output
+    text: str = ""
+    num_sent_chars: int = 0
+    num_sent_tokens: int = 0
+    cumulative_logprob: float = 0.0
+    logprobs: list[dict[int, tuple[float, int]]] | None = None
+    decode_stream: object | None = None
+
+    @property
+    def seq_id(self) -> str:
+        rid = self.state.req.request_id
+        return rid if len(self.state.seqs) <= 1 else f"{rid}#{self.index}"
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.state.req.sampling
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_pending_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_decode(self) -> bool:
+        return self.num_output_tokens > 0 and self.num_pending_tokens == 1
+
+    @property
+    def sort_key(self) -> tuple[int, int, int, int]:
+        """Priority order: class, the request's priority, arrival, then sample index."""
+        s = self.state
+        return (s.class_rank, s.req.priority, s.arrival_seq, self.index)
+
+    @property
+    def fcfs_key(self) -> tuple[int, int]:
+        return (self.state.arrival_seq, self.index)
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence({self.seq_id}, {self.status.value}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens})"
+        )

@@ -1,0 +1,234 @@
+"""The step scheduler: which sequences run this step, how many tokens each, who is preempted.
+
+One token budget (`max_num_batched_tokens`) and one sequence cap (`max_num_seqs`) per step.
+Every running decode comes first, in policy order; then prefill chunks of running and
+waiting sequences together, in policy order. `priority` orders by (service class, the
+request's priority, arrival); `fcfs` by arrival alone. When blocks run out, the least
+urgent running sequence is preempted (blocks freed, recomputed later, its place in line
+kept); a waiting sequence may preempt running ones only of a less urgent class.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from engine.config import EngineConfig
+from engine.kv_cache import KVBlock, KVCacheManager
+from engine.request import RequestState, Sequence, SeqStatus
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class StepBudget:
+    tokens_left: int
+    num_tokens: int = 0
+
+    def take(self, num_tokens: int) -> None:
+        assert 0 < num_tokens <= self.tokens_left
+        self.tokens_left -= num_tokens
+        self.num_tokens += num_tokens
+
+    def give_back(self, num_tokens: int) -> None:
+        self.tokens_left += num_tokens
+        self.num_tokens -= num_tokens
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    # (sequence, tokens to compute this step): running decodes first, then prefill chunks
+    scheduled: list[tuple[Sequence, int]]
+    preempted: list[Sequence] = field(default_factory=list)
+    num_batched_tokens: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, kv: KVCacheManager) -> None:
+        self.kv = kv
+        self.block_size = kv.block_size
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.chunked_prefill = config.enable_chunked_prefill
+        self.policy = config.scheduling_policy
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def key(self, seq: Sequence) -> tuple[int, ...]:
+        return seq.sort_key if self.policy == "priority" else seq.fcfs_key
+
+    # -- queue changes ---------------------------------------------------------------------
+    def add(self, state: RequestState) -> None:
+        self.waiting.extend(state.seqs)
+
+    def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
+        if seq.status is SeqStatus.FINISHED:
+            return
+        if seq.status is SeqStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        self.kv.free(seq)
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason, seq.stop_reason = reason, stop_reason
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- one step --------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = StepBudget(self.max_num_batched_tokens)
+        scheduled: dict[Sequence, int] = {}
+        preempted: list[Sequence] = []
+        self.running.sort(key=self.key)
+        self._schedule_decodes(budget, scheduled, preempted)
+        self._schedule_prefills(budget, scheduled, preempted)
+        items = list(scheduled.items())  # insertion order: decodes, then prefill chunks
+        return SchedulerOutput(items, preempted, budget.num_tokens)
+
+    def _schedule_decodes(
+        self, budget: StepBudget, scheduled: dict[Sequence, int], preempted: list[Sequence]
+    ) -> None:
+        for seq in list(self.running):
+            if seq.status is not SeqStatus.RUNNING or not seq.is_decode:
+                continue
+            if budget.tokens_left < 1:
+                return
+            if self._allocate_or_preempt(seq, 1, budget, scheduled, preempted):
+                scheduled[seq] = 1
+                budget.take(1)
+
+    def _schedule_prefills(
+        self, budget: StepBudget, scheduled: dict[Sequence, int], preempted: list[Sequence]
+    ) -> None:
+        running = [s for s in self.running if s not in scheduled]
+        for seq in sorted(running + self.waiting, key=self.key):
+            if budget.tokens_left < 1:
+                return
+            if seq.status is SeqStatus.RUNNING:
+                if seq in scheduled or seq not in self.running:
+                    continue
+                num_new = min(seq.num_pending_tokens, budget.tokens_left)
+                if self._allocate_or_preempt(seq, num_new, budget, scheduled, preempted):
+                    scheduled[seq] = num_new
+                    budget.take(num_new)
+            elif seq not in preempted:
+                admitted = self._try_admit(seq, budget, scheduled, preempted)
+                if admitted is None:
+                    return      # keep arrival order: nothing behind it jumps the queue
+                if admitted:
+                    scheduled[seq] = admitted
+                    budget.take(admitted)
+
+    def _allocate_or_preempt(
+        self,
+        seq: Sequence,
+        num_new: int,
+        budget: StepBudget,
+        scheduled: dict[Sequence, int],
+        preempted: list[Sequence],
+    ) -> bool:
+        """Blocks for a running sequence, preempting the least urgent running ones (possibly
+        itself) until they fit. False when `seq` itself was preempted."""
+        while not self.kv.try_allocate(seq, num_new):
+            victim = max(self.running, key=self.key)
+            self._preempt(victim, budget, scheduled, preempted)
+            if victim is seq:
+                return False
+        return True
+
+    def _try_admit(
+        self,
+        seq: Sequence,
+        budget: StepBudget,
+        scheduled: dict[Sequence, int],
+        preempted: list[Sequence],
+    ) -> int | None:
+        """Move a waiting sequence to running with a first chunk. Returns the chunk's token
+        count, 0 to skip it this step (a sibling waiting for its leader), None to stop
+        admitting anything further this step."""
+        shared = self._shareable_blocks(seq)
+        if shared is None:
+            return 0
+        while len(self.running) >= self.max_num_seqs:
+            if not self._preempt_less_urgent(seq, budget, scheduled, preempted):
+                return None
+        num_cached = len(shared) * self.block_size
+        num_new = seq.num_tokens - num_cached
+        if not self.chunked_prefill and seq.num_output_tokens == 0 and num_new > budget.tokens_left:
+            return None
+        num_new = min(num_new, budget.tokens_left)
+        seq.num_computed_tokens = num_cached
+        while not self.kv.try_allocate(seq, num_new, shared):
+            if not self._preempt_less_urgent(seq, budget, scheduled, preempted):
+                seq.num_computed_tokens = 0
+                return None
+        self.waiting.remove(seq)
+        self.running.append(seq)
+        seq.status = SeqStatus.RUNNING
+        state = seq.state
+        if state.first_scheduled_time is None:
+            state.first_scheduled_time = time.time()
+            state.num_cached_tokens = num_cached
+        return num_new
+
+    def _shareable_blocks(self, seq: Sequence) -> list[KVBlock] | None:
+        """Filled blocks `seq` can adopt: its longest prefix-cache hit, or for sample i > 0
+        its leader's prompt blocks (shared by reference, never copied). None: wait for the
+        leader to finish its prompt first."""
+        hits = self.kv.get_computed_blocks(seq)
+        if seq.index == 0:
+            return hits
+        leader = seq.state.seqs[0]
+        if leader.status is SeqStatus.FINISHED:
+            return hits
+        if leader.status is not SeqStatus.RUNNING or leader.num_computed_tokens < leader.num_prompt_tokens:
+            return None
+        bs = self.block_size
+        num_shared = min(seq.num_prompt_tokens // bs, (seq.num_tokens - 1) // bs)
+        from_leader = self.kv.blocks_of(leader)[:num_shared]
+        return from_leader if len(from_leader) > len(hits) else hits
+
+    def _preempt_less_urgent(
+        self,
+        seq: Sequence,
+        budget: StepBudget,
+        scheduled: dict[Sequence, int],
+        preempted: list[Sequence],
+    ) -> bool:
+        """Under the priority policy, preempt the least urgent running sequence of a less
+        urgent class than `seq`'s. False if there is none."""
+        if self.policy != "priority":
+            return False
+        rank = seq.state.class_rank
+        victims = [s for s in self.running if s.state.class_rank > rank]
+        if not victims:
+            return False
+        self._preempt(max(victims, key=self.key), budget, scheduled, preempted)
+        return True
+
+    def _preempt(
+        self,
+        victim: Sequence,
+        budget: StepBudget,
+        scheduled: dict[Sequence, int],
+        preempted: list[Sequence],
+    ) -> None:
+        self.running.remove(victim)
+        self.kv.free(victim)
+        if victim in scheduled:
+            budget.give_back(scheduled.pop(victim))
+        victim.num_computed_tokens = 0
+        victim.status = SeqStatus.PREEMPTED
+        victim.num_preemptions += 1
+        self.waiting.append(victim)
+        preempted.append(victim)
+        self.num_preemptions += 1
+        logger.debug("preempted %s", victim)

@@ -1,0 +1,63 @@
+"""The model's tokenizer, from its tokenizer.json (the `tokenizers` library does the work).
+
+Chat templates are rendered by transformers' own tokenizer class, loaded only when first
+needed, so the engine starts without importing transformers.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers.decoders import DecodeStream
+
+
+class Tokenizer:
+    def __init__(self, model_dir: str | Path) -> None:
+        self.model_dir = Path(model_dir)
+        path = self.model_dir / "tokenizer.json"
+        if not path.is_file():
+            raise ValueError(f"model: {self.model_dir} has no tokenizer.json")
+        self._tok = HFTokenizer.from_file(str(path))
+        cfg_path = self.model_dir / "tokenizer_config.json"
+        self.config: dict[str, Any] = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self.special_token_ids = {
+            i for i, tok in self._tok.get_added_tokens_decoder().items() if tok.special
+        }
+
+    @property
+    def chat_template(self) -> str | None:
+        return self.config.get("chat_template")
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def decode_stream(self, skip_special_tokens: bool = True) -> DecodeStream:
+        return DecodeStream(skip_special_tokens=skip_special_tokens)
+
+    def step_stream(self, stream: DecodeStream, token_id: int) -> str:
+        """Feed one token; returns the text it completes ('' while a character is partial)."""
+        return stream.step(self._tok, token_id) or ""
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    @cached_property
+    def hf_tokenizer(self):
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(self.model_dir), local_files_only=True)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        if not self.chat_template:
+            raise ValueError("messages: this model has no chat template")
+        return self.hf_tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+        )

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Set up Lockgate in ./.venv: the right torch build for this machine, then the project.
+#   no NVIDIA GPU -> the CPU wheel (torch==2.13.0; these machines keep it on disk)
+#   NVIDIA GPU    -> the default (CUDA) wheel of the same release, plus triton
+# Usage: bash scripts/setup.sh [--no-test-extra]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3}
+TORCH_VERSION=${LOCKGATE_TORCH_VERSION:-2.13.0}
+VENV=${LOCKGATE_VENV:-.venv}
+
+if [ ! -x "$VENV/bin/python" ]; then
+  "$PYTHON" -m venv "$VENV"
+fi
+PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
+
+if "$VENV/bin/python" -c "import torch, sys; sys.exit(0 if torch.__version__.startswith('$TORCH_VERSION') else 1)" 2>/dev/null; then
+  : # torch already there
+elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+  echo "setup: NVIDIA GPU found, installing the CUDA build of torch $TORCH_VERSION"
+  "${PIP[@]}" install "torch==$TORCH_VERSION"
+else
+  echo "setup: no GPU, installing the CPU build of torch $TORCH_VERSION"
+  # On these machines the CPU wheel of this release lies on disk and plain pip takes it
+  # (a torch range left to the resolver would pull a multi-GB CUDA build instead).
+  # Elsewhere set PIP_INDEX_URL / PIP_EXTRA_INDEX_URL to PyTorch's CPU index first.
+  "${PIP[@]}" install "torch==$TORCH_VERSION"
+fi
+
+EXTRA="[test]"
+if [ "${1:-}" = "--no-test-extra" ]; then EXTRA=""; fi
+"${PIP[@]}" install -e ".$EXTRA"
+echo "setup: done ($("$VENV/bin/python" -c 'import torch; print("torch", torch.__version__, "cuda" if torch.cuda.is_available() else "cpu")'))"
