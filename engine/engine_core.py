@@ -4,7 +4,9 @@ drives it directly and `AsyncEngine` from a thread of its own."""
 from __future__ import annotations
 
 import logging
+import os
 import time
+from pathlib import Path
 from collections import Counter
 
 import torch
@@ -73,6 +75,8 @@ class EngineCore:
         self.max_seq_len = min(self.max_model_len, self.num_kv_blocks * bs)
         self.requests: dict[str, RequestState] = {}
         self.timings = StepTimings()
+        # tests turn this on: block accounting is checked after every schedule
+        self.check_invariants = os.environ.get("LOCKGATE_CHECK_INVARIANTS") == "1"
         self.num_generated_tokens = 0
         self.kv_util_sum = 0.0
         logger.info(
@@ -118,8 +122,6 @@ class EngineCore:
 
     @property
     def served_model_names(self) -> set[str]:
-        from pathlib import Path
-
         return {Path(self.config.model).name, self.config.model}
 
     def add_request(self, req: EngineRequest) -> RequestState:
@@ -156,6 +158,8 @@ class EngineCore:
         sched = self.scheduler.schedule()
         t1 = time.perf_counter()
         self.timings.schedule += t1 - t0
+        if self.check_invariants:
+            self.verify(sched)
         if sched.is_empty:
             return []
         self.timings.num_steps += 1
@@ -276,6 +280,29 @@ class EngineCore:
         )
 
     # -- introspection --------------------------------------------------------------------
+    def verify(self, sched=None) -> None:
+        """Raise if block accounting is off: pool integrity, every held block referenced by
+        exactly its holders, no sequence holding more blocks than its tokens need (one spare
+        at most), budgets kept."""
+        self.kv.check_integrity()
+        bs = self.config.block_size
+        for seq in self.scheduler.waiting:
+            if self.kv.blocks_of(seq):
+                raise AssertionError(f"{seq} waits while holding blocks")
+        for seq in self.scheduler.running:
+            need = -(-seq.num_tokens // bs)
+            if len(self.kv.blocks_of(seq)) > need + 1:
+                raise AssertionError(f"{seq} holds {len(self.kv.blocks_of(seq))} blocks, needs {need}")
+        if len(self.scheduler.running) > self.config.max_num_seqs:
+            raise AssertionError("more running sequences than max_num_seqs")
+        if sched is not None:
+            total = sum(n for _, n in sched.scheduled)
+            if total > self.config.max_num_batched_tokens or total != sched.num_batched_tokens:
+                raise AssertionError(f"step schedules {total} tokens, budget {self.config.max_num_batched_tokens}")
+            for seq, n in sched.scheduled:
+                if len(self.kv.blocks_of(seq)) * bs < seq.num_computed_tokens + n:
+                    raise AssertionError(f"{seq} scheduled {n} tokens without the blocks for them")
+
     def kv_utilization(self) -> float:
         """Tokens stored / (blocks held x block size), over the blocks sequences hold now."""
         held = self.kv.num_used_blocks

@@ -34,3 +34,29 @@ def demo_model(
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
     typer.echo(f"wrote {family}/{size} demo model (seed {seed}) to {path}")
+
+
+@bench_app.command("throughput")
+def bench_throughput(
+    model: Annotated[Path | None, typer.Option(help="model directory (default: the small llama demo model)")] = None,
+    num_requests: Annotated[int, typer.Option(min=1)] = 128,
+    seed: Annotated[int, typer.Option()] = 0,
+    max_num_batched_tokens: Annotated[int, typer.Option(min=1)] = 2048,
+    max_num_seqs: Annotated[int, typer.Option(min=1)] = 256,
+    block_size: Annotated[int, typer.Option(min=1)] = 16,
+    skip_hf: Annotated[bool, typer.Option(help="skip the HF static-batching side")] = False,
+    json_out: Annotated[Path | None, typer.Option("--json", help="also write the results here")] = None,
+) -> None:
+    """Offline throughput: the engine vs HF static batching vs the ideal-batching bound."""
+    from loadtests.bench_throughput import bench_throughput as run
+
+    run(
+        str(model) if model else None,
+        num_requests=num_requests,
+        seed=seed,
+        engine_kwargs={"max_num_batched_tokens": max_num_batched_tokens,
+                       "max_num_seqs": max_num_seqs, "block_size": block_size},
+        skip_hf=skip_hf,
+        json_out=str(json_out) if json_out else None,
+        echo=typer.echo,
+    )

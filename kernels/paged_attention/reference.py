@@ -1,4 +1,5 @@
-"""Paged attention in plain torch: the reference every device kernel is checked against.
+"""Paged attention in plain torch: the reference every device kernel is checked against,
+and the CPU path.
 
 The KV cache of one layer is two tensors [num_blocks, block_size, num_kv_heads, head_dim].
 A sequence's token at position p lives in block `block_tables[b, p // block_size]`, row
@@ -6,12 +7,19 @@ A sequence's token at position p lives in block `block_tables[b, p // block_size
 `query_start_loc[b+1] - query_start_loc[b]` tokens; the sequence's context after this step
 is `seq_lens[b]` tokens, so query i of b sits at position seq_lens[b] - q_len + i and sees
 keys [0, that position]. GQA: query head h reads KV head h // (num_heads // num_kv_heads).
+
+On CPU the cost is in the number of small ops, not in arithmetic, so decodes (one query)
+are batched: sorted by length and cut into groups whose padding stays small, one gather
+and two matmuls per group. Prefill chunks go one sequence at a time through SDPA.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+MAX_DECODE_GROUP = 32
+MAX_PADDING_RATIO = 1.25   # padded tokens / real tokens allowed in a decode group
 
 
 def write_kv_cache(
@@ -31,36 +39,89 @@ def paged_attention(
     query: torch.Tensor,            # [num_tokens, num_heads, head_dim]
     key_cache: torch.Tensor,        # [num_blocks, block_size, num_kv_heads, head_dim]
     value_cache: torch.Tensor,
-    block_tables: torch.Tensor,     # [num_seqs, max_blocks] int32/int64
+    block_tables: torch.Tensor,     # [num_seqs, max_blocks] int64
     seq_lens: torch.Tensor,         # [num_seqs] context length after this step
     query_start_loc: torch.Tensor,  # [num_seqs + 1] cumulative query lengths
     scale: float,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new queries over its whole paged context."""
-    block_size = key_cache.shape[1]
-    num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
     out = torch.empty_like(query)
     lens = seq_lens.tolist()
     starts = query_start_loc.tolist()
-    gqa = query.shape[1] != num_kv_heads
+    decodes = []
     for b, ctx_len in enumerate(lens):
-        start, end = starts[b], starts[b + 1]
-        q_len = end - start
-        if q_len == 0:
-            continue
-        num_blocks = -(-ctx_len // block_size)
-        blocks = block_tables[b, :num_blocks]
-        # gathers only this sequence's real context: no padding to the batch's longest
-        k = key_cache[blocks].view(-1, num_kv_heads, head_dim)[:ctx_len].transpose(0, 1)
-        v = value_cache[blocks].view(-1, num_kv_heads, head_dim)[:ctx_len].transpose(0, 1)
-        q = query[start:end].transpose(0, 1)
-        mask = None
-        if 1 < q_len < ctx_len:
-            pos = torch.arange(ctx_len - q_len, ctx_len, device=query.device)
-            mask = torch.arange(ctx_len, device=query.device)[None, :] <= pos[:, None]
-        o = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=(q_len > 1 and q_len == ctx_len),
-            scale=scale, enable_gqa=gqa,
-        )
-        out[start:end] = o.transpose(0, 1)
+        q_len = starts[b + 1] - starts[b]
+        if q_len == 1:
+            decodes.append(b)
+        elif q_len > 1:
+            _prefill_one(query, key_cache, value_cache, block_tables[b], ctx_len,
+                         starts[b], starts[b + 1], scale, out)
+    if decodes:
+        for group in _decode_groups(decodes, lens):
+            _decode_group(query, key_cache, value_cache, block_tables, lens, starts, group, scale, out)
     return out
+
+
+def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """The blocks' rows, in order: [len(blocks) * block_size, num_kv_heads, head_dim]."""
+    return cache.index_select(0, blocks).view(-1, cache.shape[2], cache.shape[3])
+
+
+def _prefill_one(query, key_cache, value_cache, table, ctx_len, start, end, scale, out) -> None:
+    block_size = key_cache.shape[1]
+    q_len = end - start
+    blocks = table[: -(-ctx_len // block_size)]
+    # gathers only this sequence's real context: no padding to the batch's longest
+    k = _gather(key_cache, blocks)[:ctx_len].transpose(0, 1)
+    v = _gather(value_cache, blocks)[:ctx_len].transpose(0, 1)
+    q = query[start:end].transpose(0, 1)
+    mask = None
+    if q_len < ctx_len:   # a later chunk: query i sits at ctx_len - q_len + i
+        pos = torch.arange(ctx_len - q_len, ctx_len, device=query.device)
+        mask = torch.arange(ctx_len, device=query.device)[None, :] <= pos[:, None]
+    o = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
+        enable_gqa=q.shape[0] != k.shape[0],
+    )
+    out[start:end] = o.transpose(0, 1)
+
+
+def _decode_groups(decodes: list[int], lens: list[int]) -> list[list[int]]:
+    """Decodes sorted by context length, cut where padding would exceed the allowed ratio."""
+    order = sorted(decodes, key=lambda b: lens[b])
+    groups: list[list[int]] = []
+    group: list[int] = []
+    real = 0
+    for b in order:
+        # sorted ascending, so b is the longest: padded size = len(group + 1) * lens[b]
+        if group and (len(group) >= MAX_DECODE_GROUP
+                      or (len(group) + 1) * lens[b] > MAX_PADDING_RATIO * (real + lens[b])):
+            groups.append(group)
+            group, real = [], 0
+        group.append(b)
+        real += lens[b]
+    if group:
+        groups.append(group)
+    return groups
+
+
+def _decode_group(query, key_cache, value_cache, block_tables, lens, starts, group, scale, out) -> None:
+    dev = query.device
+    block_size, num_kv_heads, head_dim = key_cache.shape[1], key_cache.shape[2], key_cache.shape[3]
+    num_heads = query.shape[1]
+    g = len(group)
+    max_len = max(lens[b] for b in group)
+    num_blocks = -(-max_len // block_size)
+    rows = torch.tensor(group, device=dev)
+    blocks = block_tables.index_select(0, rows)[:, :num_blocks].reshape(-1)
+    k = _gather(key_cache, blocks).view(g, num_blocks * block_size, num_kv_heads, head_dim)
+    v = _gather(value_cache, blocks).view(g, num_blocks * block_size, num_kv_heads, head_dim)
+    token_rows = torch.tensor([starts[b] for b in group], device=dev)
+    q = query.index_select(0, token_rows).view(g, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    scores = torch.matmul(q, k.permute(0, 2, 3, 1)) * scale        # [g, kv_heads, group, L]
+    seq_lens = torch.tensor([lens[b] for b in group], device=dev)
+    pad = torch.arange(num_blocks * block_size, device=dev)[None, :] >= seq_lens[:, None]
+    scores.masked_fill_(pad[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    o = torch.matmul(probs, v.permute(0, 2, 1, 3))                  # [g, kv_heads, group, D]
+    out.index_copy_(0, token_rows, o.reshape(g, num_heads, head_dim))

@@ -1,0 +1,278 @@
+"""`lockgate bench throughput`: one fixed-seed offline workload, three ways, in one run.
+
+1. Lockgate's engine (`LLM.generate`, every request queued at once);
+2. HF transformers `generate` with static batches of 16 in arrival order, left padded: the
+   traditional way;
+3. the ideal-batching bound: the engine's own model forward, no scheduler: every prompt
+   prefilled in chunks of `max_num_batched_tokens`, then all unfinished requests decoded
+   together, argmax on the last positions.
+
+Each side runs in a fresh process of its own (so start-up and peak memory are its own),
+and counts only each request's own forced output length.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import resource
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from loadtests.workload import OfflineRequest, offline_workload
+
+
+def default_model_dir() -> Path:
+    """The `small` llama demo model, written once into the user's cache."""
+    root = Path(os.environ.get("LOCKGATE_CACHE", Path.home() / ".cache" / "lockgate"))
+    path = root / "demo-models" / "llama-small-seed0"
+    if not (path / "model.safetensors").is_file():
+        from engine.demo_model import write_demo_model
+
+        write_demo_model(path, family="llama", size="small", seed=0)
+    return path
+
+
+def _peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _workload(model_dir: str, num_requests: int, seed: int) -> list[OfflineRequest]:
+    from engine.config import ModelConfig
+    from engine.tokenizer import Tokenizer
+
+    cfg = ModelConfig.from_dir(model_dir)
+    return offline_workload(
+        num_requests=num_requests,
+        vocab_size=cfg.vocab_size,
+        special_ids=Tokenizer(model_dir).special_token_ids | set(cfg.eos_token_ids),
+        seed=seed,
+    )
+
+
+# -- side 1: the engine ---------------------------------------------------------------------
+def run_engine(model_dir: str, num_requests: int, seed: int, engine_kwargs: dict) -> dict[str, Any]:
+    t_import = time.perf_counter()
+    from engine import LLM, SamplingParams
+
+    import_s = time.perf_counter() - t_import
+    work = _workload(model_dir, num_requests, seed)
+    t0 = time.perf_counter()
+    llm = LLM(model_dir, **engine_kwargs)
+    llm.generate([{"prompt_token_ids": work[0].prompt_token_ids}],
+                 SamplingParams(max_tokens=1, temperature=0.0), use_progress_bar=False)
+    startup_s = time.perf_counter() - t0
+    core = llm.engine
+    core.timings.__init__()
+    core.kv_util_sum = 0.0
+    params = [SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True) for r in work]
+    t0 = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": r.prompt_token_ids} for r in work], params,
+                        use_progress_bar=False)
+    elapsed = time.perf_counter() - t0
+    tokens = [o.outputs[0].token_ids for o in outs]
+    assert all(len(t) == r.output_len for t, r in zip(tokens, work)), "engine missed a forced length"
+    steps = core.timings.num_steps
+    return {
+        "elapsed_s": elapsed,
+        "output_tokens": sum(r.output_len for r in work),
+        "tokens": tokens,
+        "startup_s": startup_s,
+        "import_s": import_s,
+        "peak_rss_mib": _peak_rss_mib(),
+        "kv_utilization": core.kv_util_sum / max(1, steps),
+        "num_steps": steps,
+        "num_preemptions": core.scheduler.num_preemptions,
+        "num_kv_blocks": core.num_kv_blocks,
+        "step_split_s": core.timings.as_dict(),
+    }
+
+
+# -- side 2: HF transformers, static batches ------------------------------------------------
+def run_hf_static(model_dir: str, num_requests: int, seed: int, batch_size: int = 16) -> dict[str, Any]:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    work = _workload(model_dir, num_requests, seed)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    pad = 0
+    tokens: list[list[int]] = []
+
+    def run_batch(batch: list[OfflineRequest]) -> None:
+        width = max(len(r.prompt_token_ids) for r in batch)
+        ids = torch.full((len(batch), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for i, r in enumerate(batch):       # left padding
+            ids[i, width - len(r.prompt_token_ids):] = torch.tensor(r.prompt_token_ids)
+            mask[i, width - len(r.prompt_token_ids):] = 1
+        new = max(r.output_len for r in batch)
+        with torch.inference_mode():
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new,
+                                 min_new_tokens=new, do_sample=False, pad_token_id=pad)
+        for i, r in enumerate(batch):
+            tokens.append(out[i, width:width + r.output_len].tolist())
+
+    run_batch(work[:1])   # warm-up
+    tokens.clear()
+    t0 = time.perf_counter()
+    for i in range(0, len(work), batch_size):
+        run_batch(work[i:i + batch_size])
+    elapsed = time.perf_counter() - t0
+    return {"elapsed_s": elapsed, "output_tokens": sum(r.output_len for r in work),
+            "tokens": tokens, "peak_rss_mib": _peak_rss_mib()}
+
+
+# -- side 3: the ideal-batching bound -------------------------------------------------------
+def run_ideal(model_dir: str, num_requests: int, seed: int, engine_kwargs: dict) -> dict[str, Any]:
+    from engine.config import EngineConfig
+    from engine.engine_core import EngineCore
+    from engine.models import AttentionMetadata
+
+    work = _workload(model_dir, num_requests, seed)
+    core = EngineCore(EngineConfig(model=model_dir, **engine_kwargs))
+    runner, bs = core.runner, core.config.block_size
+    budget = core.config.max_num_batched_tokens
+    model = runner.model
+    # contiguous blocks per request, laid out once: no allocator, no scheduler
+    tables, next_block = [], 0
+    for r in work:
+        n = -(-(len(r.prompt_token_ids) + r.output_len) // bs)
+        tables.append(list(range(next_block, next_block + n)))
+        next_block += n
+    assert next_block <= core.num_kv_blocks, "the ideal bound needs the whole workload resident"
+
+    def forward(pieces: list[tuple[int, list[int], int]]) -> torch.Tensor:
+        """pieces: (request index, token ids, start position); returns last-position logits."""
+        ids, pos, slots, starts, lens = [], [], [0], [], []
+        slots = []
+        starts = [0]
+        for i, toks, start in pieces:
+            ids += toks
+            p = list(range(start, start + len(toks)))
+            pos += p
+            slots += [tables[i][x // bs] * bs + x % bs for x in p]
+            starts.append(starts[-1] + len(toks))
+            lens.append(start + len(toks))
+        width = max(len(tables[i]) for i, _, _ in pieces)
+        bt = torch.tensor([tables[i] + [0] * (width - len(tables[i])) for i, _, _ in pieces])
+        meta = AttentionMetadata(torch.tensor(slots), bt, torch.tensor(lens), torch.tensor(starts))
+        hidden = model(torch.tensor(ids), torch.tensor(pos), runner.kv_caches, meta)
+        return model.compute_logits(hidden[torch.tensor(starts[1:]) - 1])
+
+    tokens: list[list[int]] = [[] for _ in work]
+    with torch.inference_mode():
+        forward([(0, work[0].prompt_token_ids[:8], 0)])   # warm-up
+        t0 = time.perf_counter()
+        # prefill: prompts packed in arrival order into forwards of `budget` tokens
+        pieces: list[tuple[int, list[int], int]] = []
+        used = 0
+        for i, r in enumerate(work):
+            start = 0
+            while start < len(r.prompt_token_ids):
+                take = min(budget - used, len(r.prompt_token_ids) - start)
+                pieces.append((i, r.prompt_token_ids[start:start + take], start))
+                start += take
+                used += take
+                if used == budget:
+                    _prefill_step(forward, pieces, work, tokens)
+                    pieces, used = [], 0
+        if pieces:
+            _prefill_step(forward, pieces, work, tokens)
+        # decode: every unfinished request together
+        live = [i for i, r in enumerate(work) if len(tokens[i]) < r.output_len]
+        while live:
+            logits = forward([(i, [tokens[i][-1]], len(work[i].prompt_token_ids) + len(tokens[i]) - 1)
+                              for i in live])
+            for i, t in zip(live, logits.argmax(-1).tolist()):
+                tokens[i].append(t)
+            live = [i for i in live if len(tokens[i]) < work[i].output_len]
+        elapsed = time.perf_counter() - t0
+    return {"elapsed_s": elapsed, "output_tokens": sum(r.output_len for r in work),
+            "tokens": tokens, "peak_rss_mib": _peak_rss_mib()}
+
+
+def _prefill_step(forward, pieces, work, tokens) -> None:
+    logits = forward(pieces)
+    for (i, toks, start), row in zip(pieces, logits):
+        if start + len(toks) == len(work[i].prompt_token_ids):   # prompt complete: first token
+            tokens[i].append(int(row.argmax()))
+
+
+# -- the run --------------------------------------------------------------------------------
+def _in_fresh_process(fn, *args) -> dict[str, Any]:
+    ctx = mp.get_context("spawn")
+    with ctx.Pool(1) as pool:
+        return pool.apply(fn, args)
+
+
+def bench_throughput(
+    model_dir: str | None = None,
+    *,
+    num_requests: int = 128,
+    seed: int = 0,
+    engine_kwargs: dict | None = None,
+    skip_hf: bool = False,
+    json_out: str | None = None,
+    echo=print,
+) -> dict[str, Any]:
+    model_dir = str(model_dir or default_model_dir())
+    engine_kwargs = engine_kwargs or {}
+    echo(f"workload: {num_requests} requests, prompts 32-512 tokens, outputs 16-256 tokens "
+         f"(forced), seed {seed}, model {model_dir}, torch threads {torch.get_num_threads()}")
+    results: dict[str, Any] = {}
+    results["engine"] = _in_fresh_process(run_engine, model_dir, num_requests, seed, engine_kwargs)
+    results["ideal"] = _in_fresh_process(run_ideal, model_dir, num_requests, seed, engine_kwargs)
+    if not skip_hf:
+        results["hf_static"] = _in_fresh_process(run_hf_static, model_dir, num_requests, seed)
+    report = _report(results, echo)
+    if json_out:
+        slim = {k: {kk: vv for kk, vv in v.items() if kk != "tokens"} for k, v in results.items()}
+        Path(json_out).write_text(json.dumps({"results": slim, **report}, indent=2))
+    return report
+
+
+def _report(results: dict[str, Any], echo) -> dict[str, Any]:
+    tps = {k: v["output_tokens"] / v["elapsed_s"] for k, v in results.items()}
+    eng = results["engine"]
+    echo("")
+    echo(f"{'side':<34}{'output tok/s':>14}{'seconds':>10}{'peak RSS MiB':>14}")
+    names = {"engine": "lockgate engine", "hf_static": "HF generate, static batches of 16",
+             "ideal": "ideal batching (engine forward)"}
+    for k in ("engine", "hf_static", "ideal"):
+        if k in results:
+            r = results[k]
+            echo(f"{names[k]:<34}{tps[k]:>14.1f}{r['elapsed_s']:>10.2f}{r['peak_rss_mib']:>14.0f}")
+    report: dict[str, Any] = {"tokens_per_s": tps}
+    echo("")
+    if "hf_static" in results:
+        report["engine_vs_hf_static"] = tps["engine"] / tps["hf_static"]
+        echo(f"ratio engine / HF static batching : {report['engine_vs_hf_static']:.2f}x (target >= 3)")
+    report["engine_vs_ideal"] = tps["engine"] / tps["ideal"]
+    echo(f"ratio engine / ideal batching     : {report['engine_vs_ideal']:.2f}x (target >= 0.9)")
+    report["kv_utilization"] = eng["kv_utilization"]
+    echo(f"KV utilization (mean over steps)  : {eng['kv_utilization'] * 100:.1f}% (target >= 96%)")
+    report["startup_s"] = eng["startup_s"]
+    report["peak_rss_mib"] = eng["peak_rss_mib"]
+    echo(f"engine start-up, LLM() to 1st token: {eng['startup_s']:.2f} s (target < 5; import {eng['import_s']:.2f} s)")
+    echo(f"engine process peak RSS           : {eng['peak_rss_mib']:.0f} MiB (target < 1024), "
+         f"{eng['num_kv_blocks']} KV blocks, {eng['num_preemptions']} preemptions, {eng['num_steps']} steps")
+    split = eng["step_split_s"]
+    total = sum(split.values()) or 1.0
+    echo("engine step time split            : " + ", ".join(
+        f"{k} {v:.2f}s ({100 * v / total:.0f}%)" for k, v in split.items()))
+    same = sum(a == b for a, b in zip(eng["tokens"], results["ideal"]["tokens"]))
+    echo(f"greedy tokens, engine vs ideal    : {same}/{len(eng['tokens'])} requests identical")
+    report["match_ideal"] = same
+    if "hf_static" in results:
+        same_hf = sum(a == b for a, b in zip(eng["tokens"], results["hf_static"]["tokens"]))
+        echo(f"greedy tokens, engine vs HF       : {same_hf}/{len(eng['tokens'])} requests identical "
+             "(HF pads on the left: float noise may flip near-ties)")
+        report["match_hf"] = same_hf
+    return report
