@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from engine import LLM, AsyncEngine, SamplingParams
-from tests.conftest import (
+from tests.helpers import (
     FAMILIES, MAX_TOKENS, PROMPT_LENS, assert_all_blocks_free, demo_model, hf_greedy, random_prompts,
 )
 
@@ -130,8 +130,9 @@ def test_async_engine_staggered_arrivals_match_hf():
 
 @pytest.mark.parametrize("corruption", ["block_table", "positions"])
 def test_corrupted_paging_breaks_the_match(corruption, monkeypatch):
-    """The equivalence above is not vacuous: a wrong block table or wrong positions change
-    most continuations of the demo model."""
+    """The equivalence above is not vacuous: a wrong block table (each sequence's first two
+    blocks swapped) or wrong positions (doubled) change most continuations of the demo
+    model."""
     d = demo_model("llama")
     prompts = random_prompts(d, PROMPT_LENS, seed=7)
     llm = LLM(d, enable_prefix_caching=False)
@@ -145,7 +146,8 @@ def test_corrupted_paging_breaks_the_match(corruption, monkeypatch):
             if bt.shape[1] > 1:  # swap each sequence's first two blocks
                 bt[:, [0, 1]] = bt[:, [1, 0]]
         else:
-            inp.positions.add_(3)
+            # RoPE is relative: a constant shift changes nothing, so scale positions instead
+            inp.positions.copy_(inp.positions * 2)
         return inp
 
     monkeypatch.setattr(runner, "prepare", corrupt)

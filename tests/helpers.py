@@ -1,0 +1,84 @@
+"""Helpers shared by the tests: demo models written offline, HF transformers as the oracle."""
+
+from __future__ import annotations
+
+import atexit
+import shutil
+import tempfile
+from functools import lru_cache
+
+from pathlib import Path
+
+import torch
+
+from engine.demo_model import write_demo_model
+
+FAMILIES = ("llama", "qwen2", "mistral")
+
+
+@lru_cache(maxsize=1)
+def _model_root() -> Path:
+    root = Path(tempfile.mkdtemp(prefix="lockgate-test-models-"))
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
+    return root
+
+
+@lru_cache(maxsize=None)
+def demo_model(family: str = "llama", size: str = "tiny", seed: int = 0) -> str:
+    """A demo model directory, written once per test session."""
+    path = _model_root() / f"{family}-{size}-{seed}"
+    write_demo_model(path, family=family, size=size, seed=seed)
+    return str(path)
+
+
+def special_ids(model_dir: str) -> set[int]:
+    from engine.config import ModelConfig
+    from engine.tokenizer import Tokenizer
+
+    return Tokenizer(model_dir).special_token_ids | set(ModelConfig.from_dir(model_dir).eos_token_ids)
+
+
+def random_prompts(model_dir: str, lengths: list[int], seed: int = 0) -> list[list[int]]:
+    from engine.config import ModelConfig
+
+    vocab = ModelConfig.from_dir(model_dir).vocab_size
+    allowed = torch.tensor(sorted(set(range(vocab)) - special_ids(model_dir)))
+    g = torch.Generator().manual_seed(seed)
+    return [allowed[torch.randint(0, len(allowed), (n,), generator=g)].tolist() for n in lengths]
+
+
+# 18 prompts of 1 to 300 tokens, around block edges on purpose
+PROMPT_LENS = [1, 2, 7, 15, 16, 17, 31, 32, 33, 64, 100, 129, 200, 255, 256, 257, 299, 300]
+MAX_TOKENS = [5, 17, 32, 9, 24, 1, 40, 12, 33, 20, 7, 28, 16, 3, 36, 11, 25, 30]
+
+
+@lru_cache(maxsize=None)
+def hf_model(model_dir: str):
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def hf_greedy(model_dir: str, prompt: list[int], max_tokens: int, ignore_eos: bool = False) -> list[int]:
+    """HF transformers' greedy continuation of one prompt: the oracle."""
+    return list(_hf_greedy(model_dir, tuple(prompt), max_tokens, ignore_eos))
+
+
+@lru_cache(maxsize=None)
+def _hf_greedy(model_dir: str, prompt: tuple[int, ...], max_tokens: int, ignore_eos: bool) -> tuple[int, ...]:
+    model = hf_model(model_dir)
+    ids = torch.tensor([prompt])
+    kwargs = {"min_new_tokens": max_tokens} if ignore_eos else {}
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
+                             do_sample=False, pad_token_id=0, **kwargs)
+    return tuple(out[0, len(prompt):].tolist())
+
+
+def assert_all_blocks_free(core) -> None:
+    core.verify()
+    assert core.kv.num_used_blocks == 0, f"{core.kv.num_used_blocks} blocks still held"
+    assert not core.scheduler.running and not core.scheduler.waiting
