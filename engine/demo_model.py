@@ -171,6 +171,9 @@ _EXOTIC = ("café", "naïve", "Zürich", "straße", "façade", "smörgåsbord", 
            "مرحبا", "שלום", "हिन्दी")
 _PUNCT = (".", ",", "!", "?", ";", ":", "-", "...", "'s", "(", ")", '"', "/", "%", "&", "#", "@",
           "*", "+", "=")
+_PRETOKENIZE_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
 _CORPUS_SEED = 20240607  # the corpus never depends on the model seed
 _CORPUS_LEXICON = 8000
 _CORPUS_SENTENCES = 4000
@@ -215,12 +218,22 @@ def _corpus() -> tuple[str, ...]:
 @lru_cache(maxsize=4)
 def build_tokenizer_json(vocab_size: int) -> str:
     """Train the byte-level BPE (deterministic) and return its tokenizer.json text."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+    from tokenizers import processors, trainers
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    # The pipeline is exactly Qwen2's (NFC, Qwen's split regex, byte-level without its own
+    # regex): transformers 5 builds a Qwen2Tokenizer for model_type qwen2 and re-creates that
+    # pipeline from vocab + merges, so any other pipeline would tokenize differently there.
+    tok = Tokenizer(models.BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
-    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    tok.post_processor = processors.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
         min_frequency=2,
@@ -292,13 +305,18 @@ def _generation_config() -> dict[str, Any]:
 # Scales (see the measurements in the module docstring). Inputs to every projection are
 # RMS-normalised (rms ~ 1), so a weight std of c / sqrt(fan_in) gives outputs of std ~ c.
 _EMBED_STD = 1.0
+# Tied (qwen2): the embedding is also the lm_head; a token's own row would then dominate its
+# logits (greedy repeats the last token forever), so the embedding is kept small next to the
+# layer outputs in the residual stream (every layer RMS-normalises its input anyway).
+_EMBED_STD_TIED = 0.05
 _QK_STD = 2.0  # q and k entries ~ N(0, 2^2): attention logits have std ~ 4 -> sharp attention
 _ATTN_OUT = (2.0, 4.0)  # o_proj output scale per layer position (first, last; geometric between)
 _MLP_OUT = (1.0, 2.0)
-_LOGIT_STD = 8.0  # std of the logits over the vocabulary
+_LOGIT_STD = 24.0  # std of the logits over the vocabulary
 _SPECIAL_LOGIT_SCALE = 0.05  # lm_head rows of the special tokens: greedy (almost) never emits EOS
+_ANTI_SELF = 1.0
 _NORM_JITTER = 0.2  # norm weights ~ U(1 - j, 1 + j): an engine that ignores them is caught
-_BIAS_STD = 0.5  # qwen2 q/k/v biases
+_BIAS_STD = 0.1  # qwen2 q/k/v biases (large ones make a few keys attract every query)
 
 
 def _seed_for(family: str, size: str, seed: int) -> int:
@@ -328,7 +346,7 @@ def build_state_dict(family: str, size: str, seed: int = 0) -> dict[str, torch.T
 
     sd: dict[str, torch.Tensor] = {}
     tied = family == "qwen2"
-    embed = normal((V, H), _EMBED_STD)
+    embed = normal((V, H), _EMBED_STD_TIED if tied else _EMBED_STD)
     if tied:
         # the same matrix is the lm_head: its std sets the logit scale together with model.norm
         embed[: len(SPECIAL_TOKENS)] *= _SPECIAL_LOGIT_SCALE
@@ -350,10 +368,15 @@ def build_state_dict(family: str, size: str, seed: int = 0) -> dict[str, torch.T
         sd[p + "mlp.down_proj.weight"] = normal((H, inter), interp(_MLP_OUT, i) / math.sqrt(inter))
     final = norm_weight()
     if tied:
-        final *= _LOGIT_STD / (_EMBED_STD * math.sqrt(H))
+        final *= _LOGIT_STD / (_EMBED_STD_TIED * math.sqrt(H))
     sd["model.norm.weight"] = final
     if not tied:
         head = normal((V, H), _LOGIT_STD / math.sqrt(H))
+        if _ANTI_SELF:
+            # lm_head rows lean away from the token's own embedding: the current token (still
+            # part of the residual stream) is pushed down, so greedy rarely locks into "t t t".
+            head -= (_ANTI_SELF * _LOGIT_STD / (_EMBED_STD * math.sqrt(H))) * embed
+            head /= math.sqrt(1.0 + _ANTI_SELF**2)
         head[: len(SPECIAL_TOKENS)] *= _SPECIAL_LOGIT_SCALE
         sd["lm_head.weight"] = head
     return {k: v.contiguous() for k, v in sd.items()}
@@ -379,7 +402,7 @@ def write_demo_model(
     _check_args(family, size)
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ValueError(f"seed must be an int, got {seed!r}")
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -389,5 +412,6 @@ def write_demo_model(
     (out / "tokenizer.json").write_text(build_tokenizer_json(cfg["vocab_size"]), encoding="utf-8")
     _dump_json(out / "tokenizer_config.json", _tokenizer_config(cfg["max_position_embeddings"]))
     _dump_json(out / "special_tokens_map.json", _special_tokens_map())
-    save_file(build_state_dict(family, size, seed), str(out / "model.safetensors"), metadata={"format": "pt"})
+    weights = save(build_state_dict(family, size, seed), metadata={"format": "pt"})
+    (out / "model.safetensors").write_bytes(weights)
     return out

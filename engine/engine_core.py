@@ -78,6 +78,7 @@ class EngineCore:
         # tests turn this on: block accounting is checked after every schedule
         self.check_invariants = os.environ.get("LOCKGATE_CHECK_INVARIANTS") == "1"
         self.num_generated_tokens = 0
+        self.track_kv_utilization = False   # the benchmark turns it on (it walks every table)
         self.kv_util_sum = 0.0
         logger.info(
             "engine ready: %s on %s (%s), %d KV blocks of %d tokens",
@@ -161,9 +162,13 @@ class EngineCore:
         if self.check_invariants:
             self.verify(sched)
         if sched.is_empty:
+            if self.scheduler.waiting and not self.scheduler.running:
+                # cannot happen for validated requests; fail loudly rather than spin
+                raise RuntimeError(f"scheduler made no progress with {len(self.scheduler.waiting)} waiting")
             return []
         self.timings.num_steps += 1
-        self.kv_util_sum += self.kv_utilization()
+        if self.track_kv_utilization:
+            self.kv_util_sum += self.kv_utilization()
         sampled_seqs, out = self.runner.execute(sched, self.kv, self.timings)
         t2 = time.perf_counter()
         for seq, num_new in sched.scheduled:

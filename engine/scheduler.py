@@ -173,6 +173,7 @@ class Scheduler:
         self.waiting.remove(seq)
         self.running.append(seq)
         seq.status = SeqStatus.RUNNING
+        self.kv.record_lookup(seq.num_tokens, num_cached)
         state = seq.state
         if state.first_scheduled_time is None:
             state.first_scheduled_time = time.time()

@@ -69,6 +69,7 @@ def run_engine(model_dir: str, num_requests: int, seed: int, engine_kwargs: dict
     core = llm.engine
     core.timings.__init__()
     core.kv_util_sum = 0.0
+    core.track_kv_utilization = True
     params = [SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True) for r in work]
     t0 = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": r.prompt_token_ids} for r in work], params,

@@ -72,9 +72,12 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        self.num_cache_queries += seq.num_tokens
-        self.num_cache_hits += len(hits) * self.block_size
         return hits
+
+    def record_lookup(self, num_tokens: int, num_cached_tokens: int) -> None:
+        """Count one admitted sequence's prefix lookup (for the hit-rate stats)."""
+        self.num_cache_queries += num_tokens
+        self.num_cache_hits += num_cached_tokens
 
     # -- allocation ------------------------------------------------------------------------
     def num_blocks_needed(self, seq: Sequence, num_new_tokens: int, num_shared: int = 0) -> int:
