@@ -5,3 +5,30 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ["LOCKGATE_CHECK_INVARIANTS"] = "1"
+
+import weakref
+
+import pytest
+
+from engine.engine_core import EngineCore
+
+_CORES: "weakref.WeakSet[EngineCore]" = weakref.WeakSet()
+_init = EngineCore.__init__
+
+
+def _tracked_init(self, *args, **kwargs):
+    _init(self, *args, **kwargs)
+    _CORES.add(self)
+
+
+EngineCore.__init__ = _tracked_init
+
+
+@pytest.fixture(autouse=True)
+def all_blocks_free_after_each_test():
+    """After every test, every engine still alive holds no KV block and no request."""
+    yield
+    for core in list(_CORES):
+        core.verify()
+        assert core.kv.num_used_blocks == 0, f"{core.kv.num_used_blocks} KV blocks still held"
+        assert not core.requests, f"requests left in the engine: {list(core.requests)[:3]}"

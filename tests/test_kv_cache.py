@@ -1,0 +1,88 @@
+"""Block pool and KV manager on their own: free queue, reference counts, hash chains, LRU."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.kv_cache import BlockPool, FreeBlockQueue, KVBlock, KVCacheManager, hash_block
+from engine.request import EngineRequest, RequestState, Sequence
+from engine.sampling_params import SamplingParams
+
+
+def test_free_queue_removes_from_the_middle_in_constant_time():
+    blocks = [KVBlock(i) for i in range(5)]
+    q = FreeBlockQueue(blocks)
+    q.remove(blocks[2])
+    q.appendleft(blocks[2])
+    q.remove(blocks[4])
+    assert [b.block_id for b in q] == [2, 0, 1, 3] and q.num_free == 4
+    assert q.popleft() is blocks[2]
+    with pytest.raises(ValueError):
+        q.remove(blocks[4])
+    with pytest.raises(ValueError):
+        q.append(blocks[0])     # already queued
+
+
+def test_pool_refcounts_double_free_and_eviction_order():
+    pool = BlockPool(4)
+    a = pool.allocate(3)
+    assert pool.num_free_blocks == 1 and pool.allocate(2) is None   # all or nothing
+    for i, b in enumerate(a):
+        pool.cache_block(b, bytes([i]) * 32)
+    pool.touch([a[0]])                      # shared by a second holder
+    pool.free(reversed(a))                  # tail first: a[2] is the LRU head now
+    assert a[0].ref_cnt == 1 and pool.num_free_blocks == 3
+    # the never-cached free block goes first, then cached ones, tail of the prefix first
+    order = [b.block_id for b in pool.free_queue]
+    assert order == [3, a[2].block_id, a[1].block_id]
+    got = pool.allocate(2)
+    assert [b.block_id for b in got] == [3, a[2].block_id]
+    assert pool.get_cached_block(bytes([2]) * 32) is None        # evicted
+    assert pool.get_cached_block(bytes([1]) * 32) is a[1]        # still cached, still free
+    pool.free(got)
+    pool.free([a[0]])
+    with pytest.raises(RuntimeError, match="double free"):
+        pool.free([a[0]])
+    pool.check_integrity()
+
+
+def seq_of(tokens, salt=None, model=None):
+    req = EngineRequest("r", tokens, SamplingParams(), cache_salt=salt, model=model)
+    state = RequestState(req=req, class_rank=0)
+    seq = Sequence(state, 0, list(tokens), len(tokens))
+    state.seqs.append(seq)
+    return seq
+
+
+def test_hash_chain_depends_on_the_whole_prefix_salt_and_model():
+    kv = KVCacheManager(16, 4)
+    a, b = seq_of(list(range(12))), seq_of([99] + list(range(1, 12)))
+    kv.update_hashes(a)
+    kv.update_hashes(b)
+    assert len(a.block_hashes) == 3
+    # same tokens in block 1 and 2, but the first block differs: every hash differs
+    assert all(x != y for x, y in zip(a.block_hashes, b.block_hashes))
+    for other in (seq_of(list(range(12)), salt="s"), seq_of(list(range(12)), model="lora-1")):
+        kv.update_hashes(other)
+        assert other.block_hashes[0] != a.block_hashes[0]
+    assert hash_block(None, [1, 2], b"") == hash_block(None, [1, 2], b"")
+
+
+def test_manager_allocates_exactly_what_tokens_need_and_shares_hits():
+    kv = KVCacheManager(8, 4)
+    a = seq_of(list(range(10)))
+    assert kv.try_allocate(a, 10) and len(kv.blocks_of(a)) == 3     # ceil(10 / 4)
+    a.num_computed_tokens = 10
+    kv.cache_full_blocks(a)                                         # blocks 0 and 1 are full
+    b = seq_of(list(range(8)) + [50, 51, 52])
+    hits = kv.get_computed_blocks(b)
+    assert hits == kv.blocks_of(a)[:2]
+    b.num_computed_tokens = 8
+    assert kv.try_allocate(b, 3, hits) and [x.ref_cnt for x in hits] == [2, 2]
+    assert kv.num_used_blocks == 4
+    assert not kv.try_allocate(seq_of([7] * 40), 40)                # needs 10 > 4 free: nothing taken
+    assert kv.num_used_blocks == 4
+    kv.free(a)
+    kv.free(b)
+    kv.check_integrity()
+    assert kv.num_free_blocks == 8
