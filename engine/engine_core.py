@@ -16,6 +16,7 @@ from engine.errors import PromptTooLong, UnknownModel
 from engine.kv_cache import KVCacheManager
 from engine.memory import MemoryBudget
 from engine.model_runner import ModelRunner, StepTimings
+from engine.platform import tune_cpu_allocator
 from engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from engine.request import EngineRequest, RequestState, Sequence, SeqStatus
 from engine.sampler import SamplerOutput
@@ -41,6 +42,8 @@ class EngineCore:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.device = config.resolve_device()
+        if self.device.type == "cpu":
+            tune_cpu_allocator()
         self.model_config = ModelConfig.from_dir(config.model)
         mc = self.model_config
         if config.max_model_len and config.max_model_len > mc.max_position_embeddings:

@@ -46,9 +46,14 @@ class LLM:
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         *,
         use_progress_bar: bool = True,
+        use_tqdm: bool | None = None,
         service_class: str = "online",
         priority: int = 0,
     ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs in input order. `use_tqdm` is vLLM's
+        name for `use_progress_bar`."""
+        if use_tqdm is not None:
+            use_progress_bar = use_tqdm
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)

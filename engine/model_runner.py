@@ -72,7 +72,7 @@ class ModelRunner:
         `empty`, not `zeros`: pages are touched only as blocks are used, and attention
         never reads a slot past a sequence's length."""
         c = self.cfg
-        shape = (num_blocks, block_size, c.num_key_value_heads, c.head_dim)
+        shape = (c.num_key_value_heads, num_blocks, block_size, c.head_dim)
         self.block_size = block_size
         self.kv_caches = [
             (torch.empty(shape, dtype=self.dtype, device=self.device),

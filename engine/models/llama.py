@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
-from engine.models.rope import RotaryEmbedding
+from engine.models.rope import RopeAt, RotaryEmbedding
 from kernels import paged_attention, write_kv_cache
 
 
@@ -34,7 +34,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # computed in fp32 as HF does, then scaled in the model's dtype
+        if x.dtype == torch.float32:   # one fused op; same result as the spelled-out form
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        # half types: normalize in fp32 as HF does, then scale in the model's dtype
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
@@ -54,8 +56,7 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        positions: torch.Tensor,
-        rope: RotaryEmbedding,
+        rope: RopeAt,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
@@ -64,7 +65,7 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = rope(positions, q, k)
+        q, k = rope(q), rope(k)
         key_cache, value_cache = kv_cache
         write_kv_cache(k, v, key_cache, value_cache, meta.slot_mapping)
         o = paged_attention(
@@ -83,7 +84,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(F.silu(gate).mul_(up))
 
 
 class DecoderLayer(nn.Module):
@@ -94,8 +95,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, positions, rope, kv_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, kv_cache, meta)
+    def forward(self, x, rope, kv_cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -120,13 +121,14 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Hidden states after the final norm, one row per input token."""
         x = self.embed_tokens(input_ids)
+        rope = self.rope.at(positions)      # cos/sin gathered once, used by every layer
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, positions, self.rope, kv_cache, meta)
+            x = layer(x, rope, kv_cache, meta)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return hidden @ weight.t()
+        return F.linear(hidden, weight)
 
     # -- loading -----------------------------------------------------------------------------
     def load_weights(self, weights) -> None:

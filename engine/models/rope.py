@@ -56,13 +56,18 @@ class RotaryEmbedding:
         self.sin = emb.sin().to(dtype=dtype, device=device)
         self.half = head_dim // 2
 
-    def __call__(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos[positions].unsqueeze(1)   # [T, 1, D]
-        sin = self.sin[positions].unsqueeze(1)
-        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+    def at(self, positions: torch.Tensor) -> RopeAt:
+        return RopeAt(self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1), self.half)
 
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+
+class RopeAt:
+    """The rotation for one batch's positions: cos/sin rows [T, 1, D], applied to [T, H, D]."""
+
+    __slots__ = ("cos", "sin", "half")
+
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor, half: int) -> None:
+        self.cos, self.sin, self.half = cos, sin, half
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x1, x2 = x[..., : self.half], x[..., self.half :]
-        return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+        return x * self.cos + torch.cat([-x2, x1], dim=-1) * self.sin

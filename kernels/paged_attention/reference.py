@@ -1,7 +1,8 @@
 """Paged attention in plain torch: the reference every device kernel is checked against,
 and the CPU path.
 
-The KV cache of one layer is two tensors [num_blocks, block_size, num_kv_heads, head_dim].
+The KV cache of one layer is two tensors [num_kv_heads, num_blocks, block_size, head_dim]
+(head-major, so a gathered context is contiguous per head and feeds matmul without a copy).
 A sequence's token at position p lives in block `block_tables[b, p // block_size]`, row
 `p % block_size`. The flattened batch holds, for each sequence b, the queries of its newest
 `query_start_loc[b+1] - query_start_loc[b]` tokens; the sequence's context after this step
@@ -25,19 +26,19 @@ MAX_PADDING_RATIO = 1.25   # padded tokens / real tokens allowed in a decode gro
 def write_kv_cache(
     key: torch.Tensor,          # [num_tokens, num_kv_heads, head_dim]
     value: torch.Tensor,        # [num_tokens, num_kv_heads, head_dim]
-    key_cache: torch.Tensor,    # [num_blocks, block_size, num_kv_heads, head_dim]
+    key_cache: torch.Tensor,    # [num_kv_heads, num_blocks, block_size, head_dim]
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [num_tokens] int64: block_id * block_size + offset
 ) -> None:
     """Write each token's K and V into its slot, in place."""
-    num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
-    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
-    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+    num_kv_heads, head_dim = key_cache.shape[0], key_cache.shape[3]
+    key_cache.view(num_kv_heads, -1, head_dim).index_copy_(1, slot_mapping, key.transpose(0, 1))
+    value_cache.view(num_kv_heads, -1, head_dim).index_copy_(1, slot_mapping, value.transpose(0, 1))
 
 
 def paged_attention(
     query: torch.Tensor,            # [num_tokens, num_heads, head_dim]
-    key_cache: torch.Tensor,        # [num_blocks, block_size, num_kv_heads, head_dim]
+    key_cache: torch.Tensor,        # [num_kv_heads, num_blocks, block_size, head_dim]
     value_cache: torch.Tensor,
     block_tables: torch.Tensor,     # [num_seqs, max_blocks] int64
     seq_lens: torch.Tensor,         # [num_seqs] context length after this step
@@ -63,27 +64,34 @@ def paged_attention(
 
 
 def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
-    """The blocks' rows, in order: [len(blocks) * block_size, num_kv_heads, head_dim]."""
-    return cache.index_select(0, blocks).view(-1, cache.shape[2], cache.shape[3])
+    """The blocks' rows, in order, per head: [num_kv_heads, len(blocks) * block_size, head_dim].
+    One index_select over the cache seen as [heads * blocks, block_size * head_dim] (with a
+    per-head offset) copies faster than an index_select along dim 1."""
+    num_kv_heads, num_blocks = cache.shape[0], cache.shape[1]
+    offsets = torch.arange(0, num_kv_heads * num_blocks, num_blocks, device=blocks.device)
+    rows = (offsets[:, None] + blocks[None, :]).reshape(-1)
+    flat = cache.view(num_kv_heads * num_blocks, -1)
+    return flat.index_select(0, rows).view(num_kv_heads, -1, cache.shape[3])
 
 
 def _prefill_one(query, key_cache, value_cache, table, ctx_len, start, end, scale, out) -> None:
-    block_size = key_cache.shape[1]
+    block_size = key_cache.shape[2]
     q_len = end - start
     blocks = table[: -(-ctx_len // block_size)]
     # gathers only this sequence's real context: no padding to the batch's longest
-    k = _gather(key_cache, blocks)[:ctx_len].transpose(0, 1)
-    v = _gather(value_cache, blocks)[:ctx_len].transpose(0, 1)
+    k = _gather(key_cache, blocks)[:, :ctx_len]
+    v = _gather(value_cache, blocks)[:, :ctx_len]
     q = query[start:end].transpose(0, 1)
     mask = None
     if q_len < ctx_len:   # a later chunk: query i sits at ctx_len - q_len + i
         pos = torch.arange(ctx_len - q_len, ctx_len, device=query.device)
         mask = torch.arange(ctx_len, device=query.device)[None, :] <= pos[:, None]
+    # 4-D (batch of one): CPU SDPA takes its flash kernel only with a batch dimension
     o = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
+        q[None], k[None], v[None], attn_mask=mask, is_causal=mask is None, scale=scale,
         enable_gqa=q.shape[0] != k.shape[0],
     )
-    out[start:end] = o.transpose(0, 1)
+    out[start:end] = o[0].transpose(0, 1)
 
 
 def _decode_groups(decodes: list[int], lens: list[int]) -> list[list[int]]:
@@ -107,21 +115,23 @@ def _decode_groups(decodes: list[int], lens: list[int]) -> list[list[int]]:
 
 def _decode_group(query, key_cache, value_cache, block_tables, lens, starts, group, scale, out) -> None:
     dev = query.device
-    block_size, num_kv_heads, head_dim = key_cache.shape[1], key_cache.shape[2], key_cache.shape[3]
+    num_kv_heads, block_size, head_dim = key_cache.shape[0], key_cache.shape[2], key_cache.shape[3]
     num_heads = query.shape[1]
     g = len(group)
     max_len = max(lens[b] for b in group)
     num_blocks = -(-max_len // block_size)
+    padded_len = num_blocks * block_size
     rows = torch.tensor(group, device=dev)
     blocks = block_tables.index_select(0, rows)[:, :num_blocks].reshape(-1)
-    k = _gather(key_cache, blocks).view(g, num_blocks * block_size, num_kv_heads, head_dim)
-    v = _gather(value_cache, blocks).view(g, num_blocks * block_size, num_kv_heads, head_dim)
+    k = _gather(key_cache, blocks).view(num_kv_heads, g, padded_len, head_dim)
+    v = _gather(value_cache, blocks).view(num_kv_heads, g, padded_len, head_dim)
     token_rows = torch.tensor([starts[b] for b in group], device=dev)
     q = query.index_select(0, token_rows).view(g, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    scores = torch.matmul(q, k.permute(0, 2, 3, 1)) * scale        # [g, kv_heads, group, L]
+    q = q.transpose(0, 1)                                            # [kv_heads, g, group, D]
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale            # [kv_heads, g, group, L]
     seq_lens = torch.tensor([lens[b] for b in group], device=dev)
-    pad = torch.arange(num_blocks * block_size, device=dev)[None, :] >= seq_lens[:, None]
-    scores.masked_fill_(pad[:, None, None, :], float("-inf"))
+    pad = torch.arange(padded_len, device=dev)[None, :] >= seq_lens[:, None]
+    scores.masked_fill_(pad[None, :, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
-    o = torch.matmul(probs, v.permute(0, 2, 1, 3))                  # [g, kv_heads, group, D]
-    out.index_copy_(0, token_rows, o.reshape(g, num_heads, head_dim))
+    o = torch.matmul(probs, v)                                       # [kv_heads, g, group, D]
+    out.index_copy_(0, token_rows, o.transpose(0, 1).reshape(g, num_heads, head_dim))
