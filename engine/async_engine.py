@@ -52,13 +52,20 @@ class AsyncEngine:
             self._thread.start()
 
     async def shutdown(self) -> None:
-        self._stop.set()
+        with self._lock:
+            self._stop.set()
         self._wake.set()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
             self._thread = None
-        for rid in list(self._streams):
+        with self._lock:
+            streams = list(self._streams)
+        for rid in streams:
             self._deliver(rid, EngineDead("engine shut down"))
+        # requests the loop never finished: free their blocks
+        if self.core is not None:
+            for rid in list(self.core.requests):
+                self.core.abort_request(rid)
 
     async def __aenter__(self) -> AsyncEngine:
         await self.start()
@@ -102,8 +109,6 @@ class AsyncEngine:
         """Cumulative outputs as tokens arrive; the last one has `finished` set. Raises
         ValueError for bad input and EngineOverloaded for a full queue before queueing."""
         core = self._core
-        if self._error is not None:
-            raise EngineDead(f"engine stopped: {self._error!r}")
         text, ids = to_token_ids(core, prompt)
         req = EngineRequest(request_id, ids, sampling_params, prompt=text, tenant=tenant,
                             service_class=service_class, priority=priority, model=model,
@@ -112,9 +117,13 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         with self._lock:
+            if self._error is not None:
+                raise EngineDead(f"engine stopped: {self._error!r}")
+            if self._thread is None or self._stop.is_set():
+                raise EngineDead("engine is not running; call `await engine.start()` first")
             if request_id in self._streams:
                 raise ValueError(f"request_id: {request_id!r} is already in the engine")
-            waiting = self._stats.get("waiting", {}).get(service_class, 0)
+            waiting = self._stats.get("waiting_requests", {}).get(service_class, 0)
             if waiting + self._pending_by_class.get(service_class, 0) >= self.config.max_waiting_per_class:
                 raise EngineOverloaded(
                     f"service_class {service_class!r}: {self.config.max_waiting_per_class} requests "
@@ -154,33 +163,44 @@ class AsyncEngine:
         core = self._core
         while not self._stop.is_set():
             try:
-                self._drain_inbox(core)
+                drained = self._drain_inbox(core)
                 if not core.has_unfinished:
-                    self._stats = core.stats()
+                    self._publish_stats(core, drained)
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
                     continue
                 outputs = core.step()
-                self._stats = core.stats()
+                self._publish_stats(core, drained)
                 for out in outputs:
                     self._deliver(out.request_id, out)
             except Exception as exc:   # a bug: fail every caller loudly rather than hang them
                 logger.exception("engine step failed")
-                self._error = exc
-                for rid in list(self._streams):
+                with self._lock:
+                    self._error = exc
+                    streams = list(self._streams)
+                for rid in streams:
                     self._deliver(rid, EngineDead(f"engine step failed: {exc!r}"))
                 return
 
-    def _drain_inbox(self, core: EngineCore) -> None:
+    def _publish_stats(self, core: EngineCore, drained: dict[str, int]) -> None:
+        """New stats first, then forget the requests they now count: an admitted request is
+        always in one of the two counts the overload check adds up."""
+        stats = core.stats()
+        with self._lock:
+            self._stats = stats
+            for cls, num in drained.items():
+                self._pending_by_class[cls] -= num
+
+    def _drain_inbox(self, core: EngineCore) -> dict[str, int]:
+        drained: dict[str, int] = {}
         while True:
             with self._lock:
                 if not self._inbox:
-                    return
+                    return drained
                 kind, payload = self._inbox.popleft()
-                if kind == "add":
-                    cls = payload.service_class
-                    self._pending_by_class[cls] -= 1
             if kind == "add":
+                cls = payload.service_class
+                drained[cls] = drained.get(cls, 0) + 1
                 if payload.request_id not in self._streams:
                     continue    # the caller went away before the request got in
                 try:
@@ -188,7 +208,9 @@ class AsyncEngine:
                 except Exception as exc:  # validated already; a race on request ids at most
                     self._deliver(payload.request_id, exc)
             else:
-                core.abort_request(payload)
+                final = core.abort_request(payload)
+                if final is not None:   # a caller still reading gets its last output
+                    self._deliver(payload, final)
 
     def _deliver(self, request_id: str, item: Any) -> None:
         with self._lock:

@@ -3,6 +3,7 @@ drives it directly and `AsyncEngine` from a thread of its own."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -20,10 +21,15 @@ from engine.platform import tune_cpu_allocator
 from engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from engine.request import EngineRequest, RequestState, Sequence, SeqStatus
 from engine.sampler import SamplerOutput
+from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
+
+# prompt tokens the detokenizer starts from, so the first output token is decoded in context
+# (a SentencePiece word-start space, a character split across the prompt's end)
+DETOKENIZE_CONTEXT = 8
 
 
 def resolve_dtype(name: str, model_dtype: str, device: torch.device) -> torch.dtype:
@@ -91,6 +97,15 @@ class EngineCore:
     # -- requests ------------------------------------------------------------------------
     def validate(self, req: EngineRequest) -> None:
         """Raise ValueError (naming the field) for anything that could never run."""
+        if not isinstance(req.sampling, SamplingParams):
+            raise ValueError(f"sampling_params: expected SamplingParams, got {type(req.sampling).__name__}")
+        req.sampling.__post_init__()   # re-checked: the object may have changed since it was built
+        if type(req.priority) is not int:
+            raise ValueError(f"priority: must be an integer, got {req.priority!r}")
+        for name in ("tenant", "model", "cache_salt"):
+            value = getattr(req, name)
+            if value is not None and not isinstance(value, str) or (name == "tenant" and not value):
+                raise ValueError(f"{name}: must be a{' non-empty' if name == 'tenant' else ''} string, got {value!r}")
         ids = req.prompt_token_ids
         if not isinstance(req.request_id, str) or not req.request_id:
             raise ValueError("request_id: must be a non-empty string")
@@ -125,15 +140,23 @@ class EngineCore:
             raise UnknownModel(f"model: {req.model!r} is not served by this engine")
 
     @property
+    def model_name(self) -> str:
+        """The canonical name of the served model (its directory's name)."""
+        return Path(self.config.model).name
+
+    @property
     def served_model_names(self) -> set[str]:
-        return {Path(self.config.model).name, self.config.model}
+        return {self.model_name, self.config.model}
 
     def add_request(self, req: EngineRequest) -> RequestState:
         self.validate(req)
+        # one name per variant, so that its prefix-cache hashes agree however it was named
+        req = dataclasses.replace(req, model=self.model_name)
         state = RequestState(req=req, class_rank=self.class_rank[req.service_class])
+        context = req.prompt_token_ids[-DETOKENIZE_CONTEXT:]
         for i in range(req.sampling.n):
             seq = Sequence(state, i, list(req.prompt_token_ids), len(req.prompt_token_ids))
-            seq.decode_stream = self.tokenizer.decode_stream(req.sampling.skip_special_tokens)
+            seq.decode_stream = self.tokenizer.decode_stream(req.sampling.skip_special_tokens, context)
             if req.sampling.logprobs is not None:
                 seq.logprobs = []
             state.seqs.append(seq)
@@ -165,7 +188,7 @@ class EngineCore:
         if self.check_invariants:
             self.verify(sched)
         if sched.is_empty:
-            if self.scheduler.waiting and not self.scheduler.running:
+            if self.scheduler.waiting or self.scheduler.running:
                 # cannot happen for validated requests; fail loudly rather than spin
                 raise RuntimeError(f"scheduler made no progress with {len(self.scheduler.waiting)} waiting")
             return []
@@ -206,16 +229,17 @@ class EngineCore:
             if lp is not None:
                 self._record_logprobs(seq, token, lp)
             p = seq.params
-            if not p.ignore_eos and token in self.eos_token_ids:
+            may_stop = seq.num_output_tokens > p.min_tokens
+            if may_stop and not p.ignore_eos and token in self.eos_token_ids:
                 self.scheduler.finish(seq, "stop")
                 continue
-            if token in p.stop_token_ids:
+            if may_stop and token in p.stop_token_ids:
                 self.scheduler.finish(seq, "stop", token)
                 continue
             delta = tok.step_stream(seq.decode_stream, token)
             if delta:
                 seq.text += delta
-                if p.stop_strings and self._check_stop_strings(seq, len(delta)):
+                if p.stop_strings and may_stop and self._check_stop_strings(seq, len(delta)):
                     continue
             if (p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens) or (
                 seq.num_tokens >= self.max_seq_len
@@ -331,12 +355,18 @@ class EngineCore:
         sched = self.scheduler
         running = Counter(s.state.req.service_class for s in sched.running)
         waiting = Counter(s.state.req.service_class for s in sched.waiting)
+        # requests (not samples) none of whose samples runs yet: what overload limits count
+        waiting_reqs = Counter(
+            st.req.service_class for st in self.requests.values()
+            if not any(q.status is SeqStatus.RUNNING for q in st.seqs)
+        )
         run_t = Counter(s.state.req.tenant for s in sched.running)
         wait_t = Counter(s.state.req.tenant for s in sched.waiting)
         classes = self.config.service_classes
         return {
             "running": {c: running.get(c, 0) for c in classes},
             "waiting": {c: waiting.get(c, 0) for c in classes},
+            "waiting_requests": {c: waiting_reqs.get(c, 0) for c in classes},
             "running_by_tenant": dict(run_t),
             "waiting_by_tenant": dict(wait_t),
             "num_requests": len(self.requests),

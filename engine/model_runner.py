@@ -69,8 +69,8 @@ class ModelRunner:
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
         """One tensor per layer for K and one for V, written in place, never copied.
-        `empty`, not `zeros`: pages are touched only as blocks are used, and attention
-        never reads a slot past a sequence's length."""
+        `empty`, not `zeros`: pages are touched only as blocks are used. Attention masks
+        (and zeroes) every slot past a sequence's length, so unwritten slots never count."""
         c = self.cfg
         shape = (c.num_key_value_heads, num_blocks, block_size, c.head_dim)
         self.block_size = block_size

@@ -24,7 +24,8 @@ class EngineRequest:
     prompt: str | None = None
     tenant: str = "default"           # opaque to the engine: the fairness key
     service_class: str = "online"     # one of EngineConfig.service_classes, most urgent first
-    priority: int = 0                 # smaller runs sooner, among its tenant's own requests
+    priority: int = 0                 # smaller runs sooner within its class (per tenant once
+                                      # the scheduler issue adds tenant fairness)
     model: str | None = None          # model variant: base, quantized, or base+LoRA
     cache_salt: str | None = None     # mixed into prefix-cache hashes
 

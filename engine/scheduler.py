@@ -109,21 +109,24 @@ class Scheduler:
         self, budget: StepBudget, scheduled: dict[Sequence, int], preempted: list[Sequence]
     ) -> None:
         running = [s for s in self.running if s not in scheduled]
+        admitting = True
         for seq in sorted(running + self.waiting, key=self.key):
             if budget.tokens_left < 1:
                 return
             if seq.status is SeqStatus.RUNNING:
+                # running prefills go on even once admission has stopped: they hold blocks
+                # that an earlier waiting sequence may be waiting for
                 if seq in scheduled or seq not in self.running:
                     continue
                 num_new = min(seq.num_pending_tokens, budget.tokens_left)
                 if self._allocate_or_preempt(seq, num_new, budget, scheduled, preempted):
                     scheduled[seq] = num_new
                     budget.take(num_new)
-            elif seq not in preempted:
+            elif admitting and seq not in preempted:
                 admitted = self._try_admit(seq, budget, scheduled, preempted)
                 if admitted is None:
-                    return      # keep arrival order: nothing behind it jumps the queue
-                if admitted:
+                    admitting = False   # keep arrival order: no later waiting one jumps the queue
+                elif admitted:
                     scheduled[seq] = admitted
                     budget.take(admitted)
 

@@ -39,7 +39,11 @@ class Tokenizer:
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
-    def decode_stream(self, skip_special_tokens: bool = True) -> DecodeStream:
+    def decode_stream(self, skip_special_tokens: bool = True, context: list[int] | None = None) -> DecodeStream:
+        """A fresh incremental detokenizer; `context` (the prompt's last tokens) is decoded
+        as the start but not emitted."""
+        if context:
+            return DecodeStream(ids=list(context), skip_special_tokens=skip_special_tokens)
         return DecodeStream(skip_special_tokens=skip_special_tokens)
 
     def step_stream(self, stream: DecodeStream, token_id: int) -> str:

@@ -129,3 +129,67 @@ async def _drain(stream):
     async for out in stream:
         last = out
     return last
+
+
+@pytest.mark.parametrize(
+    "make, field",
+    [
+        (lambda req: {"priority": "high"}, "priority"),
+        (lambda req: {"tenant": 7}, "tenant"),
+        (lambda req: {"cache_salt": b"x"}, "cache_salt"),
+    ],
+)
+def test_request_fields_are_checked(llm, make, field):
+    from engine.request import EngineRequest
+
+    req = EngineRequest("bad", [5, 6, 7], SamplingParams(), **make(None))
+    with pytest.raises(ValueError, match=rf"^{field}\b"):
+        llm.engine.add_request(req)
+    assert not llm.engine.has_unfinished
+
+
+def test_sampling_params_checked_again_when_queued(llm):
+    sp = SamplingParams(max_tokens=3)
+    sp.n = 0                                   # changed after construction
+    with pytest.raises(ValueError, match="^n\\b"):
+        llm.generate(["a"], sp, use_progress_bar=False)
+    with pytest.raises(ValueError, match="^sampling_params"):
+        llm.generate(["a", "b"], [SamplingParams(), None], use_progress_bar=False)
+    for bad in ({"temperature": float("nan")}, {"repetition_penalty": float("inf")}):
+        with pytest.raises(ValueError, match="finite"):
+            SamplingParams(**bad)
+    assert not llm.engine.has_unfinished
+
+
+def test_abort_ends_the_stream_of_a_waiting_reader():
+    d = demo_model("llama")
+
+    async def main():
+        async with AsyncEngine(d) as engine:
+            stream = engine.generate("abc", SamplingParams(max_tokens=400, ignore_eos=True), "r1")
+            it = stream.__aiter__()
+            await it.__anext__()
+            reader = asyncio.create_task(_drain(it))
+            await asyncio.sleep(0.05)
+            await engine.abort("r1")
+            final = await asyncio.wait_for(reader, timeout=10)
+            assert final.finished and final.outputs[0].finish_reason == "abort"
+            # the id can be used again once the stream is over
+            again = await _drain(engine.generate("abc", SamplingParams(max_tokens=2), "r1"))
+            assert again.finished
+            return engine.core
+
+    assert_all_blocks_free(asyncio.run(main()))
+
+
+def test_generate_after_shutdown_is_refused():
+    from engine import EngineDead
+
+    async def main():
+        engine = AsyncEngine(demo_model("llama"))
+        await engine.start()
+        await engine.shutdown()
+        with pytest.raises(EngineDead):
+            await _drain(engine.generate("abc", SamplingParams(max_tokens=2), "late"))
+
+    asyncio.run(main())

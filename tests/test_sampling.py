@@ -147,3 +147,29 @@ def test_sampler_filters_and_penalties():
     _apply_penalties(x, row(presence_penalty=0.5, frequency_penalty=0.25))
     # output [2, 3, 3]: token 2 -> 2 - .25 - .5; token 3 -> 3 - .5 - .5
     assert x.tolist() == [0.0, 1.0, 1.25, 2.0, -1.0]
+
+
+def test_min_tokens_holds_off_stop_tokens(llm):
+    prompt = prompts_of(1, lens=(12,))[0]
+    base = gen(llm, [prompt], SamplingParams(max_tokens=12, temperature=0.0))[0].outputs[0]
+    stop_id = base.token_ids[0]
+    out = gen(llm, [prompt], SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=[stop_id]))[0].outputs[0]
+    assert out.token_ids == [stop_id]
+    later = [i for i, t in enumerate(base.token_ids) if t == stop_id and i >= 4]
+    out = gen(llm, [prompt], SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=[stop_id],
+                                            min_tokens=4))[0].outputs[0]
+    assert out.token_ids == base.token_ids[: later[0] + 1] if later else base.token_ids
+
+
+def test_output_text_is_decoded_in_the_prompts_context(llm):
+    tok = llm.tokenizer
+    prompt = "The naïve café served 日本 tea"
+    res = llm.generate(prompt, SamplingParams(max_tokens=20, temperature=0.0), use_progress_bar=False)
+    out = res[0].outputs[0]
+    ids = tok.encode(prompt)
+    assert res[0].prompt_token_ids == ids and res[0].prompt == prompt
+    full = tok.decode(ids + out.token_ids)
+    assert full.startswith(tok.decode(ids))
+    # a random model may emit byte tokens that never form a valid character: a full decode
+    # shows those as U+FFFD, the stream holds them back; everything else agrees
+    assert out.text.replace("\ufffd", "") == full[len(tok.decode(ids)):].replace("\ufffd", "")

@@ -45,7 +45,9 @@ class FakeEngine:
         for seq, num in out.scheduled:
             if seq.num_computed_tokens == seq.num_tokens:
                 seq.token_ids.append(7)
-                if seq.num_output_tokens >= seq.params.max_tokens:
+                # as EngineCore: a sequence stops when it fills the whole cache
+                if (seq.num_output_tokens >= seq.params.max_tokens
+                        or seq.num_tokens >= self.kv.pool.num_blocks * self.kv.block_size):
                     self.sched.finish(seq, "length")
         return out
 
@@ -218,3 +220,17 @@ def test_randomized_invariants(tmp_path, policy):
     eng.run()
     assert eng.sched.num_preemptions > 0
     eng.kv.check_integrity()
+
+
+def test_running_prefill_continues_while_an_earlier_waiting_sequence_cannot_fit(tmp_path):
+    """Regression: 6 blocks of 4, budget 13, fcfs. A preempted sequence W (earlier arrival)
+    waits for blocks that R, a later sequence in the middle of its chunked prefill, holds.
+    W's admission fails, but R's prefill must go on (and finish, and free its blocks);
+    stopping all prefill work there left R stuck forever."""
+    eng = FakeEngine(tmp_path, num_blocks=6, max_num_batched_tokens=13,
+                     scheduling_policy="fcfs", enable_prefix_caching=False)
+    eng.add(4, 8)
+    eng.add(12, 10)
+    eng.add(20, 11)
+    steps = eng.run(max_steps=500)
+    assert sum(len(o.preempted) for o in steps) > 0

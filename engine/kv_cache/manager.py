@@ -46,7 +46,9 @@ class KVCacheManager:
 
     def _extra_key(self, seq: Sequence) -> bytes:
         req = seq.state.req
-        return f"{req.model or ''}\x00{req.cache_salt or ''}".encode()
+        model, salt = (req.model or "").encode(), (req.cache_salt or "").encode()
+        # length-prefixed, so no (model, salt) pair can spell another
+        return len(model).to_bytes(4, "little") + model + len(salt).to_bytes(4, "little") + salt
 
     def update_hashes(self, seq: Sequence) -> None:
         """Extend `seq.block_hashes` over every full block of its known tokens."""
