@@ -1,5 +1,2 @@
-"""Device kernels, each beside a plain-torch reference with the same signature."""
-
-from kernels.paged_attention import paged_attention, write_kv_cache
-
-__all__ = ["paged_attention", "write_kv_cache"]
+"""Device kernels, each in a subpackage of its own beside a plain-torch reference with the
+same signature: `from kernels.paged_attention import paged_attention, write_kv_cache`."""

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import paged_attention, write_kv_cache
+from kernels.paged_attention import paged_attention, write_kv_cache
 
 
 def dense(q, k, v, scale):

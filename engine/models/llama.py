@@ -16,7 +16,7 @@ from torch import nn
 
 from engine.config import ModelConfig
 from engine.models.rope import RopeAt, RotaryEmbedding
-from kernels import paged_attention, write_kv_cache
+from kernels.paged_attention import paged_attention, write_kv_cache
 
 
 @dataclass(slots=True)
