@@ -378,4 +378,5 @@ class EngineCore:
             "prefix_cache_hits": self.kv.num_cache_hits,
             "num_generated_tokens": self.num_generated_tokens,
             "num_steps": self.timings.num_steps,
+            "memory": self.memory.summary(),
         }

@@ -151,8 +151,10 @@ def run_ideal(model_dir: str, num_requests: int, seed: int, engine_kwargs: dict)
 
     def forward(pieces: list[tuple[int, list[int], int]]) -> torch.Tensor:
         """pieces: (request index, token ids, start position); returns last-position logits."""
-        ids, pos, slots, starts, lens = [], [], [0], [], []
-        slots = []
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        lens: list[int] = []
         starts = [0]
         for i, toks, start in pieces:
             ids += toks

@@ -150,11 +150,6 @@ class BlockPool:
             block.block_hash = None
             self.num_evictions += 1
 
-    def reset_prefix_cache(self) -> None:
-        for block in self.blocks:
-            if block.ref_cnt == 0 and block.block_hash is not None:
-                self._evict(block)
-
     def check_integrity(self) -> None:
         """Raise if counts don't add up (used by tests at every step)."""
         free_ids = [b.block_id for b in self.free_queue]
