@@ -34,6 +34,7 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, enable_caching)
         self.enable_caching = enable_caching
         self.tables: dict[int, list[KVBlock]] = {}   # id(sequence) -> its blocks
+        self.num_registered: dict[int, int] = {}     # id(sequence) -> its leading blocks already cached
         self.num_cache_queries = 0
         self.num_cache_hits = 0   # in tokens
 
@@ -114,15 +115,18 @@ class KVCacheManager:
         if not self.enable_caching:
             return
         num_full = seq.num_computed_tokens // self.block_size
-        if num_full == 0:
+        done = self.num_registered.get(id(seq), 0)
+        if num_full <= done:
             return
         self.update_hashes(seq)
         table = self.tables[id(seq)]
-        for i in range(num_full):
+        for i in range(done, num_full):     # only blocks filled since the last call
             if table[i].block_hash is None:
                 self.pool.cache_block(table[i], seq.block_hashes[i])
+        self.num_registered[id(seq)] = num_full
 
     def free(self, seq: Sequence) -> None:
+        self.num_registered.pop(id(seq), None)
         table = self.tables.pop(id(seq), None)
         if table:
             self.pool.free(reversed(table))
