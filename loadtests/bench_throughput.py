@@ -222,6 +222,7 @@ def bench_throughput(
     seed: int = 0,
     engine_kwargs: dict | None = None,
     skip_hf: bool = False,
+    repeats: int = 2,
     json_out: str | None = None,
     echo=print,
 ) -> dict[str, Any]:
@@ -229,11 +230,21 @@ def bench_throughput(
     engine_kwargs = engine_kwargs or {}
     echo(f"workload: {num_requests} requests, prompts 32-512 tokens, outputs 16-256 tokens "
          f"(forced), seed {seed}, model {model_dir}, torch threads {torch.get_num_threads()}")
-    results: dict[str, Any] = {}
-    results["engine"] = _in_fresh_process(run_engine, model_dir, num_requests, seed, engine_kwargs)
-    results["ideal"] = _in_fresh_process(run_ideal, model_dir, num_requests, seed, engine_kwargs)
+    sides = {
+        "engine": (run_engine, (model_dir, num_requests, seed, engine_kwargs)),
+        "ideal": (run_ideal, (model_dir, num_requests, seed, engine_kwargs)),
+    }
     if not skip_hf:
-        results["hf_static"] = _in_fresh_process(run_hf_static, model_dir, num_requests, seed)
+        sides["hf_static"] = (run_hf_static, (model_dir, num_requests, seed))
+    # Each side `repeats` times, interleaved, each run in a fresh process; the fastest run of
+    # each side counts. These machines are shared: one run can be 15% off another.
+    results: dict[str, Any] = {}
+    for rep in range(repeats):
+        for name, (fn, args) in sides.items():
+            run = _in_fresh_process(fn, *args)
+            echo(f"  run {rep + 1}/{repeats} {name:<10} {run['output_tokens'] / run['elapsed_s']:8.1f} tok/s")
+            if name not in results or run["elapsed_s"] < results[name]["elapsed_s"]:
+                results[name] = run
     report = _report(results, echo)
     if json_out:
         slim = {k: {kk: vv for kk, vv in v.items() if kk != "tokens"} for k, v in results.items()}
@@ -245,6 +256,7 @@ def _report(results: dict[str, Any], echo) -> dict[str, Any]:
     tps = {k: v["output_tokens"] / v["elapsed_s"] for k, v in results.items()}
     eng = results["engine"]
     echo("")
+    echo("best run of each side:")
     echo(f"{'side':<34}{'output tok/s':>14}{'seconds':>10}{'peak RSS MiB':>14}")
     names = {"engine": "lockgate engine", "hf_static": "HF generate, static batches of 16",
              "ideal": "ideal batching (engine forward)"}

@@ -38,7 +38,7 @@ def test_demo_model_command_rejects_bad_family(tmp_path):
 def test_bench_throughput_runs_all_three_sides_and_prints_ratios(tmp_path):
     """A 4-request run on the tiny model: checks the harness, not the speed."""
     report = tmp_path / "bench.json"
-    out = run("bench", "throughput", "--model", demo_model("llama"), "--num-requests", "4",
+    out = run("bench", "throughput", "--model", demo_model("llama"), "--num-requests", "4", "--repeats", "1",
               "--json", str(report))
     assert out.returncode == 0, out.stderr[-3000:]
     for line in ("ratio engine / HF static batching", "ratio engine / ideal batching",
