@@ -313,27 +313,8 @@ class EngineCore:
 
     # -- introspection --------------------------------------------------------------------
     def verify(self, sched=None) -> None:
-        """Raise if block accounting is off: pool integrity, every held block referenced by
-        exactly its holders, no sequence holding more blocks than its tokens need (one spare
-        at most), budgets kept."""
-        self.kv.check_integrity()
-        bs = self.config.block_size
-        for seq in self.scheduler.waiting:
-            if self.kv.blocks_of(seq):
-                raise AssertionError(f"{seq} waits while holding blocks")
-        for seq in self.scheduler.running:
-            need = -(-seq.num_tokens // bs)
-            if len(self.kv.blocks_of(seq)) > need + 1:
-                raise AssertionError(f"{seq} holds {len(self.kv.blocks_of(seq))} blocks, needs {need}")
-        if len(self.scheduler.running) > self.config.max_num_seqs:
-            raise AssertionError("more running sequences than max_num_seqs")
-        if sched is not None:
-            total = sum(n for _, n in sched.scheduled)
-            if total > self.config.max_num_batched_tokens or total != sched.num_batched_tokens:
-                raise AssertionError(f"step schedules {total} tokens, budget {self.config.max_num_batched_tokens}")
-            for seq, n in sched.scheduled:
-                if len(self.kv.blocks_of(seq)) * bs < seq.num_computed_tokens + n:
-                    raise AssertionError(f"{seq} scheduled {n} tokens without the blocks for them")
+        """Raise if block accounting or a budget is off (see Scheduler.check_invariants)."""
+        self.scheduler.check_invariants(sched)
 
     def kv_utilization(self) -> float:
         """Tokens stored / (blocks held x block size), over the blocks sequences hold now."""

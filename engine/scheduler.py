@@ -236,3 +236,30 @@ class Scheduler:
         preempted.append(victim)
         self.num_preemptions += 1
         logger.debug("preempted %s", victim)
+
+    # -- integrity ---------------------------------------------------------------------------
+    def check_invariants(self, out: SchedulerOutput | None = None) -> None:
+        """Raise if block accounting or a budget is off: pool integrity, every held block
+        referenced by exactly its holders, waiting sequences holding nothing, running ones no
+        more than their tokens need (one spare at most), the sequence cap and token budget
+        kept, and each scheduled sequence holding exactly the blocks for its tokens."""
+        kv, bs = self.kv, self.block_size
+        kv.check_integrity()
+        for seq in self.waiting:
+            if kv.blocks_of(seq):
+                raise AssertionError(f"{seq} waits while holding blocks")
+        for seq in self.running:
+            need = -(-seq.num_tokens // bs)
+            if len(kv.blocks_of(seq)) > need + 1:
+                raise AssertionError(f"{seq} holds {len(kv.blocks_of(seq))} blocks, needs {need}")
+        if len(self.running) > self.max_num_seqs:
+            raise AssertionError("more running sequences than max_num_seqs")
+        if out is None:
+            return
+        total = sum(n for _, n in out.scheduled)
+        if total > self.max_num_batched_tokens or total != out.num_batched_tokens:
+            raise AssertionError(f"step schedules {total} tokens, budget {self.max_num_batched_tokens}")
+        for seq, n in out.scheduled:
+            held = len(kv.blocks_of(seq))
+            if seq.status is not SeqStatus.RUNNING or held != -(-(seq.num_computed_tokens + n) // bs):
+                raise AssertionError(f"{seq}: {held} blocks for {seq.num_computed_tokens + n} tokens")

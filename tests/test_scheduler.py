@@ -52,16 +52,7 @@ class FakeEngine:
         return out
 
     def check(self, out):
-        kv, bs = self.kv, self.kv.block_size
-        kv.check_integrity()
-        assert out.num_batched_tokens == sum(n for _, n in out.scheduled) <= self.cfg.max_num_batched_tokens
-        assert len(self.sched.running) <= self.cfg.max_num_seqs
-        for seq in self.sched.waiting:
-            assert not kv.blocks_of(seq), f"{seq} waits holding blocks"
-        for seq, n in out.scheduled:
-            assert seq.status is SeqStatus.RUNNING
-            held = len(kv.blocks_of(seq))
-            assert held == -(-(seq.num_computed_tokens + n) // bs), f"{seq}: {held} blocks for {seq.num_computed_tokens + n} tokens"
+        self.sched.check_invariants(out)     # the same check EngineCore runs in tests
 
     def run(self, max_steps=10_000):
         steps = []
