@@ -10,6 +10,8 @@ import weakref
 
 import pytest
 
+pytest_plugins = ["tests.services"]
+
 from engine.engine_core import EngineCore
 
 _CORES: "weakref.WeakSet[EngineCore]" = weakref.WeakSet()
