@@ -1,0 +1,48 @@
+"""A quota: the limits of one tenant or one API key. `None` means unlimited."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+QUOTA_FIELDS = (
+    "requests_per_minute",
+    "tokens_per_minute",
+    "max_concurrent_requests",
+    "daily_token_budget",
+    "monthly_token_budget",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Quota:
+    requests_per_minute: int | None = None
+    tokens_per_minute: int | None = None
+    max_concurrent_requests: int | None = None
+    daily_token_budget: int | None = None      # UTC day
+    monthly_token_budget: int | None = None    # UTC calendar month
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if v is None:
+                continue
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise ValueError(f"{f.name}: must be an integer or null, got {v!r}")
+            if v < 0:
+                raise ValueError(f"{f.name}: must be >= 0, got {v}")
+
+    @property
+    def unlimited(self) -> bool:
+        return all(getattr(self, name) is None for name in QUOTA_FIELDS)
+
+    def to_dict(self) -> dict[str, int | None]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any] | None) -> Quota:
+        data = data or {}
+        unknown = set(data) - set(QUOTA_FIELDS)
+        if unknown:
+            raise ValueError(f"quota: unknown field(s) {sorted(unknown)}; known: {list(QUOTA_FIELDS)}")
+        return cls(**data)
