@@ -40,6 +40,7 @@ class AsyncEngine:
         self._pending_by_class: dict[str, int] = {}
         self._stats: dict = {}
         self._error: BaseException | None = None
+        self._tenant_weights: dict[str, float] = {}
 
     # -- life cycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -84,6 +85,23 @@ class AsyncEngine:
         return self._core.model_config
 
     @property
+    def max_model_len(self) -> int:
+        return self._core.max_model_len
+
+    @property
+    def tenant_weights(self) -> dict[str, float]:
+        return dict(self._tenant_weights)
+
+    def set_tenant_weight(self, tenant: str, weight: float) -> None:
+        """A tenant's share in the scheduler's fairness (1.0 when never set). Kept here and
+        read by the scheduler's fairness counters (the scheduler issue)."""
+        if not isinstance(tenant, str) or not tenant:
+            raise ValueError(f"tenant: must be a non-empty string, got {tenant!r}")
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0:
+            raise ValueError(f"weight: must be a number > 0, got {weight!r}")
+        self._tenant_weights[tenant] = float(weight)
+
+    @property
     def _core(self) -> EngineCore:
         if self.core is None:
             raise RuntimeError("AsyncEngine is not started; call `await engine.start()` first")
@@ -99,15 +117,34 @@ class AsyncEngine:
         prompt: str | list[int] | dict[str, Any],
         sampling_params: SamplingParams,
         request_id: str,
+        **kwargs: Any,
+    ) -> AsyncIterator[RequestOutput]:
+        """Cumulative outputs as tokens arrive; the last one has `finished` set. Raises
+        ValueError for bad input and EngineOverloaded for a full queue before queueing.
+        Keyword arguments as `submit`'s. Leaving the loop early aborts the request."""
+        stream = self.submit(prompt, sampling_params, request_id, **kwargs)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.close()
+
+    def submit(
+        self,
+        prompt: str | list[int] | dict[str, Any],
+        sampling_params: SamplingParams,
+        request_id: str,
         *,
         tenant: str = "default",
         service_class: str = "online",
         priority: int = 0,
         model: str | None = None,
         cache_salt: str | None = None,
-    ) -> AsyncIterator[RequestOutput]:
-        """Cumulative outputs as tokens arrive; the last one has `finished` set. Raises
-        ValueError for bad input and EngineOverloaded for a full queue before queueing."""
+    ) -> RequestStream:
+        """Queue a request now (raising ValueError, PromptTooLong or EngineOverloaded at once,
+        before anything is queued) and return its stream of outputs. Must be called from
+        the caller's event loop; `close()` the stream when done with it (it aborts the
+        request if it has not finished)."""
         core = self._core
         text, ids = to_token_ids(core, prompt)
         req = EngineRequest(request_id, ids, sampling_params, prompt=text, tenant=tenant,
@@ -133,21 +170,11 @@ class AsyncEngine:
             self._streams[request_id] = (loop, queue)
             self._inbox.append(("add", req))
         self._wake.set()
-        finished = False
-        try:
-            while True:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-                if item.finished:
-                    finished = True
-                    return
-        finally:
-            if not finished:
-                self._post_abort(request_id)
-            with self._lock:
-                self._streams.pop(request_id, None)
+        return RequestStream(self, request_id, queue)
+
+    def _forget(self, request_id: str) -> None:
+        with self._lock:
+            self._streams.pop(request_id, None)
 
     async def abort(self, request_id: str) -> None:
         """Stop a request and free its KV blocks at the next turn of the loop."""
@@ -222,3 +249,40 @@ class AsyncEngine:
             loop.call_soon_threadsafe(queue.put_nowait, item)
         except RuntimeError:  # the caller's loop is closed
             pass
+
+
+class RequestStream:
+    """One request's outputs, as an async iterator. `close()` (idempotent) aborts the request
+    in the engine unless it has finished, and forgets its stream."""
+
+    def __init__(self, engine: AsyncEngine, request_id: str, queue: asyncio.Queue) -> None:
+        self.engine = engine
+        self.request_id = request_id
+        self._queue = queue
+        self.finished = False
+        self.closed = False
+        self.last: RequestOutput | None = None
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished or self.closed:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self.close()
+            raise item
+        self.last = item
+        if item.finished:
+            self.finished = True
+            self.engine._forget(self.request_id)
+        return item
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if not self.finished:
+            self.engine._post_abort(self.request_id)
+        self.engine._forget(self.request_id)

@@ -1,0 +1,280 @@
+"""The admin REST console under /admin/v1: tenants, keys, quotas, usage, the engine.
+
+Every route depends on `admin_principal` through the router, so a route added here cannot
+be left open: no key is 401, a tenant's key is 403.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from datetime import UTC, datetime
+from typing import Any, Literal
+
+from fastapi import APIRouter, Depends, Query, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from gateway.auth import admin_principal, app_state
+from gateway.errors import APIError
+from gateway.usage_api import usage_response
+from tenancy import service
+from tenancy.errors import Conflict, Invalid, NotFound
+from tenancy.quota import Quota
+from tenancy.service import Principal
+
+router = APIRouter(prefix="/admin/v1", dependencies=[Depends(admin_principal)])
+
+Tier = Literal["default", "priority", "flex"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class QuotaBody(_Strict):
+    requests_per_minute: int | None = Field(default=None, ge=0)
+    tokens_per_minute: int | None = Field(default=None, ge=0)
+    max_concurrent_requests: int | None = Field(default=None, ge=0)
+    daily_token_budget: int | None = Field(default=None, ge=0)
+    monthly_token_budget: int | None = Field(default=None, ge=0)
+
+    def quota(self) -> Quota:
+        return Quota(**self.model_dump())
+
+
+class TenantCreate(_Strict):
+    name: str = Field(min_length=1, max_length=64)
+    weight: float = Field(default=1.0, gt=0, le=1000)
+    service_tiers: list[Tier] | None = None
+    default_tier: Tier | None = None
+    models: list[str] | None = None
+    status: Literal["active", "suspended"] = "active"
+    quota: QuotaBody | None = None
+
+
+class TenantPatch(_Strict):
+    name: str | None = Field(default=None, min_length=1, max_length=64)
+    weight: float | None = Field(default=None, gt=0, le=1000)
+    service_tiers: list[Tier] | None = None
+    default_tier: Tier | None = None
+    models: list[str] | None = None
+    status: Literal["active", "suspended"] | None = None
+
+
+class KeyCreate(_Strict):
+    name: str = Field(min_length=1, max_length=128)
+    expires_at: datetime | None = None
+    scopes: list[Literal["inference", "admin"]] | None = None
+    quota: QuotaBody | None = None
+
+
+class AdminKeyCreate(_Strict):
+    name: str = Field(min_length=1, max_length=128)
+    expires_at: datetime | None = None
+
+
+@asynccontextmanager
+async def _session(request: Request) -> AsyncIterator[Any]:
+    state = app_state(request)
+    assert state.sessions is not None
+    try:
+        async with state.sessions() as session:
+            yield session
+    except NotFound as exc:
+        raise APIError(404, str(exc), code="not_found") from None
+    except Conflict as exc:
+        raise APIError(409, str(exc), param=getattr(exc, "field", None), code="conflict") from None
+    except Invalid as exc:
+        raise APIError(400, str(exc), param=getattr(exc, "field", None)) from None
+
+
+def _iso(dt: datetime | None) -> str | None:
+    if dt is None:
+        return None
+    return (dt if dt.tzinfo else dt.replace(tzinfo=UTC)).isoformat()
+
+
+def tenant_json(t: Any) -> dict:
+    return {
+        "id": t.id, "object": "tenant", "name": t.name, "status": t.status, "weight": t.weight,
+        "service_tiers": list(t.service_tiers), "default_tier": t.default_tier,
+        "models": list(t.models) if t.models is not None else None,
+        "quota": service.tenant_quota(t).to_dict(),
+        "created_at": _iso(t.created_at), "updated_at": _iso(t.updated_at),
+    }
+
+
+def key_json(k: Any) -> dict:
+    return {
+        "id": k.id, "object": "api_key", "name": k.name, "prefix": k.prefix,
+        "tenant_id": k.tenant_id, "scopes": list(k.scopes),
+        "created_at": _iso(k.created_at), "expires_at": _iso(k.expires_at),
+        "revoked_at": _iso(k.revoked_at), "last_used_at": _iso(k.last_used_at),
+        "quota": service.key_quota(k).to_dict(),
+    }
+
+
+def _actor(request: Request) -> str:
+    p: Principal = request.state.principal
+    return p.key_id
+
+
+def _after_tenant_change(request: Request, t: Any) -> None:
+    state = app_state(request)
+    state.keys.invalidate_tenant(t.id)
+    if t.deleted_at is None:
+        state.push_weight(t.id, t.weight)
+
+
+# -- tenants --------------------------------------------------------------------------------------
+@router.post("/tenants", status_code=201)
+async def create_tenant(body: TenantCreate, request: Request) -> dict:
+    async with _session(request) as s:
+        t = await service.create_tenant(
+            s, name=body.name, weight=body.weight, service_tiers=body.service_tiers,
+            default_tier=body.default_tier, models=body.models, status=body.status,
+            quota=body.quota.quota() if body.quota else None, actor=_actor(request))
+    _after_tenant_change(request, t)
+    return tenant_json(t)
+
+
+@router.get("/tenants")
+async def list_tenants(request: Request, limit: int = Query(50, ge=1, le=500),
+                       after: str | None = None) -> dict:
+    async with _session(request) as s:
+        rows = await service.list_tenants(s, limit=limit + 1, after=after)
+    has_more = len(rows) > limit
+    rows = rows[:limit]
+    return {"object": "list", "data": [tenant_json(t) for t in rows], "has_more": has_more,
+            "last_id": rows[-1].id if rows else None}
+
+
+@router.get("/tenants/{tenant_id}")
+async def get_tenant(tenant_id: str, request: Request) -> dict:
+    async with _session(request) as s:
+        return tenant_json(await service.get_tenant(s, tenant_id))
+
+
+@router.patch("/tenants/{tenant_id}")
+async def patch_tenant(tenant_id: str, body: TenantPatch, request: Request) -> dict:
+    changes = body.model_dump(exclude_unset=True)
+    if not changes:
+        raise APIError(400, "the body changes nothing; give at least one field")
+    for name in ("name", "weight", "status", "service_tiers", "default_tier"):
+        if name in changes and changes[name] is None:
+            raise APIError(400, f"{name}: may not be null", param=name)
+    async with _session(request) as s:
+        t = await service.update_tenant(s, tenant_id, actor=_actor(request), **changes)
+    _after_tenant_change(request, t)
+    return tenant_json(t)
+
+
+@router.delete("/tenants/{tenant_id}")
+async def delete_tenant(tenant_id: str, request: Request) -> dict:
+    async with _session(request) as s:
+        await service.delete_tenant(s, tenant_id, actor=_actor(request))
+    app_state(request).keys.invalidate_tenant(tenant_id)
+    return {"id": tenant_id, "object": "tenant", "deleted": True}
+
+
+@router.put("/tenants/{tenant_id}/quota")
+async def put_quota(tenant_id: str, body: QuotaBody, request: Request) -> dict:
+    async with _session(request) as s:
+        t = await service.set_quota(s, tenant_id, body.quota(), actor=_actor(request))
+    _after_tenant_change(request, t)
+    return tenant_json(t)
+
+
+# -- keys ---------------------------------------------------------------------------------------------
+@router.post("/tenants/{tenant_id}/keys", status_code=201)
+async def create_key(tenant_id: str, body: KeyCreate, request: Request) -> dict:
+    state = app_state(request)
+    async with _session(request) as s:
+        await service.get_tenant(s, tenant_id)
+        k, plaintext = await service.create_key(
+            s, tenant_id=tenant_id, name=body.name, scopes=tuple(body.scopes or ("inference",)),
+            expires_at=body.expires_at, quota=body.quota.quota() if body.quota else None,
+            pepper=state.pepper, actor=_actor(request))
+    return {**key_json(k), "key": plaintext}
+
+
+@router.get("/tenants/{tenant_id}/keys")
+async def list_keys(tenant_id: str, request: Request) -> dict:
+    async with _session(request) as s:
+        await service.get_tenant(s, tenant_id)
+        keys = await service.list_keys(s, tenant_id)
+    return {"object": "list", "data": [key_json(k) for k in keys]}
+
+
+@router.post("/keys", status_code=201)
+async def create_admin_key(body: AdminKeyCreate, request: Request) -> dict:
+    state = app_state(request)
+    async with _session(request) as s:
+        k, plaintext = await service.create_key(
+            s, tenant_id=None, name=body.name, scopes=("admin",), expires_at=body.expires_at,
+            pepper=state.pepper, actor=_actor(request))
+    return {**key_json(k), "key": plaintext}
+
+
+@router.get("/keys/{key_id}")
+async def get_key(key_id: str, request: Request) -> dict:
+    async with _session(request) as s:
+        return key_json(await service.get_key(s, key_id))
+
+
+@router.delete("/keys/{key_id}")
+async def revoke_key(key_id: str, request: Request) -> dict:
+    async with _session(request) as s:
+        await service.revoke_key(s, key_id, actor=_actor(request))
+    app_state(request).keys.invalidate_key_id(key_id)
+    return {"id": key_id, "object": "api_key", "revoked": True}
+
+
+# -- reports and the engine ------------------------------------------------------------------------------
+@router.get("/usage")
+async def usage(request: Request):
+    tenant_id = request.query_params.get("tenant_id") or None
+    if tenant_id is not None:
+        async with _session(request) as s:
+            await service.get_tenant(s, tenant_id)
+    return await usage_response(app_state(request), request, tenant_id)
+
+
+@router.get("/engine")
+async def engine(request: Request) -> dict:
+    state = app_state(request)
+    out = {}
+    for name, stats in state.engine_stats():
+        out[name] = {
+            "waiting": stats.get("waiting_requests", {}),
+            "running": stats.get("running", {}),
+            "waiting_by_tenant": stats.get("waiting_by_tenant", {}),
+            "running_by_tenant": stats.get("running_by_tenant", {}),
+            "kv_blocks": {"total": stats.get("kv_blocks_total"), "used": stats.get("kv_blocks_used"),
+                          "free": stats.get("kv_blocks_free")},
+            "preemptions": stats.get("num_preemptions", 0),
+            "generated_tokens": stats.get("num_generated_tokens", 0),
+            "prefix_cache": {"queries": stats.get("prefix_cache_queries", 0),
+                             "hits": stats.get("prefix_cache_hits", 0)},
+        }
+    return {"object": "engine", "models": out, "inflight_requests": len(state.inflight),
+            "draining": state.draining}
+
+
+@router.get("/models")
+async def models(request: Request) -> dict:
+    state = app_state(request)
+    return {"object": "list", "data": [
+        {"id": m.name, "object": "model", "path": str(m.path), "private": m.private,
+         "max_model_len": m.engine.max_model_len} for m in state.models.values()]}
+
+
+@router.get("/audit")
+async def audit(request: Request, limit: int = Query(100, ge=1, le=1000)) -> JSONResponse:
+    async with _session(request) as s:
+        rows = await service.list_audit(s, limit=limit)
+    return JSONResponse({"object": "list", "data": [
+        {"id": r.id, "actor": r.actor, "action": r.action, "target_type": r.target_type,
+         "target_id": r.target_id, "detail": r.detail, "created_at": _iso(r.created_at)}
+        for r in rows]})

@@ -1,0 +1,276 @@
+"""The FastAPI application: start-up (database, models, limiter, keys), middleware, routes.
+
+    app = create_app(Settings())          # what `lockgate serve` runs under uvicorn
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import re
+import secrets
+import sys
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from engine import AsyncEngine
+from gateway import admin, openai_api
+from gateway.errors import APIError, install_error_handlers
+from gateway.settings import Settings, parse_model_specs
+from gateway.state import AppState, ModelEntry
+from tenancy import db, keys, service
+from tenancy.limiter import InProcessLimiter, RedisLimiter
+from tenancy.service import UsageWriter
+
+logger = logging.getLogger(__name__)
+
+_REQUEST_ID = re.compile(r"^[\x21-\x7e]{1,128}$")
+DEMO_MODEL = "demo"
+
+
+class SchemaBehind(RuntimeError):
+    """The configured database is not at the migrations' head."""
+
+
+# -- middleware (plain ASGI: streaming responses pass straight through) ------------------------------
+class RequestContext:
+    """Gives every response an `x-request-id` (the client's own when it sent a sane one) and
+    refuses bodies over `max_body_bytes` with 413 before any route reads them."""
+
+    def __init__(self, app: Any, max_body_bytes: int) -> None:
+        self.app = app
+        self.max_body = max_body_bytes
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope.get("headers") or [])
+        rid = headers.get(b"x-request-id", b"").decode("latin-1")
+        if not _REQUEST_ID.match(rid):
+            rid = "req_" + secrets.token_hex(12)
+        scope.setdefault("state", {})["request_id"] = rid
+        rid_header = (b"x-request-id", rid.encode())
+
+        async def send_with_id(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []), rid_header]
+            await send(message)
+
+        length = headers.get(b"content-length")
+        too_big = False
+        if length is not None:
+            try:
+                too_big = int(length) > self.max_body
+            except ValueError:
+                too_big = True
+        body_chunks: list[bytes] | None = None
+        if not too_big and scope["method"] in ("POST", "PUT", "PATCH") and length is None:
+            # chunked upload: read it here, within the limit, then replay it
+            body_chunks, size = [], 0
+            while True:
+                msg = await receive()
+                if msg["type"] == "http.disconnect":
+                    return
+                chunk = msg.get("body", b"")
+                size += len(chunk)
+                if size > self.max_body:
+                    too_big = True
+                    break
+                body_chunks.append(chunk)
+                if not msg.get("more_body"):
+                    break
+        if too_big:
+            err = APIError(413, f"The request body exceeds {self.max_body} bytes.",
+                           code="request_too_large")
+            await err.response()(scope, receive, send_with_id)
+            return
+        if body_chunks is not None:
+            body = b"".join(body_chunks)
+            replayed = False
+
+            async def replay() -> dict:
+                nonlocal replayed
+                if not replayed:
+                    replayed = True
+                    return {"type": "http.request", "body": body, "more_body": False}
+                return await receive()
+
+            await self.app(scope, replay, send_with_id)
+            return
+        await self.app(scope, receive, send_with_id)
+
+
+# -- start-up ----------------------------------------------------------------------------------------
+def show_secret(settings: Settings, name: str, text: str) -> None:
+    """Shown once: on the terminal (outside logging), or in a 0600 file when stdout is not one."""
+    if sys.stdout.isatty():
+        print(text, flush=True)
+        return
+    path = settings.data_dir / name
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text + "\n")
+    os.chmod(path, 0o600)
+    print(f"lockgate: {name.replace('_', ' ')} written to {path} (mode 0600)", flush=True)
+
+
+async def prepare_database(settings: Settings) -> str:
+    url = settings.resolved_database_url()
+    if settings.embedded or settings.migrate:
+        await db.upgrade_async(url)
+        return url
+    current, head = await asyncio.to_thread(db.schema_status, url)
+    if current != head:
+        raise SchemaBehind(
+            f"the database schema is at {current or 'nothing'}, the code needs {head}: "
+            "run `lockgate db upgrade` or pass --migrate"
+        )
+    return url
+
+
+async def load_models(state: AppState) -> None:
+    s = state.settings
+    specs = parse_model_specs(s.models)
+    if not specs:
+        from engine.demo_model import write_demo_model
+
+        path = s.data_dir / "models" / DEMO_MODEL
+        if not (path / "config.json").is_file():
+            print(f"lockgate: building the demo model in {path} (first start only)", flush=True)
+            await asyncio.to_thread(write_demo_model, path, "llama", "small", 0)
+        specs = {DEMO_MODEL: path}
+    private = set(s.private_models)
+    unknown = private - set(specs)
+    if unknown:
+        raise ValueError(f"private_models: {sorted(unknown)} are not served models")
+    for name, path in specs.items():
+        engine = AsyncEngine(str(path), **s.engine_kwargs)
+        await engine.start()
+        # load the chat template's renderer now, not on the first request
+        await asyncio.to_thread(lambda e=engine: e.tokenizer.hf_tokenizer)
+        state.models[name] = ModelEntry(name, Path(path), engine, private=name in private)
+
+
+async def bootstrap_keys(state: AppState) -> None:
+    s = state.settings
+    assert state.sessions is not None
+    async with state.sessions() as session:
+        if s.admin_key is not None:
+            await service.ensure_admin_key(session, s.admin_key.get_secret_value(), state.pepper)
+        elif not await service.has_admin_key(session):
+            _, plaintext = await service.create_key(session, tenant_id=None, name="bootstrap",
+                                                    scopes=("admin",), pepper=state.pepper,
+                                                    actor="bootstrap")
+            show_secret(s, "admin_key", f"lockgate: admin key (shown once): {plaintext}")
+        if s.embedded and s.create_demo_tenant:
+            existing = [t for t in await service.list_tenants(session, limit=1000) if t.name == "demo"]
+            if not existing:
+                t = await service.create_tenant(session, name="demo", actor="bootstrap")
+                _, plaintext = await service.create_key(session, tenant_id=t.id, name="demo",
+                                                        pepper=state.pepper, actor="bootstrap")
+                model = next(iter(state.models))
+                curl = (f"curl http://{s.host}:{s.port}/v1/chat/completions "
+                        f"-H 'Authorization: Bearer {plaintext}' -H 'Content-Type: application/json' "
+                        f"-d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", "
+                        f"\"content\": \"Hello\"}}], \"max_tokens\": 16}}'")
+                show_secret(s, "demo_key", f"lockgate: demo tenant key (shown once): {plaintext}\n"
+                                           f"lockgate: try it:\n  {curl}")
+        after = None
+        while True:
+            page = await service.list_tenants(session, limit=500, after=after)
+            for t in page:
+                state.push_weight(t.id, t.weight)
+            if len(page) < 500:
+                break
+            after = page[-1].id
+
+
+async def heartbeat(state: AppState) -> None:
+    interval = max(0.5, state.settings.lease_ttl_s / 3)
+    while True:
+        await asyncio.sleep(interval)
+        if state.inflight and state.limiter is not None:
+            try:
+                await state.limiter.heartbeat(list(state.inflight.values()))
+            except Exception:  # noqa: BLE001 - next beat tries again; leases outlive one miss
+                logger.warning("lease heartbeat failed", exc_info=True)
+
+
+@asynccontextmanager
+async def lifespan(app: FastAPI):
+    state: AppState = app.state.lockgate
+    s = state.settings
+    s.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    url = await prepare_database(s)
+    state.db = db.make_engine(url)
+    state.sessions = db.make_sessionmaker(state.db)
+    state.pepper = (keys.pepper_from_setting(s.pepper.get_secret_value()) if s.pepper
+                    else keys.load_or_create_pepper(s.data_dir))
+    state.limiter = (RedisLimiter(s.redis_url, prefix=s.redis_prefix, lease_ttl=s.lease_ttl_s)
+                     if s.redis_url else InProcessLimiter(lease_ttl=s.lease_ttl_s))
+    state.usage = UsageWriter(state.sessions, max_batch=s.usage_batch_max,
+                              max_delay_s=s.usage_batch_delay_s)
+    await state.usage.start()
+    beat = None
+    try:
+        await load_models(state)
+        await bootstrap_keys(state)
+        beat = asyncio.get_running_loop().create_task(heartbeat(state))
+        state.ready = True
+        yield
+    finally:
+        state.ready = False
+        state.draining = True
+        if beat is not None:
+            beat.cancel()
+        await state.wait_background()
+        await state.usage.close()
+        await state.limiter.close()
+        for m in state.models.values():
+            await m.engine.shutdown()
+        await state.db.dispose()
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    settings = settings or Settings()
+    app = FastAPI(title="Lockgate", version="0.1.0", lifespan=lifespan,
+                  docs_url=None, redoc_url=None, openapi_url="/openapi.json")
+    app.state.lockgate = AppState(settings)
+    install_error_handlers(app)
+    app.include_router(openai_api.router)
+    app.include_router(admin.router)
+
+    @app.get("/health", include_in_schema=False)
+    async def health() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/ready", include_in_schema=False)
+    async def ready(request: Request) -> JSONResponse:
+        state: AppState = request.app.state.lockgate
+        checks = {"models": state.ready and all(m.engine.core is not None for m in state.models.values())}
+        try:
+            assert state.sessions is not None
+            async with state.sessions() as session:
+                await db.ping(session)
+            checks["database"] = True
+        except Exception:  # noqa: BLE001
+            checks["database"] = False
+        checks["draining"] = state.draining
+        ok = checks["models"] and checks["database"] and not state.draining
+        return JSONResponse({"status": "ready" if ok else "not_ready", **checks},
+                            status_code=200 if ok else 503)
+
+    @app.get("/metrics", include_in_schema=False)
+    async def metrics(request: Request) -> Response:
+        state: AppState = request.app.state.lockgate
+        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    app.add_middleware(RequestContext, max_body_bytes=settings.max_body_bytes)
+    return app

@@ -1,0 +1,260 @@
+"""One admitted request's life: limiter admission, engine requests, settlement and usage.
+
+    job = Job(state, principal, entry, tier, prompts, params)
+    await job.admit()          # 429 here; nothing queued yet
+    job.submit()               # 400/503 here; the engine has the request(s)
+    async for i, out in job.events(): ...
+    usage = await job.finish("ok")    # usage row committed, reservation settled
+
+`finish` runs exactly once whatever happens (disconnect, error, success): the lease is
+settled to the tokens processed and exactly one usage row is written.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from datetime import UTC, datetime
+
+from engine import EngineDead, EngineOverloaded, PromptTooLong, RequestOutput, SamplingParams
+from engine.async_engine import RequestStream
+from gateway.errors import APIError
+from gateway.state import AppState, ModelEntry
+from tenancy.limiter import Decision, Lease, Scope
+from tenancy.service import Principal, UsageRow
+
+logger = logging.getLogger(__name__)
+
+TIERS = {"default": ("online", 0), "priority": ("online", -1), "flex": ("offline", 0)}
+
+
+def new_request_id() -> str:
+    return secrets.token_hex(12)
+
+
+def fmt_duration(seconds: float | None) -> str:
+    """OpenAI's reset format: '20ms', '1s', '6m0s', '1h2m3s'."""
+    if seconds is None:
+        return "0s"
+    if seconds < 1:
+        return f"{max(1, round(seconds * 1000))}ms"
+    s = int(-(-seconds // 1))
+    h, rem = divmod(s, 3600)
+    m, sec = divmod(rem, 60)
+    if h:
+        return f"{h}h{m}m{sec}s"
+    if m:
+        return f"{m}m{sec}s"
+    return f"{sec}s"
+
+
+def ratelimit_headers(d: Decision) -> dict[str, str]:
+    h: dict[str, str] = {}
+    if d.limit_requests is not None:
+        h["x-ratelimit-limit-requests"] = str(d.limit_requests)
+        h["x-ratelimit-remaining-requests"] = str(max(0, d.remaining_requests or 0))
+        h["x-ratelimit-reset-requests"] = fmt_duration(d.reset_requests)
+    if d.limit_tokens is not None:
+        h["x-ratelimit-limit-tokens"] = str(d.limit_tokens)
+        h["x-ratelimit-remaining-tokens"] = str(max(0, d.remaining_tokens or 0))
+        h["x-ratelimit-reset-tokens"] = fmt_duration(d.reset_tokens)
+    return h
+
+
+class Job:
+    def __init__(
+        self,
+        state: AppState,
+        principal: Principal,
+        entry: ModelEntry,
+        tier: str,
+        prompts: list[list[int]],
+        params: list[SamplingParams],
+        reserve_tokens: int,
+        cache_salt: str | None = None,
+    ) -> None:
+        self.state = state
+        self.principal = principal
+        self.entry = entry
+        self.tier = tier
+        self.service_class, self.priority = TIERS[tier]
+        self.prompts = prompts
+        self.params = params
+        self.reserve_tokens = reserve_tokens
+        # prefixes are never shared across tenants: the tenant is part of every block hash
+        self.cache_salt = f"{principal.tenant_id}:{cache_salt or ''}"
+        self.id = new_request_id()
+        self.t0 = time.time()
+        self.decision: Decision | None = None
+        self.lease: Lease | None = None
+        self.streams: list[RequestStream] = []
+        self.finals: dict[int, RequestOutput] = {}
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._pumps: list[asyncio.Task] = []
+        self._open = 0
+        self._finished: asyncio.Future | None = None
+        self.usage: dict | None = None
+
+    # -- admission ----------------------------------------------------------------------------
+    async def admit(self) -> None:
+        p = self.principal
+        scopes = [Scope(f"tenant:{p.tenant_id}", p.tenant_quota), Scope(f"key:{p.key_id}", p.key_quota)]
+        limiter = self.state.limiter
+        assert limiter is not None
+        d = await limiter.acquire(self.id, scopes, self.reserve_tokens)
+        self.decision = d
+        if not d.allowed:
+            self.state.metrics.rejections.labels(p.tenant_name, d.limit or "unknown").inc()
+            headers = ratelimit_headers(d)
+            if d.retry_after is not None:
+                headers["retry-after"] = str(max(1, int(-(-d.retry_after // 1))))
+            if d.code == "insufficient_quota":
+                headers["x-should-retry"] = "false"
+            raise APIError(429, d.message, code=d.code or "rate_limit_exceeded", headers=headers)
+        self.lease = d.lease
+        if self.lease is not None:
+            self.state.inflight[self.id] = self.lease
+
+    def submit(self) -> None:
+        """Hand every prompt to the engine; on refusal nothing stays queued."""
+        p = self.principal
+        self.state.push_weight(p.tenant_id, p.weight)
+        engine = self.entry.engine
+        try:
+            for i, (ids, sp) in enumerate(zip(self.prompts, self.params, strict=True)):
+                self.streams.append(engine.submit(
+                    ids, sp, f"{self.id}-{i}", tenant=p.tenant_id, service_class=self.service_class,
+                    priority=self.priority, cache_salt=self.cache_salt,
+                ))
+        except PromptTooLong as exc:
+            self._close_streams()
+            raise APIError(400, str(exc), param="messages", code="context_length_exceeded") from None
+        except EngineOverloaded as exc:
+            self._close_streams()
+            raise APIError(503, f"The engine is busy: {exc}. Retry shortly.", code="engine_overloaded",
+                           headers={"retry-after": "1"}) from None
+        except EngineDead as exc:
+            self._close_streams()
+            raise APIError(503, f"The engine is not running: {exc}", code="engine_unavailable",
+                           headers={"retry-after": "5"}) from None
+        except ValueError as exc:
+            self._close_streams()
+            param = str(exc).split(":", 1)[0].split(" ", 1)[0]
+            raise APIError(400, str(exc), param=param or None) from None
+        self._open = len(self.streams)
+        for i, stream in enumerate(self.streams):
+            self._pumps.append(asyncio.get_running_loop().create_task(self._pump(i, stream)))
+
+    async def _pump(self, i: int, stream: RequestStream) -> None:
+        try:
+            async for out in stream:
+                self._queue.put_nowait(("out", i, out))
+            self._queue.put_nowait(("done", i, None))
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - handed to the reader
+            self._queue.put_nowait(("err", i, exc))
+        finally:
+            stream.close()
+
+    async def events(self):
+        """(prompt index, cumulative output) as they arrive, until every prompt finished."""
+        while self._open > 0:
+            kind, i, item = await self._queue.get()
+            if kind == "out":
+                self.finals[i] = item
+                yield i, item
+            elif kind == "done":
+                self._open -= 1
+            else:
+                if isinstance(item, EngineDead):
+                    raise APIError(503, f"The engine stopped: {item}", code="engine_unavailable",
+                                   headers={"retry-after": "5"})
+                raise item
+
+    def _close_streams(self) -> None:
+        for t in self._pumps:
+            t.cancel()
+        for s in self.streams:
+            s.close()
+
+    # -- the end ------------------------------------------------------------------------------
+    def counts(self) -> tuple[int, int, int]:
+        prompt = sum(len(ids) for ids in self.prompts)
+        cached = sum(o.num_cached_tokens for o in self.finals.values())
+        completion = sum(len(c.token_ids) for o in self.finals.values() for c in o.outputs)
+        return prompt, cached, completion
+
+    def usage_dict(self) -> dict:
+        prompt, cached, completion = self.counts()
+        return {"prompt_tokens": prompt, "completion_tokens": completion,
+                "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}}
+
+    async def finish(self, status: str) -> dict:
+        """Settle and record, once; later calls wait for the first and return its usage.
+        Raises APIError(503) when the usage row could not be committed (the caller must not
+        then show the client a completion)."""
+        if self._finished is not None:
+            await asyncio.shield(self._finished)
+            return self.usage or {}
+        self._finished = asyncio.get_running_loop().create_future()
+        error: BaseException | None = None
+        try:
+            self._close_streams()
+            prompt, cached, completion = self.counts()
+            metrics = [o.metrics for o in self.finals.values() if o.metrics is not None]
+            scheduled = [m.first_scheduled_time for m in metrics if m.first_scheduled_time]
+            first_tok = [m.first_token_time for m in metrics if m.first_token_time]
+            now = time.time()
+            if status == "ok":
+                used = prompt + completion
+            else:   # what the engine actually processed: prompts that started, tokens made
+                started = sum(len(self.prompts[i]) for i, o in self.finals.items()
+                              if o.metrics and o.metrics.first_scheduled_time)
+                used = started + completion
+            self.usage = self.usage_dict()
+            row = UsageRow(
+                request_id=self.id, tenant_id=self.principal.tenant_id,
+                api_key_id=self.principal.key_id, model=self.entry.name, service_tier=self.tier,
+                prompt_tokens=prompt, cached_tokens=cached, completion_tokens=completion,
+                status=status,
+                queue_ms=(min(scheduled) - self.t0) * 1000 if scheduled else (now - self.t0) * 1000,
+                ttft_ms=(min(first_tok) - self.t0) * 1000 if first_tok else None,
+                total_ms=(now - self.t0) * 1000,
+                created_at=datetime.now(UTC),
+            )
+            try:
+                assert self.state.usage is not None
+                await self.state.usage.record(row)
+            except Exception as exc:  # noqa: BLE001
+                logger.error("usage row for request %s not committed: %r", self.id, exc)
+                error = exc
+            m = self.state.metrics
+            tenant = self.principal.tenant_name
+            m.requests.labels(tenant, self.entry.name, self.tier, status).inc()
+            m.tokens.labels(tenant, "prompt").inc(prompt)
+            m.tokens.labels(tenant, "cached").inc(cached)
+            m.tokens.labels(tenant, "completion").inc(completion)
+            m.e2e.labels(self.tier).observe(now - self.t0)
+            if first_tok:
+                m.ttft.labels(self.tier).observe(min(first_tok) - self.t0)
+                ends = [mm.finished_time for mm in metrics if mm.finished_time]
+                if completion > len(self.finals) and ends:
+                    m.tpot.labels(self.tier).observe(
+                        (max(ends) - min(first_tok)) / (completion - len(self.finals)))
+        finally:
+            if self.lease is not None:
+                self.state.inflight.pop(self.id, None)
+                try:
+                    assert self.state.limiter is not None
+                    await self.state.limiter.settle(self.lease, used if "used" in locals() else 0)
+                except Exception:  # noqa: BLE001 - leases expire on their own
+                    logger.warning("could not settle the lease of %s", self.id, exc_info=True)
+            self._finished.set_result(None)
+        if error is not None:
+            raise APIError(503, "The request's usage could not be recorded; it was not completed.",
+                           code="usage_not_recorded", headers={"retry-after": "1"})
+        return self.usage

@@ -1,0 +1,63 @@
+"""Prometheus metrics, one registry per app (so tests can run several apps in one process)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+
+
+class _EngineCollector(Collector):
+    """Reads the engines' latest stats at scrape time: queues, running, KV, preemptions."""
+
+    def __init__(self, stats: Callable[[], Iterable[tuple[str, dict]]]) -> None:
+        self._stats = stats
+
+    def collect(self):
+        waiting = GaugeMetricFamily("lockgate_queue_depth", "Requests waiting, by model and class",
+                                    labels=["model", "service_class"])
+        running = GaugeMetricFamily("lockgate_running", "Sequences running, by model and class",
+                                    labels=["model", "service_class"])
+        kv = GaugeMetricFamily("lockgate_kv_blocks", "KV cache blocks, by model and state",
+                               labels=["model", "state"])
+        kv_usage = GaugeMetricFamily("lockgate_kv_usage_ratio", "Fraction of KV blocks in use",
+                                     labels=["model"])
+        pre = CounterMetricFamily("lockgate_preemptions", "Sequences preempted", labels=["model"])
+        for model, s in self._stats():
+            for cls, n in s.get("waiting_requests", {}).items():
+                waiting.add_metric([model, cls], n)
+            for cls, n in s.get("running", {}).items():
+                running.add_metric([model, cls], n)
+            used, total = s.get("kv_blocks_used", 0), s.get("kv_blocks_total", 0)
+            kv.add_metric([model, "used"], used)
+            kv.add_metric([model, "free"], s.get("kv_blocks_free", 0))
+            kv_usage.add_metric([model], used / total if total else 0.0)
+            pre.add_metric([model], s.get("num_preemptions", 0))
+        yield from (waiting, running, kv, kv_usage, pre)
+
+
+class Metrics:
+    def __init__(self, engine_stats: Callable[[], Iterable[tuple[str, dict]]]) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("lockgate_requests", "Requests by tenant, model, tier and status",
+                                ["tenant", "model", "service_tier", "status"], registry=r)
+        self.tokens = Counter("lockgate_tokens", "Tokens by tenant and kind (prompt, cached, completion)",
+                              ["tenant", "kind"], registry=r)
+        self.ttft = Histogram("lockgate_time_to_first_token_seconds", "Time to first token by tier",
+                              ["service_tier"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("lockgate_time_per_output_token_seconds",
+                              "Time per output token after the first, by tier", ["service_tier"],
+                              buckets=_TPOT_BUCKETS, registry=r)
+        self.e2e = Histogram("lockgate_e2e_request_latency_seconds", "End-to-end latency by tier",
+                             ["service_tier"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.rejections = Counter("lockgate_limiter_rejections", "Requests refused by a limit",
+                                  ["tenant", "limit"], registry=r)
+        self.http_errors = Counter("lockgate_http_errors", "Error responses by status and code",
+                                   ["status", "code"], registry=r)
+        r.register(_EngineCollector(engine_stats))

@@ -1,0 +1,453 @@
+"""The OpenAI-compatible routes: chat completions, completions, models, a tenant's usage."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import Any
+
+import anyio
+from fastapi import APIRouter, Depends, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+
+from engine import CompletionOutput, RequestOutput, SamplingParams
+from gateway.auth import app_state, tenant_principal
+from gateway.errors import APIError, validation_error
+from gateway.jobs import Job, ratelimit_headers
+from gateway.protocol import (
+    UNSUPPORTED_CHAT,
+    UNSUPPORTED_COMPLETION,
+    ChatCompletionRequest,
+    CompletionRequest,
+    refuse_unsupported,
+)
+from gateway.state import AppState, ModelEntry
+from gateway.usage_api import usage_response
+from tenancy.service import Principal
+
+logger = logging.getLogger(__name__)
+router = APIRouter()
+
+
+# -- parsing ------------------------------------------------------------------------------------
+async def read_json(request: Request) -> dict[str, Any]:
+    body = await request.body()
+    if not body:
+        raise APIError(400, "The request body is empty; expected a JSON object.")
+    try:
+        data = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise APIError(400, f"We could not parse the JSON body of your request: {exc}") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "The request body must be a JSON object.")
+    return data
+
+
+def parse(model: type[BaseModel], data: dict[str, Any]) -> Any:
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise validation_error(RequestValidationError(exc.errors())) from None
+
+
+def resolve_model(state: AppState, principal: Principal, name: str) -> ModelEntry:
+    entry = state.models.get(name)
+    if entry is None or entry not in state.visible_models(principal):
+        raise APIError(404, f"The model `{name}` does not exist or you do not have access to it.",
+                       param="model", code="model_not_found")
+    return entry
+
+
+def resolve_tier(principal: Principal, requested: str | None) -> str:
+    tier = principal.default_tier if requested in (None, "auto") else requested
+    if tier not in principal.service_tiers:
+        raise APIError(403, f"service_tier {tier!r} is not in this tenant's plan "
+                       f"(allowed: {', '.join(principal.service_tiers)})",
+                       param="service_tier", code="service_tier_not_allowed")
+    return tier
+
+
+def check_common(state: AppState, req: Any) -> None:
+    s = state.settings
+    if (req.n or 1) > s.max_n:
+        raise APIError(400, f"n: at most {s.max_n} choices per request", param="n")
+    if len(req.stop_list()) > s.max_stop_sequences:
+        raise APIError(400, f"stop: at most {s.max_stop_sequences} stop sequences", param="stop")
+
+
+def sampling(req: Any, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    kw: dict[str, Any] = {
+        "n": req.n or 1, "max_tokens": max_tokens, "logprobs": logprobs,
+        "stop": req.stop_list() or None, "seed": req.seed,
+    }
+    for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "top_k",
+                 "min_p", "repetition_penalty", "min_tokens", "ignore_eos"):
+        value = getattr(req, name)
+        if value is not None:
+            kw[name] = value
+    if kw.get("min_tokens", 0) > max_tokens:
+        raise APIError(400, f"min_tokens ({kw['min_tokens']}) exceeds max_tokens ({max_tokens})",
+                       param="min_tokens")
+    try:
+        return SamplingParams(**kw)
+    except ValueError as exc:
+        raise APIError(400, str(exc), param=str(exc).split(" ", 1)[0]) from None
+
+
+def max_tokens_for(state: AppState, entry: ModelEntry, prompt_len: int, requested: int | None,
+                   param: str, prompt_param: str) -> int:
+    max_len = entry.engine.max_model_len
+    cap = state.settings.max_tokens_limit
+    if requested is not None and cap is not None and requested > cap:
+        raise APIError(400, f"{param}: at most {cap} on this server", param=param)
+    if requested is None:
+        left = max_len - prompt_len
+        if left < 1:
+            raise APIError(400, f"This model's maximum context length is {max_len} tokens. However, "
+                           f"your {prompt_param} resulted in {prompt_len} tokens. Please reduce the "
+                           f"length of the {prompt_param}.", param=prompt_param,
+                           code="context_length_exceeded")
+        return min(left, cap) if cap is not None else left
+    if prompt_len + requested > max_len:
+        raise APIError(400, f"This model's maximum context length is {max_len} tokens. However, you "
+                       f"requested {prompt_len + requested} tokens ({prompt_len} in the {prompt_param}, "
+                       f"{requested} in the completion). Please reduce the length of the "
+                       f"{prompt_param} or completion.", param=prompt_param,
+                       code="context_length_exceeded")
+    return requested
+
+
+def check_draining(state: AppState) -> None:
+    if state.draining:
+        raise APIError(503, "The server is shutting down; retry on another replica.",
+                       code="server_draining", headers={"retry-after": "5"})
+
+
+# -- output shapes --------------------------------------------------------------------------------
+def finish_reason(c: CompletionOutput) -> str | None:
+    return c.finish_reason
+
+
+def _bytes(s: str | None) -> list[int]:
+    return list((s or "").encode("utf-8"))
+
+
+def chat_logprobs(c: CompletionOutput, start: int, top: int) -> dict | None:
+    if c.logprobs is None:
+        return None
+    content = []
+    for pos in range(start, len(c.logprobs)):
+        entry = c.logprobs[pos]
+        tok = c.token_ids[pos]
+        chosen = entry[tok]
+        tops = sorted((v for v in entry.values() if v.rank is not None and v.rank <= top),
+                      key=lambda v: v.rank)
+        content.append({
+            "token": chosen.decoded_token, "logprob": chosen.logprob, "bytes": _bytes(chosen.decoded_token),
+            "top_logprobs": [{"token": v.decoded_token, "logprob": v.logprob,
+                              "bytes": _bytes(v.decoded_token)} for v in tops[:top]],
+        })
+    return {"content": content, "refusal": None}
+
+
+def completion_logprobs(c: CompletionOutput, start: int, top: int, text_offset: int) -> dict | None:
+    if c.logprobs is None:
+        return None
+    tokens, lps, tops, offsets = [], [], [], []
+    off = text_offset
+    for pos in range(start, len(c.logprobs)):
+        entry = c.logprobs[pos]
+        chosen = entry[c.token_ids[pos]]
+        tokens.append(chosen.decoded_token)
+        lps.append(chosen.logprob)
+        best = sorted((v for v in entry.values() if v.rank is not None and v.rank <= top),
+                      key=lambda v: v.rank)[:top]
+        tops.append({v.decoded_token: v.logprob for v in best} if top else None)
+        offsets.append(off)
+        off += len(chosen.decoded_token or "")
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def sse(data: dict) -> bytes:
+    return b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
+
+
+async def wait_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def run_or_disconnect(request: Request, job: Job, coro) -> Any:
+    """Run `coro`; if the client goes away first, abort the job (engine requests, lease)."""
+    task = asyncio.ensure_future(coro)
+    watcher = asyncio.ensure_future(wait_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        watcher.cancel()
+        await asyncio.shield(job.finish("cancelled"))
+        raise
+    if task in done:
+        watcher.cancel()
+        return task.result()
+    task.cancel()
+    await job.finish("cancelled")
+    raise APIError(499, "client closed the request", code="client_closed_request")
+
+
+# -- chat ------------------------------------------------------------------------------------------
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request, principal: Principal = Depends(tenant_principal)):
+    state = app_state(request)
+    check_draining(state)
+    data = await read_json(request)
+    refuse_unsupported(data, UNSUPPORTED_CHAT)
+    req: ChatCompletionRequest = parse(ChatCompletionRequest, data)
+    entry = resolve_model(state, principal, req.model)
+    tier = resolve_tier(principal, req.service_tier)
+    check_common(state, req)
+    messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text(),
+                 **({"name": m.name} if m.name else {})} for m in req.messages]
+    if sum(len(m["content"]) for m in messages) > state.settings.max_prompt_chars:
+        raise APIError(400, f"messages: longer than {state.settings.max_prompt_chars} characters",
+                       param="messages")
+    tok = entry.engine.tokenizer
+    try:
+        text = tok.apply_chat_template(messages)
+    except Exception as exc:  # noqa: BLE001 - a template's own error is the client's input
+        raise APIError(400, f"messages: the chat template refused them: {exc}", param="messages") from None
+    ids = tok.encode(text, add_special_tokens=False)
+    max_tokens = max_tokens_for(state, entry, len(ids), req.requested_max_tokens(),
+                                "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens",
+                                "messages")
+    top = req.top_logprobs or 0
+    params = sampling(req, max_tokens, top if req.logprobs else None)
+    job = Job(state, principal, entry, tier, [ids], [params], len(ids) + max_tokens * params.n,
+              req.cache_salt)
+    await job.admit()
+    try:
+        job.submit()
+    except APIError:
+        await job.finish("error")
+        raise
+    headers = {**ratelimit_headers(job.decision)} if job.decision else {}
+    base = {"id": f"chatcmpl-{job.id}", "created": int(job.t0), "model": req.model,
+            "service_tier": tier, "system_fingerprint": None}
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return StreamingResponse(chat_stream(job, base, top, include_usage, params.n),
+                                 media_type="text/event-stream", headers=headers)
+
+    async def collect() -> dict:
+        async for _ in job.events():
+            pass
+        usage = await job.finish("ok")
+        out = job.finals[0]
+        choices = [{
+            "index": c.index,
+            "message": {"role": "assistant", "content": c.text, "refusal": None},
+            "logprobs": chat_logprobs(c, 0, top),
+            "finish_reason": finish_reason(c),
+        } for c in out.outputs]
+        return {**base, "object": "chat.completion", "choices": choices, "usage": usage}
+
+    try:
+        body = await run_or_disconnect(request, job, collect())
+    except APIError:
+        raise
+    except Exception:
+        await asyncio.shield(job.finish("error"))
+        raise
+    return JSONResponse(body, headers=headers)
+
+
+async def chat_stream(job: Job, base: dict, top: int, include_usage: bool, n: int):
+    chunk = {**base, "object": "chat.completion.chunk"}
+    extra = {"usage": None} if include_usage else {}
+    status = "cancelled"
+    sent_tokens = [0] * n
+    try:
+        for i in range(n):
+            yield sse({**chunk, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                             "logprobs": None, "finish_reason": None}], **extra})
+        async for _, out in job.events():
+            for c in out.outputs:
+                if not (c.delta_text or c.finish_reason or (c.logprobs and len(c.token_ids) > sent_tokens[c.index])):
+                    continue
+                lp = chat_logprobs(c, sent_tokens[c.index], top)
+                sent_tokens[c.index] = len(c.token_ids)
+                delta = {"content": c.delta_text} if c.delta_text else {}
+                yield sse({**chunk, "choices": [{"index": c.index, "delta": delta, "logprobs": lp,
+                                                 "finish_reason": finish_reason(c)}], **extra})
+        usage = await job.finish("ok")
+        status = "ok"
+        if include_usage:
+            yield sse({**chunk, "choices": [], "usage": usage})
+        yield b"data: [DONE]\n\n"
+    except APIError as exc:
+        status = "error"
+        yield sse(exc.body())
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - headers are gone; say it in the stream
+        status = "error"
+        logger.exception("stream of %s failed", job.id)
+        yield sse(APIError(500, f"The stream failed: {type(exc).__name__}", code="internal_error").body())
+    finally:
+        if status != "ok":
+            with anyio.CancelScope(shield=True):
+                try:
+                    await job.finish(status)
+                except APIError:
+                    pass
+
+
+# -- completions ----------------------------------------------------------------------------------
+@router.post("/v1/completions")
+async def completions(request: Request, principal: Principal = Depends(tenant_principal)):
+    state = app_state(request)
+    check_draining(state)
+    data = await read_json(request)
+    refuse_unsupported(data, UNSUPPORTED_COMPLETION)
+    req: CompletionRequest = parse(CompletionRequest, data)
+    entry = resolve_model(state, principal, req.model)
+    tier = resolve_tier(principal, req.service_tier)
+    check_common(state, req)
+    prompts = req.prompts()
+    if not prompts:
+        raise APIError(400, "prompt: must not be empty", param="prompt")
+    if len(prompts) > 16:
+        raise APIError(400, "prompt: at most 16 prompts per request", param="prompt")
+    tok = entry.engine.tokenizer
+    vocab = tok.vocab_size
+    ids_list: list[list[int]] = []
+    for k, p in enumerate(prompts):
+        if isinstance(p, str):
+            if len(p) > state.settings.max_prompt_chars:
+                raise APIError(400, f"prompt: longer than {state.settings.max_prompt_chars} characters",
+                               param="prompt")
+            ids = tok.encode(p)
+        else:
+            if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in p):
+                raise APIError(400, f"prompt[{k}]: token ids must be integers in [0, {vocab})",
+                               param="prompt")
+            ids = list(p)
+        if not ids:
+            raise APIError(400, "prompt: must not be empty", param="prompt")
+        ids_list.append(ids)
+    params_list = []
+    reserve = 0
+    for ids in ids_list:
+        mt = max_tokens_for(state, entry, len(ids), req.max_tokens, "max_tokens", "prompt")
+        sp = sampling(req, mt, req.logprobs)
+        params_list.append(sp)
+        reserve += len(ids) + mt * sp.n
+    n = params_list[0].n
+    job = Job(state, principal, entry, tier, ids_list, params_list, reserve, req.cache_salt)
+    await job.admit()
+    try:
+        job.submit()
+    except APIError:
+        await job.finish("error")
+        raise
+    headers = {**ratelimit_headers(job.decision)} if job.decision else {}
+    base = {"id": f"cmpl-{job.id}", "created": int(job.t0), "model": req.model,
+            "service_tier": tier, "system_fingerprint": None}
+    top = req.logprobs or 0
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return StreamingResponse(completion_stream(job, base, top, include_usage, n),
+                                 media_type="text/event-stream", headers=headers)
+
+    async def collect() -> dict:
+        async for _ in job.events():
+            pass
+        usage = await job.finish("ok")
+        choices = []
+        for i in range(len(ids_list)):
+            for c in job.finals[i].outputs:
+                choices.append({"index": i * n + c.index, "text": c.text,
+                                "logprobs": completion_logprobs(c, 0, top, 0),
+                                "finish_reason": finish_reason(c)})
+        return {**base, "object": "text_completion", "choices": choices, "usage": usage}
+
+    try:
+        body = await run_or_disconnect(request, job, collect())
+    except APIError:
+        raise
+    except Exception:
+        await asyncio.shield(job.finish("error"))
+        raise
+    return JSONResponse(body, headers=headers)
+
+
+async def completion_stream(job: Job, base: dict, top: int, include_usage: bool, n: int):
+    chunk = {**base, "object": "text_completion"}
+    extra = {"usage": None} if include_usage else {}
+    status = "cancelled"
+    sent: dict[tuple[int, int], tuple[int, int]] = {}   # (prompt, choice) -> (tokens, chars)
+    try:
+        async for i, out in job.events():
+            for c in out.outputs:
+                toks, chars = sent.get((i, c.index), (0, 0))
+                if not (c.delta_text or c.finish_reason or (c.logprobs and len(c.token_ids) > toks)):
+                    continue
+                lp = completion_logprobs(c, toks, top, chars)
+                sent[(i, c.index)] = (len(c.token_ids), chars + len(c.delta_text))
+                yield sse({**chunk, "choices": [{"index": i * n + c.index, "text": c.delta_text,
+                                                 "logprobs": lp, "finish_reason": finish_reason(c)}],
+                           **extra})
+        usage = await job.finish("ok")
+        status = "ok"
+        if include_usage:
+            yield sse({**chunk, "choices": [], "usage": usage})
+        yield b"data: [DONE]\n\n"
+    except APIError as exc:
+        status = "error"
+        yield sse(exc.body())
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:  # noqa: BLE001
+        status = "error"
+        logger.exception("stream of %s failed", job.id)
+        yield sse(APIError(500, f"The stream failed: {type(exc).__name__}", code="internal_error").body())
+    finally:
+        if status != "ok":
+            with anyio.CancelScope(shield=True):
+                try:
+                    await job.finish(status)
+                except APIError:
+                    pass
+
+
+# -- models and usage --------------------------------------------------------------------------------
+def model_card(m: ModelEntry) -> dict:
+    return {"id": m.name, "object": "model", "created": m.created, "owned_by": "lockgate",
+            "parent": None, "root": m.name, "max_model_len": m.engine.max_model_len}
+
+
+@router.get("/v1/models")
+async def list_models(request: Request, principal: Principal = Depends(tenant_principal)):
+    state = app_state(request)
+    return {"object": "list", "data": [model_card(m) for m in state.visible_models(principal)]}
+
+
+@router.get("/v1/models/{model_id:path}")
+async def get_model(model_id: str, request: Request, principal: Principal = Depends(tenant_principal)):
+    return model_card(resolve_model(app_state(request), principal, model_id))
+
+
+@router.get("/v1/usage")
+async def tenant_usage(request: Request, principal: Principal = Depends(tenant_principal)) -> Response:
+    tenant_id = request.query_params.get("tenant_id")
+    if tenant_id not in (None, "", principal.tenant_id):
+        raise APIError(403, "A tenant's key reads only its own usage.", param="tenant_id",
+                       code="permission_denied")
+    return await usage_response(app_state(request), request, principal.tenant_id)
+

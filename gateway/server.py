@@ -1,0 +1,52 @@
+"""`lockgate serve`: uvicorn around the app, with a draining shutdown.
+
+SIGTERM or SIGINT: the app starts answering 503 to new requests at once, uvicorn stops
+accepting connections and gives in-flight requests `shutdown_timeout_s` to finish, then the
+app's shutdown flushes usage rows and stops the engines.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import uvicorn
+
+from gateway.app import SchemaBehind, create_app
+from gateway.settings import Settings
+
+logger = logging.getLogger(__name__)
+
+
+class DrainingServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, app_state) -> None:
+        super().__init__(config)
+        self.app_state = app_state
+
+    def handle_exit(self, sig, frame) -> None:
+        self.app_state.draining = True
+        super().handle_exit(sig, frame)
+
+
+def run_server(settings: Settings) -> int:
+    if not settings.embedded and not settings.migrate:
+        from tenancy import db
+
+        current, head = db.schema_status(settings.resolved_database_url())
+        if current != head:
+            print(f"lockgate: the database schema is at {current or 'nothing'}, the code needs "
+                  f"{head}: run `lockgate db upgrade` or pass --migrate", file=sys.stderr)
+            return 2
+    app = create_app(settings)
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="info",
+                            timeout_graceful_shutdown=int(max(1, settings.shutdown_timeout_s)),
+                            lifespan="on", access_log=False)
+    server = DrainingServer(config, app.state.lockgate)
+    try:
+        server.run()
+    except SchemaBehind as exc:
+        print(f"lockgate: {exc}", file=sys.stderr)
+        return 2
+    if not server.started:
+        return 1
+    return 0

@@ -1,0 +1,120 @@
+"""Gateway settings: `LOCKGATE_*` environment variables, an optional config file, CLI flags.
+
+With nothing set, Lockgate runs embedded: SQLite and the demo model under `data_dir`, the
+in-process limiter. `LOCKGATE_DATABASE_URL` and `LOCKGATE_REDIS_URL` switch to PostgreSQL
+and Redis, shared by every gateway replica.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+
+def default_data_dir() -> Path:
+    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return Path(base) / "lockgate"
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="LOCKGATE_", extra="forbid")
+
+    data_dir: Path = Field(default_factory=default_data_dir)
+    database_url: str | None = None          # None: SQLite in data_dir, migrated at start
+    redis_url: str | None = None             # None: the in-process limiter
+    redis_prefix: str = "lockgate:"          # key prefix in Redis (replicas must agree)
+    admin_key: SecretStr | None = None       # the bootstrap admin key; generated when absent
+    pepper: SecretStr | None = None          # HMAC pepper for API keys; generated in data_dir when absent
+    models: list[str] = Field(default_factory=list)   # "NAME=DIR" or "DIR"; empty: the demo model
+    private_models: list[str] = Field(default_factory=list)  # served only to tenants listing them
+    host: str = "127.0.0.1"
+    port: int = 8000
+    migrate: bool = False                    # with database_url: run migrations at start
+    create_demo_tenant: bool = True          # embedded default only: a "demo" tenant and key
+
+    # request limits
+    max_body_bytes: int = 1 << 20
+    max_n: int = 8
+    max_tokens_limit: int | None = None      # None: the model's context decides
+    max_prompt_chars: int = 1 << 20
+    max_stop_sequences: int = 4
+
+    # behaviour
+    key_cache_ttl_s: float = 2.0             # a revoked key stops working within this (+ a request)
+    shutdown_timeout_s: float = 30.0
+    usage_batch_max: int = 256
+    usage_batch_delay_s: float = 0.002
+    lease_ttl_s: float = 30.0
+    default_tier: str = "default"
+
+    # engine
+    engine_kwargs: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("port")
+    @classmethod
+    def _port(cls, v: int) -> int:
+        if not 0 <= v < 65536:
+            raise ValueError("must be in [0, 65535]")
+        return v
+
+    @field_validator("max_body_bytes", "max_n", "max_prompt_chars")
+    @classmethod
+    def _positive(cls, v: int) -> int:
+        if v < 1:
+            raise ValueError("must be >= 1")
+        return v
+
+    @property
+    def embedded(self) -> bool:
+        return self.database_url is None
+
+    def resolved_database_url(self) -> str:
+        if self.database_url:
+            return self.database_url
+        return f"sqlite+aiosqlite:///{self.data_dir / 'lockgate.db'}"
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        config_file = os.environ.get("LOCKGATE_CONFIG")
+        if config_file:
+            path = Path(config_file)
+            if path.suffix in (".toml",):
+                from pydantic_settings import TomlConfigSettingsSource
+
+                sources.append(TomlConfigSettingsSource(settings_cls, toml_file=path))
+            else:
+                from pydantic_settings import JsonConfigSettingsSource
+
+                sources.append(JsonConfigSettingsSource(settings_cls, json_file=path))
+        return tuple(sources)
+
+
+def parse_model_specs(specs: list[str]) -> dict[str, Path]:
+    """`NAME=DIR` or `DIR` (named after the directory) -> {name: dir}; names are unique."""
+    out: dict[str, Path] = {}
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep:
+            path, name = spec, Path(spec).name
+        name = name.strip()
+        if not name:
+            raise ValueError(f"model: {spec!r} has an empty name")
+        if name in out:
+            raise ValueError(f"model: the name {name!r} is given twice")
+        p = Path(path).expanduser()
+        if not p.is_dir():
+            raise ValueError(f"model: {str(p)!r} is not a directory")
+        out[name] = p
+    return out
