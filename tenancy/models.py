@@ -1,0 +1,169 @@
+"""The tenancy tables (SQLAlchemy 2.0 declarative, portable across SQLite and PostgreSQL).
+
+`migrations/versions` must create exactly this schema; `tests/test_migrations.py` checks it."""
+
+from __future__ import annotations
+
+import secrets
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    CheckConstraint,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+)
+from sqlalchemy.engine import Dialect
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy.types import TypeDecorator
+
+SERVICE_TIERS = ("default", "priority", "flex")
+SCOPES = ("inference", "admin")
+TENANT_STATUSES = ("active", "suspended")
+USAGE_STATUSES = ("ok", "error", "cancelled")
+
+NAMING_CONVENTION = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+def new_tenant_id() -> str:
+    return "ten_" + secrets.token_hex(8)
+
+
+def new_key_id() -> str:
+    return "key_" + secrets.token_hex(8)
+
+
+class UTCDateTime(TypeDecorator[datetime]):
+    """`DateTime(timezone=True)` that always stores UTC and always returns aware UTC values,
+    also on SQLite (which keeps no zone). Naive input is taken to be UTC."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: Any, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if not isinstance(value, datetime):
+            raise TypeError(f"expected a datetime, got {type(value).__name__}")
+        value = value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+        if dialect.name == "sqlite":
+            return value.replace(tzinfo=None)
+        return value
+
+    def process_result_value(self, value: Any, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if isinstance(value, str):  # raw SQLite text, e.g. from a textual query
+            value = datetime.fromisoformat(value)
+        return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+
+
+class _QuotaColumns:
+    """The five quota limits (names as `tenancy.quota.Quota`'s fields); NULL is unlimited."""
+
+    requests_per_minute: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    tokens_per_minute: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    max_concurrent_requests: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    daily_token_budget: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    monthly_token_budget: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+
+
+class Tenant(_QuotaColumns, Base):
+    __tablename__ = "tenants"
+    __table_args__ = (
+        CheckConstraint("weight > 0", name="weight_positive"),
+        CheckConstraint("status IN ('active', 'suspended')", name="status"),
+    )
+
+    id: Mapped[str] = mapped_column(String(20), primary_key=True, default=new_tenant_id)
+    name: Mapped[str] = mapped_column(String(64), unique=True)
+    status: Mapped[str] = mapped_column(String(16), default="active")
+    weight: Mapped[float] = mapped_column(Float, default=1.0)
+    service_tiers: Mapped[list[str]] = mapped_column(JSON, default=lambda: list(SERVICE_TIERS))
+    default_tier: Mapped[str] = mapped_column(String(16), default="default")
+    # None (SQL NULL): every public model; else the model/adapter names this tenant may use.
+    models: Mapped[list[str] | None] = mapped_column(JSON(none_as_null=True), nullable=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    deleted_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+
+    def __repr__(self) -> str:
+        return f"Tenant(id={self.id!r}, name={self.name!r}, status={self.status!r})"
+
+
+class ApiKey(_QuotaColumns, Base):
+    __tablename__ = "api_keys"
+
+    id: Mapped[str] = mapped_column(String(20), primary_key=True, default=new_key_id)
+    # NULL for admin keys, which belong to no tenant.
+    tenant_id: Mapped[str | None] = mapped_column(
+        String(20), ForeignKey("tenants.id"), nullable=True, index=True
+    )
+    name: Mapped[str] = mapped_column(String(64))
+    prefix: Mapped[str] = mapped_column(String(12), unique=True, index=True)
+    secret_hash: Mapped[str] = mapped_column(String(64))
+    scopes: Mapped[list[str]] = mapped_column(JSON)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    last_used_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+
+    def __repr__(self) -> str:
+        return f"ApiKey(id={self.id!r}, tenant_id={self.tenant_id!r}, name={self.name!r})"
+
+
+class UsageRecord(Base):
+    __tablename__ = "usage_records"
+    __table_args__ = (
+        Index("ix_usage_records_tenant_id_created_at", "tenant_id", "created_at"),
+        CheckConstraint("status IN ('ok', 'error', 'cancelled')", name="status"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    request_id: Mapped[str] = mapped_column(String(128), unique=True)
+    # Indexed by the leading column of ix_usage_records_tenant_id_created_at.
+    tenant_id: Mapped[str] = mapped_column(String(20), ForeignKey("tenants.id"))
+    api_key_id: Mapped[str] = mapped_column(String(20))
+    model: Mapped[str] = mapped_column(String(128))
+    service_tier: Mapped[str] = mapped_column(String(16))
+    prompt_tokens: Mapped[int] = mapped_column(Integer)
+    cached_tokens: Mapped[int] = mapped_column(Integer)
+    completion_tokens: Mapped[int] = mapped_column(Integer)
+    status: Mapped[str] = mapped_column(String(16))
+    queue_ms: Mapped[float] = mapped_column(Float)
+    ttft_ms: Mapped[float | None] = mapped_column(Float, nullable=True)
+    total_ms: Mapped[float] = mapped_column(Float)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, index=True)
+
+
+class AuditEntry(Base):
+    __tablename__ = "audit_entries"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    actor: Mapped[str] = mapped_column(String(64))           # a key id, or "bootstrap"
+    action: Mapped[str] = mapped_column(String(64))          # e.g. "tenant.create"
+    target_type: Mapped[str] = mapped_column(String(32))     # "tenant" | "key"
+    target_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    detail: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True), nullable=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, index=True)
