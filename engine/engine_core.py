@@ -231,20 +231,33 @@ class EngineCore:
             p = seq.params
             may_stop = seq.num_output_tokens > p.min_tokens
             if may_stop and not p.ignore_eos and token in self.eos_token_ids:
+                self._flush_text(seq, seq.num_output_tokens - 1)
                 self.scheduler.finish(seq, "stop")
                 continue
             if may_stop and token in p.stop_token_ids:
+                self._flush_text(seq, seq.num_output_tokens - 1)
                 self.scheduler.finish(seq, "stop", token)
                 continue
             delta = tok.step_stream(seq.decode_stream, token)
             if delta:
                 seq.text += delta
+                seq.num_text_tokens = seq.num_output_tokens
                 if p.stop_strings and may_stop and self._check_stop_strings(seq, len(delta)):
                     continue
             if (p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens) or (
                 seq.num_tokens >= self.max_seq_len
             ):
+                self._flush_text(seq, seq.num_output_tokens)
                 self.scheduler.finish(seq, "length")
+
+    def _flush_text(self, seq: Sequence, upto: int) -> None:
+        """At the end, the bytes the incremental decoder still holds (a character cut short)
+        are decoded as the full decode would render them (U+FFFD), so the final text equals
+        `tokenizer.decode(output ids)`."""
+        if upto > seq.num_text_tokens:
+            pending = seq.output_token_ids[seq.num_text_tokens:upto]
+            seq.text += self.tokenizer.decode(pending, seq.params.skip_special_tokens)
+            seq.num_text_tokens = upto
 
     def _check_stop_strings(self, seq: Sequence, delta_len: int) -> bool:
         p = seq.params

@@ -81,6 +81,7 @@ class Sequence:
     text: str = ""
     num_sent_chars: int = 0
     num_sent_tokens: int = 0
+    num_text_tokens: int = 0                    # output tokens the text so far accounts for
     cumulative_logprob: float = 0.0
     logprobs: list[dict[int, tuple[float, int]]] | None = None
     decode_stream: object | None = None

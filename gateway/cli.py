@@ -125,3 +125,7 @@ def serve(
                          migrate=migrate or None, shutdown_timeout_s=shutdown_timeout,
                          private_models=private_model or None)
     raise typer.Exit(run_server(settings))
+
+
+if __name__ == "__main__":
+    app()

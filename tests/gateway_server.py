@@ -10,6 +10,7 @@ given as URLs). Two servers given the same URLs and pepper are two replicas.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -143,3 +144,27 @@ class GatewayServer:
                 self.proc.kill()
                 self.proc.wait()
         return self.proc.returncode
+
+
+@contextlib.contextmanager
+def running_server(tmp_dir: Path, backend: str, **kwargs):
+    """A server on `backend` ("embedded" or "services"), stopped afterwards."""
+    from tests.services import check_redis, drop_redis_prefix, fresh_pg_database
+
+    if backend == "embedded":
+        srv = GatewayServer.start(tmp_dir, **kwargs)
+        try:
+            yield srv
+        finally:
+            srv.stop()
+        return
+    redis_url = check_redis()
+    prefix = f"lgtest:{os.getpid()}:{secrets.token_hex(4)}:"
+    with fresh_pg_database() as url:
+        srv = GatewayServer.start(tmp_dir, database_url=url, redis_url=redis_url,
+                                  redis_prefix=prefix, pepper=secrets.token_hex(32), **kwargs)
+        try:
+            yield srv
+        finally:
+            srv.stop()
+            drop_redis_prefix(prefix)

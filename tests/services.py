@@ -14,6 +14,7 @@ Fixtures:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 
@@ -40,17 +41,48 @@ def _pg_admin():
                            autocommit=True, connect_timeout=3)
 
 
-@pytest.fixture
-def pg_url():
+@contextlib.contextmanager
+def fresh_pg_database():
+    """A new empty PostgreSQL database (its async URL), dropped afterwards; any scope."""
     name = f"lg_{os.getpid()}_{secrets.token_hex(4)}"
     try:
         with _pg_admin() as conn:
             conn.execute(f'CREATE DATABASE "{name}"')
     except Exception as exc:  # noqa: BLE001 - any failure means "not reachable"
         _missing(f"PostgreSQL at {PG_HOST}:{PG_PORT}", exc)
-    yield f"postgresql+asyncpg://{PG_USER}@{PG_HOST}:{PG_PORT}/{name}"
-    with _pg_admin() as conn:
-        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    try:
+        yield f"postgresql+asyncpg://{PG_USER}@{PG_HOST}:{PG_PORT}/{name}"
+    finally:
+        with _pg_admin() as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def check_redis() -> str:
+    import redis
+
+    try:
+        client = redis.Redis.from_url(REDIS_URL, socket_connect_timeout=3)
+        client.ping()
+        client.close()
+    except Exception as exc:  # noqa: BLE001
+        _missing(f"Redis at {REDIS_URL}", exc)
+    return REDIS_URL
+
+
+def drop_redis_prefix(prefix: str) -> None:
+    import redis
+
+    client = redis.Redis.from_url(REDIS_URL)
+    keys = list(client.scan_iter(match=prefix + "*", count=1000))
+    if keys:
+        client.delete(*keys)
+    client.close()
+
+
+@pytest.fixture
+def pg_url():
+    with fresh_pg_database() as url:
+        yield url
 
 
 @pytest.fixture
@@ -65,25 +97,11 @@ def db_url(request):
 
 @pytest.fixture
 def redis_url():
-    import redis
-
-    try:
-        client = redis.Redis.from_url(REDIS_URL, socket_connect_timeout=3)
-        client.ping()
-        client.close()
-    except Exception as exc:  # noqa: BLE001
-        _missing(f"Redis at {REDIS_URL}", exc)
-    return REDIS_URL
+    return check_redis()
 
 
 @pytest.fixture
 def redis_prefix(redis_url):
-    import redis
-
     prefix = f"lgtest:{os.getpid()}:{secrets.token_hex(4)}:"
     yield prefix
-    client = redis.Redis.from_url(redis_url)
-    keys = list(client.scan_iter(match=prefix + "*", count=1000))
-    if keys:
-        client.delete(*keys)
-    client.close()
+    drop_redis_prefix(prefix)
