@@ -151,7 +151,7 @@ async def load_models(state: AppState) -> None:
     if unknown:
         raise ValueError(f"private_models: {sorted(unknown)} are not served models")
     for name, path in specs.items():
-        engine = AsyncEngine(str(path), **s.engine_kwargs)
+        engine = state.engine_factory(str(path), **s.engine_kwargs)
         await engine.start()
         # load the chat template's renderer now, not on the first request
         await asyncio.to_thread(lambda e=engine: e.tokenizer.hf_tokenizer)
@@ -238,11 +238,14 @@ async def lifespan(app: FastAPI):
         await state.db.dispose()
 
 
-def create_app(settings: Settings | None = None) -> FastAPI:
+def create_app(settings: Settings | None = None, engine_factory: Any = AsyncEngine) -> FastAPI:
+    """`engine_factory(model_dir, **engine_kwargs)` makes each model's engine: AsyncEngine, or
+    anything with its interface (the gateway benchmark's instant stand-in)."""
     settings = settings or Settings()
     app = FastAPI(title="Lockgate", version="0.1.0", lifespan=lifespan,
                   docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     app.state.lockgate = AppState(settings)
+    app.state.lockgate.engine_factory = engine_factory
     install_error_handlers(app)
     app.include_router(openai_api.router)
     app.include_router(admin.router)
