@@ -211,6 +211,10 @@ async def lifespan(app: FastAPI):
     url = await prepare_database(s)
     state.db = db.make_engine(url)
     state.sessions = db.make_sessionmaker(state.db)
+    if s.pepper is None and not s.embedded:
+        logger.warning("LOCKGATE_PEPPER is not set: API keys are hashed under this data "
+                       "directory's pepper, so replicas with other data directories will not "
+                       "accept them; set the same LOCKGATE_PEPPER on every replica")
     state.pepper = (keys.pepper_from_setting(s.pepper.get_secret_value()) if s.pepper
                     else keys.load_or_create_pepper(s.data_dir))
     state.limiter = (RedisLimiter(s.redis_url, prefix=s.redis_prefix, lease_ttl=s.lease_ttl_s)
