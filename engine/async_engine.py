@@ -46,6 +46,7 @@ class AsyncEngine:
     async def start(self) -> None:
         if self.core is None:
             self.core = await asyncio.to_thread(EngineCore, self.config, stream_outputs=True)
+            self.core.scheduler.fair.weights.update(self._tenant_weights)
             self._stats = self.core.stats()
         if self._thread is None:
             self._stop.clear()
@@ -100,6 +101,8 @@ class AsyncEngine:
         if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0:
             raise ValueError(f"weight: must be a number > 0, got {weight!r}")
         self._tenant_weights[tenant] = float(weight)
+        if self.core is not None:   # a dict store: atomic under the GIL, read by the loop thread
+            self.core.scheduler.fair.weights[tenant] = float(weight)
 
     @property
     def _core(self) -> EngineCore:
@@ -140,6 +143,8 @@ class AsyncEngine:
         priority: int = 0,
         model: str | None = None,
         cache_salt: str | None = None,
+        share_group: str | None = None,
+        tenant_weight: float | None = None,
     ) -> RequestStream:
         """Queue a request now (raising ValueError, PromptTooLong or EngineOverloaded at once,
         before anything is queued) and return its stream of outputs. Must be called from
@@ -149,7 +154,8 @@ class AsyncEngine:
         text, ids = to_token_ids(core, prompt)
         req = EngineRequest(request_id, ids, sampling_params, prompt=text, tenant=tenant,
                             service_class=service_class, priority=priority, model=model,
-                            cache_salt=cache_salt)
+                            cache_salt=cache_salt, share_group=share_group,
+                            tenant_weight=tenant_weight)
         core.validate(req)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()

@@ -33,6 +33,8 @@ class EngineConfig:
     seed: int = 0
     service_classes: tuple[str, ...] = ("online", "offline")
     max_waiting_per_class: int = 100_000
+    # share of the KV blocks that less urgent classes may not take, e.g. {"online": 0.2}
+    reserved_kv_fraction: dict[str, float] = field(default_factory=dict)
     num_threads: int | None = None
 
     def __post_init__(self) -> None:
@@ -62,6 +64,14 @@ class EngineConfig:
         self.service_classes = tuple(self.service_classes)
         if not self.service_classes or len(set(self.service_classes)) != len(self.service_classes):
             raise ValueError("service_classes must be a non-empty list of distinct names")
+        self.reserved_kv_fraction = dict(self.reserved_kv_fraction or {})
+        for cls, frac in self.reserved_kv_fraction.items():
+            if cls not in self.service_classes:
+                raise ValueError(f"reserved_kv_fraction: {cls!r} is not one of {list(self.service_classes)}")
+            if isinstance(frac, bool) or not isinstance(frac, (int, float)) or not 0.0 <= frac < 1.0:
+                raise ValueError(f"reserved_kv_fraction[{cls!r}] must be in [0, 1); got {frac!r}")
+        if sum(self.reserved_kv_fraction.values()) >= 1.0:
+            raise ValueError("reserved_kv_fraction: the shares must add up to less than 1")
         if not Path(self.model).is_dir():
             raise ValueError(f"model must be a model directory; {self.model!r} is not one")
 

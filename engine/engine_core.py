@@ -76,12 +76,16 @@ class EngineCore:
             kv_cache_memory=config.kv_cache_memory,
         )
         self.runner.allocate_kv_cache(self.num_kv_blocks, bs)
-        self.kv = KVCacheManager(self.num_kv_blocks, bs, config.enable_prefix_caching)
+        self.kv = KVCacheManager(self.num_kv_blocks, bs, config.enable_prefix_caching,
+                                 num_tiers=len(config.service_classes))
         self.scheduler = Scheduler(config, self.kv)
         self.class_rank = {name: i for i, name in enumerate(config.service_classes)}
         self.eos_token_ids = set(mc.eos_token_ids)
-        # a sequence can grow until the context or the whole cache is full
+        # a sequence can grow until the context or the cache its class may use is full
         self.max_seq_len = min(self.max_model_len, self.num_kv_blocks * bs)
+        self.max_seq_len_by_rank = [
+            min(self.max_model_len, (self.num_kv_blocks - r) * bs) for r in self.scheduler.reserve_by_rank
+        ]
         self.requests: dict[str, RequestState] = {}
         self.timings = StepTimings()
         # tests turn this on: block accounting is checked after every schedule
@@ -102,7 +106,12 @@ class EngineCore:
         req.sampling.__post_init__()   # re-checked: the object may have changed since it was built
         if type(req.priority) is not int:
             raise ValueError(f"priority: must be an integer, got {req.priority!r}")
-        for name in ("tenant", "model", "cache_salt"):
+        if req.tenant_weight is not None and (
+            isinstance(req.tenant_weight, bool) or not isinstance(req.tenant_weight, (int, float))
+            or not 0 < req.tenant_weight < float("inf")
+        ):
+            raise ValueError(f"tenant_weight: must be a number > 0, got {req.tenant_weight!r}")
+        for name in ("tenant", "model", "cache_salt", "share_group"):
             value = getattr(req, name)
             if value is not None and not isinstance(value, str) or (name == "tenant" and not value):
                 raise ValueError(f"{name}: must be a{' non-empty' if name == 'tenant' else ''} string, got {value!r}")
@@ -122,19 +131,21 @@ class EngineCore:
                 f"prompt: {len(ids)} tokens leave no room for output within max_model_len "
                 f"{self.max_model_len}"
             )
-        if len(ids) >= self.max_seq_len:
+        if req.service_class not in self.class_rank:
+            raise ValueError(
+                f"service_class: {req.service_class!r} is not one of {list(self.config.service_classes)}"
+            )
+        if len(ids) >= self.max_seq_len_by_rank[self.class_rank[req.service_class]]:
             raise PromptTooLong(
-                f"prompt: {len(ids)} tokens cannot fit the whole KV cache "
-                f"({self.num_kv_blocks} blocks of {self.config.block_size} tokens)"
+                f"prompt: {len(ids)} tokens cannot fit the KV cache its class may use "
+                f"({self.num_kv_blocks} blocks of {self.config.block_size} tokens, "
+                f"{self.scheduler.reserve_by_rank[self.class_rank[req.service_class]]} reserved "
+                "for more urgent classes)"
             )
         if not self.config.enable_chunked_prefill and len(ids) > self.config.max_num_batched_tokens:
             raise PromptTooLong(
                 f"prompt: {len(ids)} tokens exceed max_num_batched_tokens "
                 f"{self.config.max_num_batched_tokens} with chunked prefill disabled"
-            )
-        if req.service_class not in self.class_rank:
-            raise ValueError(
-                f"service_class: {req.service_class!r} is not one of {list(self.config.service_classes)}"
             )
         if req.model is not None and req.model not in self.served_model_names:
             raise UnknownModel(f"model: {req.model!r} is not served by this engine")
@@ -245,7 +256,7 @@ class EngineCore:
                 if p.stop_strings and may_stop and self._check_stop_strings(seq, len(delta)):
                     continue
             if (p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens) or (
-                seq.num_tokens >= self.max_seq_len
+                seq.num_tokens >= self.max_seq_len_by_rank[state.class_rank]
             ):
                 self._flush_text(seq, seq.num_output_tokens)
                 self.scheduler.finish(seq, "length")
@@ -357,7 +368,23 @@ class EngineCore:
         run_t = Counter(s.state.req.tenant for s in sched.running)
         wait_t = Counter(s.state.req.tenant for s in sched.waiting)
         classes = self.config.service_classes
+        run_ct = Counter((s.state.class_rank, s.state.req.tenant) for s in sched.running)
+        wait_ct = Counter((s.state.class_rank, s.state.req.tenant) for s in sched.waiting)
+        tenants: dict[str, dict] = {}
+        per_class = {c: {"waiting": waiting.get(c, 0), "running": running.get(c, 0), "preemptions": 0,
+                         "prefill_tokens": 0, "decode_tokens": 0, "cached_tokens": 0} for c in classes}
+        for (rank, tenant), ts in sched.tenant_stats.items():
+            cls = classes[rank]
+            row = {"waiting": wait_ct.get((rank, tenant), 0), "running": run_ct.get((rank, tenant), 0),
+                   "preemptions": ts.preemptions, "prefill_tokens": ts.prefill_tokens,
+                   "decode_tokens": ts.decode_tokens, "cached_tokens": ts.cached_tokens,
+                   "counter": sched.fair.counter(rank, tenant), "weight": sched.fair.weight(tenant)}
+            tenants.setdefault(tenant, {})[cls] = row
+            for k in ("preemptions", "prefill_tokens", "decode_tokens", "cached_tokens"):
+                per_class[cls][k] += row[k]
         return {
+            "classes": per_class,
+            "tenants": tenants,
             "running": {c: running.get(c, 0) for c in classes},
             "waiting": {c: waiting.get(c, 0) for c in classes},
             "waiting_requests": {c: waiting_reqs.get(c, 0) for c in classes},

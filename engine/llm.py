@@ -49,9 +49,13 @@ class LLM:
         use_tqdm: bool | None = None,
         service_class: str = "online",
         priority: int = 0,
+        tenant: str = "default",
+        cache_salt: str | None = None,
+        share_group: str | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs in input order. `use_tqdm` is vLLM's
-        name for `use_progress_bar`."""
+        name for `use_progress_bar`. `tenant`, `cache_salt` and `share_group` scope the
+        prefix cache (and the tenant is the fairness key)."""
         if use_tqdm is not None:
             use_progress_bar = use_tqdm
         if isinstance(prompts, (str, dict)):
@@ -72,7 +76,8 @@ class LLM:
         for prompt, sp in zip(prompts, params):   # validate all before queueing any
             text, ids = to_token_ids(self.engine, prompt)
             req = EngineRequest(str(next(self._ids)), ids, sp, prompt=text,
-                                service_class=service_class, priority=priority)
+                                service_class=service_class, priority=priority, tenant=tenant,
+                                cache_salt=cache_salt, share_group=share_group)
             self.engine.validate(req)
             requests.append(req)
         for req in requests:

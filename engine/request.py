@@ -24,10 +24,11 @@ class EngineRequest:
     prompt: str | None = None
     tenant: str = "default"           # opaque to the engine: the fairness key
     service_class: str = "online"     # one of EngineConfig.service_classes, most urgent first
-    priority: int = 0                 # smaller runs sooner within its class (per tenant once
-                                      # the scheduler issue adds tenant fairness)
+    priority: int = 0                 # smaller runs sooner, within its tenant and class
     model: str | None = None          # model variant: base, quantized, or base+LoRA
     cache_salt: str | None = None     # mixed into prefix-cache hashes
+    share_group: str | None = None    # prefix blocks shared across tenants of this group only
+    tenant_weight: float | None = None  # the tenant's fairness weight, if the caller sets it here
 
 
 class SeqStatus(enum.Enum):

@@ -2,16 +2,22 @@
 
 One token budget (`max_num_batched_tokens`) and one sequence cap (`max_num_seqs`) per step.
 Every running decode comes first, in policy order; then prefill chunks of running and
-waiting sequences together, in policy order. `priority` orders by (service class, the
-request's priority, arrival); `fcfs` by arrival alone. When blocks run out, the least
-urgent running sequence is preempted (blocks freed, recomputed later, its place in line
-kept); a waiting sequence may preempt running ones only of a less urgent class.
+waiting sequences together, in policy order.
+
+`priority` orders by service class; inside a class, by tenant fairness (virtual token
+counters as in VTC, OSDI'24: the backlogged tenant with the least weighted service goes
+next); inside a tenant, by the request's priority; then arrival. `fcfs` orders by arrival
+alone. When blocks run out, the least urgent running sequence is preempted (blocks freed,
+its cached prefix kept for its return, recomputed later, its place in line kept); a waiting
+sequence may preempt running ones only of a less urgent class. `reserved_kv_fraction`
+keeps a share of the blocks out of reach of less urgent classes.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import defaultdict
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
@@ -48,23 +54,109 @@ class SchedulerOutput:
         return not self.scheduled
 
 
+PREFILL_COST = 1   # service per uncached prompt token computed
+DECODE_COST = 2    # service per output token (VTC's w_q)
+
+
+class Fairness:
+    """Virtual token counters per (class, tenant): service / weight.
+
+    A tenant is active in a class while it has sequences there (waiting or running). A
+    tenant that becomes active starts at the least counter among the active tenants of its
+    class (or at the class's high-water mark when none is), so idle time banks no credit.
+    """
+
+    def __init__(self, weights: dict[str, float] | None = None) -> None:
+        self.weights = weights if weights is not None else {}
+        self.counters: dict[int, dict[str, float]] = defaultdict(dict)
+        self.active: dict[int, dict[str, int]] = defaultdict(dict)
+        self.high_water: dict[int, float] = defaultdict(float)
+
+    def weight(self, tenant: str) -> float:
+        return self.weights.get(tenant, 1.0)
+
+    def counter(self, rank: int, tenant: str) -> float:
+        return self.counters[rank].get(tenant, 0.0)
+
+    def activate(self, rank: int, tenant: str, num: int = 1) -> None:
+        active = self.active[rank]
+        if active.get(tenant, 0) == 0:
+            others = [self.counters[rank].get(t, 0.0) for t, n in active.items() if n > 0]
+            floor = min(others) if others else self.high_water[rank]
+            self.counters[rank][tenant] = max(self.counter(rank, tenant), floor)
+        active[tenant] = active.get(tenant, 0) + num
+
+    def deactivate(self, rank: int, tenant: str) -> None:
+        active = self.active[rank]
+        active[tenant] -= 1
+        if active[tenant] <= 0:
+            del active[tenant]
+
+    def charge(self, rank: int, tenant: str, service: float) -> None:
+        c = self.counter(rank, tenant) + service / self.weight(tenant)
+        self.counters[rank][tenant] = c
+        if c > self.high_water[rank]:
+            self.high_water[rank] = c
+
+    def backlogged(self, rank: int) -> dict[str, float]:
+        """Counters of the tenants active in class `rank`."""
+        return {t: self.counter(rank, t) for t, n in self.active[rank].items() if n > 0}
+
+
+@dataclass(slots=True)
+class TenantStats:
+    preemptions: int = 0
+    prefill_tokens: int = 0     # computed (uncached) prompt tokens, recomputation included
+    decode_tokens: int = 0
+    cached_tokens: int = 0      # prompt tokens served from the prefix cache at admission
+
+
 class Scheduler:
-    def __init__(self, config: EngineConfig, kv: KVCacheManager) -> None:
+    def __init__(self, config: EngineConfig, kv: KVCacheManager,
+                 weights: dict[str, float] | None = None) -> None:
         self.kv = kv
         self.block_size = kv.block_size
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.chunked_prefill = config.enable_chunked_prefill
         self.policy = config.scheduling_policy
+        self.classes = config.service_classes
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.fair = Fairness(weights)
+        num_blocks = kv.pool.num_blocks
+        frac = config.reserved_kv_fraction
+        # blocks a sequence of class rank r must leave free: the shares of more urgent classes
+        self.reserve_by_rank = [
+            sum(int(frac.get(c, 0.0) * num_blocks) for c in self.classes[:r])
+            for r in range(len(self.classes))
+        ]
+        self.tenant_stats: dict[tuple[int, str], TenantStats] = defaultdict(TenantStats)
+        self._step_charges: dict[Sequence, list[tuple[int, bool]]] = {}
+        self._admitting = True
 
-    def key(self, seq: Sequence) -> tuple[int, ...]:
-        return seq.sort_key if self.policy == "priority" else seq.fcfs_key
+    def key(self, seq: Sequence) -> tuple:
+        """Urgency, smallest first: under `priority` (class, tenant's counter, priority,
+        arrival, sample); under `fcfs` (arrival, sample)."""
+        if self.policy != "priority":
+            return seq.fcfs_key
+        st = seq.state
+        return (st.class_rank, self.fair.counter(st.class_rank, st.req.tenant), st.req.priority,
+                st.arrival_seq, seq.index)
+
+    def reserve_for(self, seq: Sequence) -> int:
+        return self.reserve_by_rank[seq.state.class_rank]
+
+    def stats_of(self, seq: Sequence) -> TenantStats:
+        return self.tenant_stats[(seq.state.class_rank, seq.state.req.tenant)]
 
     # -- queue changes ---------------------------------------------------------------------
     def add(self, state: RequestState) -> None:
+        req = state.req
+        if req.tenant_weight is not None:
+            self.fair.weights[req.tenant] = float(req.tenant_weight)
+        self.fair.activate(state.class_rank, req.tenant, len(state.seqs))
         self.waiting.extend(state.seqs)
 
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
@@ -75,8 +167,21 @@ class Scheduler:
         else:
             self.waiting.remove(seq)
         self.kv.free(seq)
+        self.fair.deactivate(seq.state.class_rank, seq.state.req.tenant)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason, seq.stop_reason = reason, stop_reason
+
+    def _charge(self, seq: Sequence, num_tokens: int, decode: bool, record: bool = True) -> None:
+        """Count `num_tokens` of service to `seq`'s tenant (negative: a refund)."""
+        st = self.stats_of(seq)
+        if decode:
+            st.decode_tokens += num_tokens
+        else:
+            st.prefill_tokens += num_tokens
+        service = num_tokens * (DECODE_COST if decode else PREFILL_COST)
+        if record:
+            self._step_charges.setdefault(seq, []).append((num_tokens, decode))
+        self.fair.charge(seq.state.class_rank, seq.state.req.tenant, service)
 
     @property
     def has_work(self) -> bool:
@@ -87,6 +192,8 @@ class Scheduler:
         budget = StepBudget(self.max_num_batched_tokens)
         scheduled: dict[Sequence, int] = {}
         preempted: list[Sequence] = []
+        self._step_charges = {}
+        self._admitting = True
         self.running.sort(key=self.key)
         self._schedule_decodes(budget, scheduled, preempted)
         self._schedule_prefills(budget, scheduled, preempted)
@@ -104,31 +211,58 @@ class Scheduler:
             if self._allocate_or_preempt(seq, 1, budget, scheduled, preempted):
                 scheduled[seq] = 1
                 budget.take(1)
+                self._charge(seq, 1, decode=True)
 
     def _schedule_prefills(
         self, budget: StepBudget, scheduled: dict[Sequence, int], preempted: list[Sequence]
     ) -> None:
-        running = [s for s in self.running if s not in scheduled]
-        admitting = True
-        for seq in sorted(running + self.waiting, key=self.key):
-            if budget.tokens_left < 1:
+        candidates = [s for s in self.running if s not in scheduled] + self.waiting
+        if self.policy != "priority":
+            for seq in sorted(candidates, key=self.key):
+                if budget.tokens_left < 1:
+                    return
+                self._prefill_one(seq, budget, scheduled, preempted)
+            return
+        # class by class; inside a class the tenant with the least service goes next, its
+        # most urgent sequence first; counters move as chunks are scheduled
+        by_class: dict[int, dict[str, list[Sequence]]] = defaultdict(lambda: defaultdict(list))
+        for seq in candidates:
+            by_class[seq.state.class_rank][seq.state.req.tenant].append(seq)
+        for rank in sorted(by_class):
+            queues = {t: sorted(seqs, key=lambda q: (q.state.req.priority, q.state.arrival_seq, q.index),
+                                reverse=True)
+                      for t, seqs in by_class[rank].items()}
+            while queues:
+                if budget.tokens_left < 1:
+                    return
+                tenant = min(queues, key=lambda t: (self.fair.counter(rank, t), t))
+                seq = queues[tenant].pop()
+                if not queues[tenant]:
+                    del queues[tenant]
+                self._prefill_one(seq, budget, scheduled, preempted)
+
+    def _prefill_one(
+        self, seq: Sequence, budget: StepBudget, scheduled: dict[Sequence, int],
+        preempted: list[Sequence],
+    ) -> None:
+        if seq.status is SeqStatus.RUNNING:
+            # running prefills go on even once admission has stopped: they hold blocks
+            # that an earlier waiting sequence may be waiting for
+            if seq in scheduled or seq not in self.running:
                 return
-            if seq.status is SeqStatus.RUNNING:
-                # running prefills go on even once admission has stopped: they hold blocks
-                # that an earlier waiting sequence may be waiting for
-                if seq in scheduled or seq not in self.running:
-                    continue
-                num_new = min(seq.num_pending_tokens, budget.tokens_left)
-                if self._allocate_or_preempt(seq, num_new, budget, scheduled, preempted):
-                    scheduled[seq] = num_new
-                    budget.take(num_new)
-            elif admitting and seq not in preempted:
-                admitted = self._try_admit(seq, budget, scheduled, preempted)
-                if admitted is None:
-                    admitting = False   # keep arrival order: no later waiting one jumps the queue
-                elif admitted:
-                    scheduled[seq] = admitted
-                    budget.take(admitted)
+            num_new = min(seq.num_pending_tokens, budget.tokens_left)
+            if self._allocate_or_preempt(seq, num_new, budget, scheduled, preempted):
+                scheduled[seq] = num_new
+                budget.take(num_new)
+                self._charge(seq, num_new, decode=False)
+        elif self._admitting and seq not in preempted:
+            admitted = self._try_admit(seq, budget, scheduled, preempted)
+            if admitted is None:
+                self._admitting = False   # keep the order: nothing later jumps the queue
+            elif admitted:
+                scheduled[seq] = admitted
+                budget.take(admitted)
+                self._charge(seq, admitted, decode=False)
 
     def _allocate_or_preempt(
         self,
@@ -140,7 +274,8 @@ class Scheduler:
     ) -> bool:
         """Blocks for a running sequence, preempting the least urgent running ones (possibly
         itself) until they fit. False when `seq` itself was preempted."""
-        while not self.kv.try_allocate(seq, num_new):
+        reserve = self.reserve_for(seq)
+        while not self.kv.try_allocate(seq, num_new, reserve=reserve):
             victim = max(self.running, key=self.key)
             self._preempt(victim, budget, scheduled, preempted)
             if victim is seq:
@@ -169,7 +304,8 @@ class Scheduler:
             return None
         num_new = min(num_new, budget.tokens_left)
         seq.num_computed_tokens = num_cached
-        while not self.kv.try_allocate(seq, num_new, shared):
+        reserve = self.reserve_for(seq)
+        while not self.kv.try_allocate(seq, num_new, shared, reserve=reserve):
             if not self._preempt_less_urgent(seq, budget, scheduled, preempted):
                 seq.num_computed_tokens = 0
                 return None
@@ -181,6 +317,7 @@ class Scheduler:
         if state.first_scheduled_time is None:
             state.first_scheduled_time = time.time()
             state.num_cached_tokens = num_cached
+            self.stats_of(seq).cached_tokens += num_cached
         return num_new
 
     def _shareable_blocks(self, seq: Sequence) -> list[KVBlock] | None:
@@ -229,6 +366,9 @@ class Scheduler:
         self.kv.free(victim)
         if victim in scheduled:
             budget.give_back(scheduled.pop(victim))
+            for num, decode in self._step_charges.pop(victim, []):   # it will not run
+                self._charge(victim, -num, decode, record=False)
+        self.stats_of(victim).preemptions += 1
         victim.num_computed_tokens = 0
         victim.status = SeqStatus.PREEMPTED
         victim.num_preemptions += 1

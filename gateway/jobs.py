@@ -83,8 +83,8 @@ class Job:
         self.prompts = prompts
         self.params = params
         self.reserve_tokens = reserve_tokens
-        # prefixes are never shared across tenants: the tenant is part of every block hash
-        self.cache_salt = f"{principal.tenant_id}:{cache_salt or ''}"
+        # the engine puts the tenant into every prefix-block hash: no sharing across tenants
+        self.cache_salt = cache_salt
         self.id = new_request_id()
         self.t0 = time.time()
         self.decision: Decision | None = None

@@ -1,9 +1,12 @@
 """The block pool: every KV block of the device cache, its reference count and its hash.
 
-Free blocks wait in a doubly linked queue (O(1) removal from the middle, for a prefix-cache
-hit on a free block). Blocks that still hold a cached prefix are appended at the tail and
-evicted from the head, least recently freed first; blocks that hold nothing reusable go to
-the head so they are reused before any cached one. No torch here: block ids only.
+Free blocks wait in doubly linked queues (O(1) removal from the middle, for a prefix-cache
+hit on a free block), one per eviction tier. Blocks that still hold a cached prefix are
+appended at the tail of their tier's queue and evicted from the head, least recently freed
+first; blocks that hold nothing reusable go to the head of tier 0 so they are reused before
+any cached one. Allocation drains tier 0 first: the engine frees the blocks of less urgent
+service classes into lower tiers, so cached blocks of offline work are evicted before those
+of online work. No torch here: block ids only.
 """
 
 from __future__ import annotations
@@ -14,10 +17,11 @@ BlockHash = bytes
 
 
 class KVBlock:
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free", "next_free")
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free", "next_free", "tier")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
+        self.tier = 0
         self.ref_cnt = 0
         self.block_hash: BlockHash | None = None
         self.prev_free: KVBlock | None = None
@@ -78,34 +82,41 @@ class FreeBlockQueue:
 class BlockPool:
     """Owns all blocks: allocation, reference counts and the prefix-cache map."""
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool = True, num_tiers: int = 1) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        if num_tiers < 1:
+            raise ValueError(f"num_tiers must be >= 1, got {num_tiers}")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
-        self.free_queue = FreeBlockQueue(self.blocks)
+        self.free_queues = [FreeBlockQueue(self.blocks)] + [FreeBlockQueue(()) for _ in range(num_tiers - 1)]
+        self.free_queue = self.free_queues[0]      # tier 0: evicted first
         self.cached: dict[BlockHash, KVBlock] = {}
         self.num_evictions = 0
 
     @property
     def num_free_blocks(self) -> int:
-        return self.free_queue.num_free
+        return sum(q.num_free for q in self.free_queues)
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - self.free_queue.num_free
+        return self.num_blocks - self.num_free_blocks
 
     def get_cached_block(self, block_hash: BlockHash) -> KVBlock | None:
         return self.cached.get(block_hash) if self.enable_caching else None
 
     def allocate(self, num_blocks: int) -> list[KVBlock] | None:
         """Take `num_blocks` fresh blocks (evicting cached ones from the LRU head), or None."""
-        if num_blocks > self.free_queue.num_free:
+        if num_blocks > self.num_free_blocks:
             return None
         out = []
+        queues = iter(self.free_queues)
+        queue = next(queues)
         for _ in range(num_blocks):
-            block = self.free_queue.popleft()
+            while queue.num_free == 0:
+                queue = next(queues)
+            block = queue.popleft()
             self._evict(block)
             block.ref_cnt = 1
             out.append(block)
@@ -115,23 +126,27 @@ class BlockPool:
         """Share already-filled blocks (a prefix hit or a sibling's prompt): one more reference."""
         for block in blocks:
             if block.ref_cnt == 0:
-                self.free_queue.remove(block)
+                self.free_queues[block.tier].remove(block)
             block.ref_cnt += 1
 
-    def free(self, blocks: Iterable[KVBlock]) -> None:
-        """Drop one reference from each block; blocks that reach zero go back to the queue.
+    def free(self, blocks: Iterable[KVBlock], tier: int = 0) -> None:
+        """Drop one reference from each block; blocks that reach zero go back to a queue:
+        cached ones to the tail of `tier`'s, empty ones to the head of tier 0.
 
         Pass a request's blocks tail first so that, under pressure, the tail of a prefix is
         evicted before its head.
         """
+        tier = min(max(tier, 0), len(self.free_queues) - 1)
         for block in blocks:
             if block.ref_cnt <= 0:
                 raise RuntimeError(f"double free of {block}")
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 if block.block_hash is not None:
-                    self.free_queue.append(block)
+                    block.tier = tier
+                    self.free_queues[tier].append(block)
                 else:
+                    block.tier = 0
                     self.free_queue.appendleft(block)
 
     def cache_block(self, block: KVBlock, block_hash: BlockHash) -> None:
@@ -152,9 +167,14 @@ class BlockPool:
 
     def check_integrity(self) -> None:
         """Raise if counts don't add up (used by tests at every step)."""
-        free_ids = [b.block_id for b in self.free_queue]
-        if len(free_ids) != self.free_queue.num_free or len(set(free_ids)) != len(free_ids):
-            raise AssertionError("free queue corrupted")
+        free_ids = []
+        for tier, queue in enumerate(self.free_queues):
+            ids = [b.block_id for b in queue]
+            if len(ids) != queue.num_free or any(self.blocks[i].tier != tier for i in ids):
+                raise AssertionError(f"free queue of tier {tier} corrupted")
+            free_ids += ids
+        if len(set(free_ids)) != len(free_ids):
+            raise AssertionError("a block is in two free queues")
         for block in self.blocks:
             in_free = block.prev_free is not None
             if (block.ref_cnt == 0) != in_free:

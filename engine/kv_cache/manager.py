@@ -2,8 +2,9 @@
 
 A sequence holds exactly the blocks its computed-or-scheduled tokens need: block i holds
 tokens [i * block_size, (i + 1) * block_size). A full block is identified by a hash chain,
-SHA-256 over (parent hash, model variant, cache salt, its token ids), so equal hashes mean
-equal contents from the first token on.
+SHA-256 over (parent hash, model variant, sharing scope, cache salt, its token ids), so
+equal hashes mean equal contents from the first token on. The sharing scope is the tenant,
+or a share group an operator named: tenants never hit (nor time) each other's prefixes.
 """
 
 from __future__ import annotations
@@ -29,9 +30,10 @@ def cdiv(a: int, b: int) -> int:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 num_tiers: int = 1) -> None:
         self.block_size = block_size
-        self.pool = BlockPool(num_blocks, enable_caching)
+        self.pool = BlockPool(num_blocks, enable_caching, num_tiers)
         self.enable_caching = enable_caching
         self.tables: dict[int, list[KVBlock]] = {}   # id(sequence) -> its blocks
         self.num_registered: dict[int, int] = {}     # id(sequence) -> its leading blocks already cached
@@ -47,9 +49,10 @@ class KVCacheManager:
 
     def _extra_key(self, seq: Sequence) -> bytes:
         req = seq.state.req
-        model, salt = (req.model or "").encode(), (req.cache_salt or "").encode()
-        # length-prefixed, so no (model, salt) pair can spell another
-        return len(model).to_bytes(4, "little") + model + len(salt).to_bytes(4, "little") + salt
+        scope = f"g:{req.share_group}" if req.share_group else f"t:{req.tenant}"
+        parts = [(req.model or "").encode(), scope.encode(), (req.cache_salt or "").encode()]
+        # length-prefixed, so no (model, scope, salt) triple can spell another
+        return b"".join(len(p).to_bytes(4, "little") + p for p in parts)
 
     def update_hashes(self, seq: Sequence) -> None:
         """Extend `seq.block_hashes` over every full block of its known tokens."""
@@ -88,17 +91,19 @@ class KVCacheManager:
         return max(0, cdiv(seq.num_computed_tokens + num_new_tokens, self.block_size) - held)
 
     def try_allocate(
-        self, seq: Sequence, num_new_tokens: int, shared: list[KVBlock] | None = None
+        self, seq: Sequence, num_new_tokens: int, shared: list[KVBlock] | None = None,
+        reserve: int = 0,
     ) -> bool:
         """Give `seq` blocks for `num_new_tokens` more tokens past its computed ones.
 
         `shared` are filled blocks (a prefix hit, or a sibling's prompt) that the sequence
-        adopts first; its `num_computed_tokens` must already count them. All or nothing.
+        adopts first; its `num_computed_tokens` must already count them. `reserve` blocks
+        must stay free afterwards (kept for more urgent classes). All or nothing.
         """
         shared = shared or []
         num_new_blocks = self.num_blocks_needed(seq, num_new_tokens, len(shared))
         num_revived = sum(1 for b in shared if b.ref_cnt == 0)  # free blocks a hit takes back
-        if num_new_blocks + num_revived > self.pool.num_free_blocks:
+        if num_new_blocks + num_revived + reserve > self.pool.num_free_blocks:
             return False
         table = self.tables.setdefault(id(seq), [])
         if shared:
@@ -126,10 +131,13 @@ class KVCacheManager:
         self.num_registered[id(seq)] = num_full
 
     def free(self, seq: Sequence) -> None:
+        """Release `seq`'s blocks; cached ones keep their contents in the eviction tier of
+        its class (the least urgent class is evicted first)."""
         self.num_registered.pop(id(seq), None)
         table = self.tables.pop(id(seq), None)
         if table:
-            self.pool.free(reversed(table))
+            tier = len(self.pool.free_queues) - 1 - seq.state.class_rank
+            self.pool.free(reversed(table), tier)
 
     # -- accounting ------------------------------------------------------------------------
     @property
