@@ -22,13 +22,15 @@ class FakeEngine:
     def __init__(self, tmp_path, *, num_blocks, block_size=4, **kwargs):
         cfg = EngineConfig(model=str(tmp_path), block_size=block_size, **kwargs)
         self.cfg = cfg
-        self.kv = KVCacheManager(num_blocks, block_size, cfg.enable_prefix_caching)
+        self.kv = KVCacheManager(num_blocks, block_size, cfg.enable_prefix_caching, num_tiers=len(CLASSES))
         self.sched = Scheduler(cfg, self.kv)
         self.n = 0
 
-    def add(self, prompt_len, max_tokens=4, *, cls="online", n=1, prompt=None, priority=0):
+    def add(self, prompt_len, max_tokens=4, *, cls="online", n=1, prompt=None, priority=0,
+            tenant="default", weight=None, share_group=None):
         req = EngineRequest(f"r{self.n}", prompt or list(range(100 + self.n * 1000, 100 + self.n * 1000 + prompt_len)),
-                            SamplingParams(max_tokens=max_tokens, n=n), service_class=cls, priority=priority)
+                            SamplingParams(max_tokens=max_tokens, n=n), service_class=cls, priority=priority,
+                            tenant=tenant, tenant_weight=weight, share_group=share_group)
         self.n += 1
         state = RequestState(req=req, class_rank=CLASSES.index(cls))
         for i in range(n):
