@@ -254,6 +254,8 @@ async def engine(request: Request) -> dict:
             "kv_blocks": {"total": stats.get("kv_blocks_total"), "used": stats.get("kv_blocks_used"),
                           "free": stats.get("kv_blocks_free")},
             "preemptions": stats.get("num_preemptions", 0),
+            "classes": stats.get("classes", {}),
+            "tenants": stats.get("tenants", {}),     # per tenant and class, fairness counters too
             "generated_tokens": stats.get("num_generated_tokens", 0),
             "prefix_cache": {"queries": stats.get("prefix_cache_queries", 0),
                              "hits": stats.get("prefix_cache_hits", 0)},
