@@ -12,8 +12,8 @@ import sys
 
 import uvicorn
 
-from gateway.app import SchemaBehind, create_app
-from gateway.settings import Settings
+from gateway.app import DEMO_MODEL, SchemaBehind, create_app
+from gateway.settings import Settings, parse_model_specs
 
 logger = logging.getLogger(__name__)
 
@@ -26,9 +26,21 @@ class DrainingServer(uvicorn.Server):
     def handle_exit(self, sig, frame) -> None:
         self.app_state.draining = True
         super().handle_exit(sig, frame)
+        # a drained shutdown is a clean exit (status 0): uvicorn would otherwise re-raise the
+        # signal once stopped, and the process would die of it (-15)
+        getattr(self, "_captured_signals", []).clear()
 
 
 def run_server(settings: Settings) -> int:
+    # configuration errors: one line, not the traceback of a failed application start-up
+    try:
+        served = set(parse_model_specs(settings.models)) or {DEMO_MODEL}
+        unknown = set(settings.private_models) - served
+        if unknown:
+            raise ValueError(f"private_models: {sorted(unknown)} are not served models")
+    except ValueError as exc:
+        print(f"lockgate: {exc}", file=sys.stderr)
+        return 2
     if not settings.embedded and not settings.migrate:
         from tenancy import db
 
