@@ -12,6 +12,7 @@ from datetime import UTC, datetime
 from typing import Any, Literal
 
 from fastapi import APIRouter, Depends, Query, Request
+from fastapi.routing import APIRoute
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -20,10 +21,25 @@ from gateway.errors import APIError
 from gateway.usage_api import usage_response
 from tenancy import service
 from tenancy.errors import Conflict, Invalid, NotFound
+from tenancy.models import Tenant
 from tenancy.quota import Quota
 from tenancy.service import Principal
 
-router = APIRouter(prefix="/admin/v1", dependencies=[Depends(admin_principal)])
+class AdminRoute(APIRoute):
+    """Authenticates before FastAPI reads the body: a caller without an admin key learns
+    nothing (not even that a body was malformed) and gets 401/403 first."""
+
+    def get_route_handler(self):
+        handler = super().get_route_handler()
+
+        async def authenticated(request: Request):
+            await admin_principal(request)
+            return await handler(request)
+
+        return authenticated
+
+
+router = APIRouter(prefix="/admin/v1", dependencies=[Depends(admin_principal)], route_class=AdminRoute)
 
 Tier = Literal["default", "priority", "flex"]
 
@@ -237,7 +253,10 @@ async def usage(request: Request):
     tenant_id = request.query_params.get("tenant_id") or None
     if tenant_id is not None:
         async with _session(request) as s:
-            await service.get_tenant(s, tenant_id)
+            # deleted tenants included: their usage rows are kept for billing
+            if await s.get(Tenant, tenant_id) is None:
+                raise APIError(404, f"tenant {tenant_id!r} not found", param="tenant_id",
+                               code="not_found")
     return await usage_response(app_state(request), request, tenant_id)
 
 

@@ -78,6 +78,8 @@ def validation_error(exc: RequestValidationError) -> APIError:
     first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
     param = _loc_to_param(tuple(first.get("loc", ())))
     kind = first.get("type", "")
+    if kind == "json_invalid":
+        param = None          # the location is a character offset, not a field
     if kind == "extra_forbidden":
         msg = f"Unrecognized request argument supplied: {param}"
     elif kind == "json_invalid" or param is None and "JSON" in str(first.get("msg", "")):
