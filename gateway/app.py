@@ -220,7 +220,8 @@ async def lifespan(app: FastAPI):
     state.limiter = (RedisLimiter(s.redis_url, prefix=s.redis_prefix, lease_ttl=s.lease_ttl_s)
                      if s.redis_url else InProcessLimiter(lease_ttl=s.lease_ttl_s))
     state.usage = UsageWriter(state.sessions, max_batch=s.usage_batch_max,
-                              max_delay_s=s.usage_batch_delay_s)
+                              max_delay_s=s.usage_batch_delay_s,
+                              synchronous_commit=s.usage_synchronous_commit)
     await state.usage.start()
     beat = None
     try:

@@ -44,10 +44,11 @@ class Settings(BaseSettings):
     max_stop_sequences: int = 4
 
     # behaviour
-    key_cache_ttl_s: float = 2.0             # a revoked key stops working within this (+ a request)
+    key_cache_ttl_s: float = 2.0             # a revoked key stops working within 2x this (+ a lookup)
     shutdown_timeout_s: float = 30.0
     usage_batch_max: int = 256
-    usage_batch_delay_s: float = 0.002
+    usage_batch_delay_s: float = 0.0         # 0: classic group commit (no waiting for more)
+    usage_synchronous_commit: bool = True    # False: PostgreSQL acknowledges before the WAL flush
     lease_ttl_s: float = 30.0
     default_tier: str = "default"
 

@@ -36,12 +36,17 @@ class ModelEntry:
 
 
 class KeyCache:
-    """Principals by a digest of the presented key, for `ttl` seconds: a revoked key stops
-    working on every replica within `ttl` plus one request. The plaintext is not kept."""
+    """Principals by a digest of the presented key. An entry younger than `ttl` is used as
+    is; one between `ttl` and `2 x ttl` old is used while one background lookup refreshes
+    it; older ones are looked up before use. Concurrent lookups of one key share a single
+    database query. So a revoked key stops working on every replica within `2 x ttl` plus
+    one lookup, and a busy key never makes its requests wait for the database. The
+    plaintext is not kept."""
 
     def __init__(self, ttl: float) -> None:
         self.ttl = ttl
         self._entries: dict[bytes, tuple[float, Principal]] = {}
+        self._inflight: dict[bytes, asyncio.Future] = {}
 
     @staticmethod
     def _digest(key: str) -> bytes:
@@ -57,6 +62,47 @@ class KeyCache:
         if len(self._entries) > 100_000:
             self._entries.clear()
         self._entries[self._digest(key)] = (time.monotonic(), principal)
+
+    async def resolve(self, key: str, lookup, spawn) -> Principal:
+        """The principal for `key`, fresh enough (see the class docstring). `lookup(key)`
+        queries the database; `spawn(coro)` runs a background refresh."""
+        d = self._digest(key)
+        hit = self._entries.get(d)
+        age = time.monotonic() - hit[0] if hit else None
+        if hit is not None and age <= self.ttl:
+            return hit[1]
+        if hit is not None and age <= 2 * self.ttl:
+            if d not in self._inflight:
+                spawn(self._refresh_quietly(d, key, lookup))
+            return hit[1]
+        fut = self._inflight.get(d)
+        if fut is None:
+            return await self._refresh(d, key, lookup)
+        return await asyncio.shield(fut)
+
+    async def _refresh_quietly(self, d: bytes, key: str, lookup) -> None:
+        try:
+            await self._refresh(d, key, lookup)
+        except Exception:  # noqa: BLE001 - the entry is dropped; the next use looks it up
+            pass
+
+    async def _refresh(self, d: bytes, key: str, lookup) -> Principal:
+        fut = asyncio.get_running_loop().create_future()
+        self._inflight[d] = fut
+        try:
+            principal = await lookup(key)
+        except BaseException as exc:
+            self._entries.pop(d, None)
+            if not fut.done():
+                fut.set_exception(exc)
+                fut.exception()         # retrieved: no "never retrieved" warning if unused
+            raise
+        else:
+            self.put(key, principal)
+            fut.set_result(principal)
+            return principal
+        finally:
+            self._inflight.pop(d, None)
 
     def invalidate_key_id(self, key_id: str) -> None:
         for d, (_, p) in list(self._entries.items()):
@@ -101,13 +147,13 @@ class AppState:
                 if (m.name in allowed if allowed is not None else not m.private)]
 
     # -- keys -------------------------------------------------------------------------------
+    async def _lookup_key(self, key: str) -> Principal:
+        assert self.sessions is not None
+        async with self.sessions() as session:
+            return await service.authenticate(session, key, self.pepper)
+
     async def authenticate(self, key: str) -> Principal:
-        principal = self.keys.get(key)
-        if principal is None:
-            assert self.sessions is not None
-            async with self.sessions() as session:
-                principal = await service.authenticate(session, key, self.pepper)
-            self.keys.put(key, principal)
+        principal = await self.keys.resolve(key, self._lookup_key, self.spawn)
         if principal.expires_at is not None and principal.expires_at <= datetime.now(UTC):
             raise AuthError("expired")
         self._touch(principal.key_id)

@@ -736,13 +736,17 @@ _STOP = object()
 
 class UsageWriter:
     """Group commit of usage rows: one background task inserts whatever `record` calls have
-    queued (up to `max_batch` rows, waiting at most `max_delay_s` for more) in one INSERT and
-    one transaction; each `record` returns once its row is committed, or raises."""
+    queued (up to `max_batch` rows, waiting `max_delay_s` for more; 0, the default, is
+    classic group commit: rows that arrive during a commit make up the next batch) in one
+    executemany and one transaction, on a connection of its own; each `record` returns once
+    its row is committed, or raises. `synchronous_commit=False` (PostgreSQL) acknowledges a
+    commit before its WAL reaches the disk: visible at once, but a database crash may lose
+    the last moments' rows."""
 
     MAX_BATCH_LIMIT = 2000     # 13 bound values a row; stays under SQLite/PostgreSQL limits
 
     def __init__(self, sessionmaker: async_sessionmaker[AsyncSession], max_batch: int = 256,
-                 max_delay_s: float = 0.002) -> None:
+                 max_delay_s: float = 0.0, synchronous_commit: bool = True) -> None:
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) \
                 or not 1 <= max_batch <= self.MAX_BATCH_LIMIT:
             raise Invalid("max_batch", f"must be an integer from 1 to {self.MAX_BATCH_LIMIT}")
@@ -750,6 +754,9 @@ class UsageWriter:
                 or not 0 <= max_delay_s <= 10:
             raise Invalid("max_delay_s", "must be a number of seconds from 0 to 10")
         self._sessionmaker = sessionmaker
+        self._engine = sessionmaker.kw.get("bind")
+        self._conn: Any = None
+        self.synchronous_commit = synchronous_commit
         self.max_batch = max_batch
         self.max_delay_s = float(max_delay_s)
         self._queue: asyncio.Queue[Any] | None = None
@@ -831,6 +838,7 @@ class UsageWriter:
                 if batch:
                     await self._write(batch)
             batch = []
+            await self._release()
         finally:
             # Cancelled (e.g. at loop shutdown): nobody may wait forever for its row.
             self._closed = True
@@ -843,13 +851,43 @@ class UsageWriter:
                     _settle(item[1], gone)
 
     async def _insert(self, rows: list[dict[str, Any]]) -> None:
-        async with self._sessionmaker() as session:
+        if self._engine is None:       # a sessionmaker without an engine: plain sessions
+            async with self._sessionmaker() as session:
+                try:
+                    await session.execute(insert(UsageRecord), rows)
+                    await session.commit()
+                except BaseException:
+                    await session.rollback()
+                    raise
+            return
+        for attempt in (0, 1):        # a connection the server dropped is replaced once
             try:
-                await session.execute(insert(UsageRecord).values(rows))
-                await session.commit()
-            except BaseException:
-                await session.rollback()
+                if self._conn is None:
+                    self._conn = await self._engine.connect()
+                conn = self._conn
+                async with conn.begin():
+                    if not self.synchronous_commit and conn.dialect.name == "postgresql":
+                        await conn.exec_driver_sql("SET LOCAL synchronous_commit TO off")
+                    await conn.execute(insert(UsageRecord), rows)
+                return
+            except IntegrityError:
                 raise
+            except Exception:
+                if self._conn is not None:
+                    try:
+                        await self._conn.close()
+                    except Exception:  # noqa: BLE001 - it is being replaced
+                        pass
+                    self._conn = None
+                if attempt:
+                    raise
+
+    async def _release(self) -> None:
+        if self._conn is not None:
+            try:
+                await self._conn.close()
+            finally:
+                self._conn = None
 
     async def _write(self, batch: list[tuple[dict[str, Any], asyncio.Future[None]]]) -> None:
         try:
