@@ -35,6 +35,9 @@ class EngineConfig:
     max_waiting_per_class: int = 100_000
     # share of the KV blocks that less urgent classes may not take, e.g. {"online": 0.2}
     reserved_kv_fraction: dict[str, float] = field(default_factory=dict)
+    # most prefill tokens a class may compute per step, e.g. {"offline": 256}: bounds the
+    # step time that background prefill adds (chunked prefill only)
+    prefill_token_budget: dict[str, int] = field(default_factory=dict)
     num_threads: int | None = None
 
     def __post_init__(self) -> None:
@@ -70,6 +73,12 @@ class EngineConfig:
                 raise ValueError(f"reserved_kv_fraction: {cls!r} is not one of {list(self.service_classes)}")
             if isinstance(frac, bool) or not isinstance(frac, (int, float)) or not 0.0 <= frac < 1.0:
                 raise ValueError(f"reserved_kv_fraction[{cls!r}] must be in [0, 1); got {frac!r}")
+        self.prefill_token_budget = dict(self.prefill_token_budget or {})
+        for cls, cap in self.prefill_token_budget.items():
+            if cls not in self.service_classes:
+                raise ValueError(f"prefill_token_budget: {cls!r} is not one of {list(self.service_classes)}")
+            if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1:
+                raise ValueError(f"prefill_token_budget[{cls!r}] must be an integer >= 1; got {cap!r}")
         if sum(self.reserved_kv_fraction.values()) >= 1.0:
             raise ValueError("reserved_kv_fraction: the shares must add up to less than 1")
         if not Path(self.model).is_dir():

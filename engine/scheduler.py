@@ -132,6 +132,13 @@ class Scheduler:
             sum(int(frac.get(c, 0.0) * num_blocks) for c in self.classes[:r])
             for r in range(len(self.classes))
         ]
+        # per-step cap on each class's prefill tokens (chunked prefill only): keeps steps short
+        # while background prefill runs, so an online arrival never waits behind a long one
+        self.prefill_cap_by_rank = [
+            config.prefill_token_budget.get(c) if self.chunked_prefill else None for c in self.classes
+        ]
+        self._prefill_left: list[int | None] = list(self.prefill_cap_by_rank)
+        self._min_prefill_rank = len(self.classes)
         self.tenant_stats: dict[tuple[int, str], TenantStats] = defaultdict(TenantStats)
         self._step_charges: dict[Sequence, list[tuple[int, bool]]] = {}
         self._admitting = True
@@ -171,6 +178,18 @@ class Scheduler:
         seq.status = SeqStatus.FINISHED
         seq.finish_reason, seq.stop_reason = reason, stop_reason
 
+    def _room(self, seq: Sequence, budget: StepBudget) -> int:
+        """Prefill tokens `seq` may take this step: the budget, within its class's cap. A
+        capped (background) class computes no prefill in a step where a more urgent class
+        does: that step gives an arriving request its first token, and is kept short."""
+        rank = seq.state.class_rank
+        left = self._prefill_left[rank]
+        if left is None:
+            return budget.tokens_left
+        if rank > self._min_prefill_rank:
+            return 0
+        return min(left, budget.tokens_left)
+
     def _charge(self, seq: Sequence, num_tokens: int, decode: bool, record: bool = True) -> None:
         """Count `num_tokens` of service to `seq`'s tenant (negative: a refund)."""
         st = self.stats_of(seq)
@@ -178,6 +197,11 @@ class Scheduler:
             st.decode_tokens += num_tokens
         else:
             st.prefill_tokens += num_tokens
+            rank = seq.state.class_rank
+            if self._prefill_left[rank] is not None:
+                self._prefill_left[rank] -= num_tokens
+            if num_tokens > 0 and rank < self._min_prefill_rank:
+                self._min_prefill_rank = rank
         service = num_tokens * (DECODE_COST if decode else PREFILL_COST)
         if record:
             self._step_charges.setdefault(seq, []).append((num_tokens, decode))
@@ -194,6 +218,8 @@ class Scheduler:
         preempted: list[Sequence] = []
         self._step_charges = {}
         self._admitting = True
+        self._prefill_left = list(self.prefill_cap_by_rank)
+        self._min_prefill_rank = len(self.classes)   # the most urgent class prefilling this step
         self.running.sort(key=self.key)
         self._schedule_decodes(budget, scheduled, preempted)
         self._schedule_prefills(budget, scheduled, preempted)
@@ -250,12 +276,14 @@ class Scheduler:
             # that an earlier waiting sequence may be waiting for
             if seq in scheduled or seq not in self.running:
                 return
-            num_new = min(seq.num_pending_tokens, budget.tokens_left)
+            num_new = min(seq.num_pending_tokens, self._room(seq, budget))
+            if num_new < 1:
+                return
             if self._allocate_or_preempt(seq, num_new, budget, scheduled, preempted):
                 scheduled[seq] = num_new
                 budget.take(num_new)
                 self._charge(seq, num_new, decode=False)
-        elif self._admitting and seq not in preempted:
+        elif self._admitting and seq not in preempted and self._room(seq, budget) > 0:
             admitted = self._try_admit(seq, budget, scheduled, preempted)
             if admitted is None:
                 self._admitting = False   # keep the order: nothing later jumps the queue
@@ -302,7 +330,7 @@ class Scheduler:
         num_new = seq.num_tokens - num_cached
         if not self.chunked_prefill and seq.num_output_tokens == 0 and num_new > budget.tokens_left:
             return None
-        num_new = min(num_new, budget.tokens_left)
+        num_new = min(num_new, self._room(seq, budget))
         seq.num_computed_tokens = num_cached
         reserve = self.reserve_for(seq)
         while not self.kv.try_allocate(seq, num_new, shared, reserve=reserve):

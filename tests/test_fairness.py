@@ -310,3 +310,22 @@ def test_randomized_tenants_classes_and_aborts(tmp_path):
                 last[(rank, t)] = c
     eng.run()
     assert eng.sched.num_preemptions > 0
+
+
+def test_prefill_token_budget_keeps_background_steps_short(tmp_path):
+    """Budget 64, offline prefill capped at 8 tokens a step. Two 20-token offline prompts:
+    each step computes at most 8 of their tokens, so an online arrival never waits behind a
+    long step. The online prompt (30 tokens, not capped) then gets a step with no offline
+    prefill at all (only decodes would join it); the next step goes on with offline."""
+    eng = FakeEngine(tmp_path, num_blocks=64, max_num_batched_tokens=64,
+                     prefill_token_budget={"offline": 8})
+    eng.add(20, 4, cls="offline", tenant="t")
+    eng.add(20, 4, cls="offline", tenant="t")
+    assert names(eng.step()) == [("r0", 8)]
+    assert names(eng.step()) == [("r0", 8)]
+    on = eng.add(30, 2, cls="online", tenant="u")
+    out = eng.step()
+    assert names(out) == [("r2", 30)]
+    assert on.seqs[0].num_output_tokens == 1
+    assert names(eng.step()) == [("r2", 1), ("r0", 4), ("r1", 4)]
+    eng.run()

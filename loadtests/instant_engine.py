@@ -1,0 +1,322 @@
+"""`InstantEngine`: a stand-in for `AsyncEngine` that answers at once, for benchmarking the
+gateway (the thing under test) without a model's compute in the way.
+
+    engine = InstantEngine(model_dir)          # any demo model directory: its tokenizer is real
+    await engine.start()
+    stream = engine.submit(ids, SamplingParams(max_tokens=8), "req-1", tenant="t")
+    async for out in stream: ...                # cumulative RequestOutputs, one per token
+    stream.close()
+
+What it keeps of AsyncEngine's interface (what gateway/jobs.py and gateway/openai_api.py
+use): `submit(prompt, params, request_id, *, tenant, service_class, priority, model,
+cache_salt)` raising ValueError / PromptTooLong / EngineOverloaded / EngineDead before anything
+is queued and returning the same `RequestStream` class (async iteration, idempotent `close()`
+that aborts an unfinished request); `generate`, `abort`; `tokenizer` (the model directory's
+own), `model_config`, `max_model_len`, `stats()`, `tenant_weights`, `set_tenant_weight`,
+`start()`, `shutdown()`, `core` (None until started).
+
+What it does instead of generating: each request gets min(max_tokens, `max_output_tokens`)
+tokens (16 by default) taken from a fixed sentence encoded by the model's tokenizer, with
+real incremental text, all outputs queued on submit (so the caller never waits for it).
+Finish reason "length" when max_tokens was the cap, else "stop". Stop strings, seeds and
+penalties are accepted and ignored; `logprobs` are filled with fixed values of the right shape.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from engine.async_engine import RequestStream
+from engine.config import ModelConfig
+from engine.errors import EngineDead, EngineOverloaded, PromptTooLong
+from engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import Tokenizer
+
+SENTENCE = (" The quick brown fox jumps over the lazy dog, and the gateway answers every"
+            " request at once so that only its own overhead is left to measure.")
+
+
+class _InstantCore:
+    """What `engine.core` is once started: something that is not None, with stats."""
+
+    def __init__(self, engine: InstantEngine) -> None:
+        self._engine = engine
+
+    def stats(self) -> dict:
+        return self._engine.stats()
+
+
+class InstantEngine:
+    def __init__(self, model: str | Path, *, max_output_tokens: int = 16,
+                 per_token_outputs: bool = True, max_model_len: int | None = None,
+                 max_waiting_per_class: int = 100_000,
+                 service_classes: tuple[str, ...] = ("online", "offline"),
+                 **ignored: Any) -> None:
+        """`ignored`: AsyncEngine's other keyword arguments (kv_cache_memory, max_num_seqs...),
+        accepted so the same `engine_kwargs` work with either engine."""
+        model = Path(model)
+        if not model.is_dir():
+            raise ValueError(f"model must be a model directory; {str(model)!r} is not one")
+        if not isinstance(max_output_tokens, int) or max_output_tokens < 1:
+            raise ValueError(f"max_output_tokens must be an integer >= 1, got {max_output_tokens!r}")
+        self.model_dir = model
+        self.max_output_tokens = max_output_tokens
+        self.per_token_outputs = per_token_outputs
+        self._max_model_len_setting = max_model_len
+        self.max_waiting_per_class = max_waiting_per_class
+        self.service_classes = tuple(service_classes)
+        self.ignored_kwargs = dict(ignored)
+        self.core: _InstantCore | None = None
+        self._tokenizer: Tokenizer | None = None
+        self._model_config: ModelConfig | None = None
+        self._max_model_len = 0
+        self._streams: dict[str, tuple[str, asyncio.Queue]] = {}  # open id -> (class, queue)
+        self._tenant_weights: dict[str, float] = {}
+        self._running = False
+        self._answer_ids: list[int] = []
+        self._texts: list[str] = []                 # cumulative text after k tokens
+        # counters, for tests and the benchmark's report
+        self.num_submitted = 0
+        self.num_finished = 0
+        self.num_aborted = 0
+        self.num_generated_tokens = 0
+
+    # -- life cycle -----------------------------------------------------------------------------
+    async def start(self) -> None:
+        if self.core is None:
+            await asyncio.to_thread(self._load)
+            self.core = _InstantCore(self)
+        self._running = True
+
+    def _load(self) -> None:
+        mc = ModelConfig.from_dir(self.model_dir)
+        tok = Tokenizer(self.model_dir)
+        limit = self._max_model_len_setting
+        if limit is not None and limit > mc.max_position_embeddings:
+            raise ValueError(f"max_model_len {limit} exceeds the model's max_position_embeddings "
+                             f"{mc.max_position_embeddings}")
+        self._max_model_len = limit or mc.max_position_embeddings
+        mc.max_model_len = self._max_model_len
+        ids = tok.encode(SENTENCE, add_special_tokens=False)
+        special = tok.special_token_ids | set(mc.eos_token_ids)
+        ids = [t for t in ids if t not in special]
+        while len(ids) < self.max_output_tokens:
+            ids = ids + ids
+        self._answer_ids = ids[:self.max_output_tokens]
+        self._texts = [tok.decode(self._answer_ids[:k]) for k in range(len(self._answer_ids) + 1)]
+        self._tokenizer, self._model_config = tok, mc
+
+    async def shutdown(self) -> None:
+        self._running = False
+        streams = list(self._streams.values())
+        self._streams.clear()
+        self.num_aborted += len(streams)
+        for _, queue in streams:     # a reader still iterating gets EngineDead, as from AsyncEngine
+            while not queue.empty():
+                queue.get_nowait()
+            queue.put_nowait(EngineDead("engine shut down"))
+
+    async def __aenter__(self) -> InstantEngine:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.shutdown()
+
+    # -- what the gateway reads -----------------------------------------------------------------
+    def _started(self) -> None:
+        if self.core is None:
+            raise RuntimeError("InstantEngine is not started; call `await engine.start()` first")
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        self._started()
+        assert self._tokenizer is not None
+        return self._tokenizer
+
+    @property
+    def model_config(self) -> ModelConfig:
+        self._started()
+        assert self._model_config is not None
+        return self._model_config
+
+    @property
+    def max_model_len(self) -> int:
+        self._started()
+        return self._max_model_len
+
+    @property
+    def tenant_weights(self) -> dict[str, float]:
+        return dict(self._tenant_weights)
+
+    def set_tenant_weight(self, tenant: str, weight: float) -> None:
+        if not isinstance(tenant, str) or not tenant:
+            raise ValueError(f"tenant: must be a non-empty string, got {tenant!r}")
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0:
+            raise ValueError(f"weight: must be a number > 0, got {weight!r}")
+        self._tenant_weights[tenant] = float(weight)
+
+    def stats(self) -> dict:
+        """AsyncEngine's stats keys; requests count as running while their stream is open."""
+        running = Counter(cls for cls, _ in self._streams.values())
+        classes = self.service_classes
+        return {
+            "running": {c: running.get(c, 0) for c in classes},
+            "waiting": {c: 0 for c in classes},
+            "waiting_requests": {c: 0 for c in classes},
+            "running_by_tenant": {},
+            "waiting_by_tenant": {},
+            "num_requests": len(self._streams),
+            "num_preemptions": 0,
+            "kv_blocks_total": 0,
+            "kv_blocks_used": 0,
+            "kv_blocks_free": 0,
+            "prefix_cache_queries": 0,
+            "prefix_cache_hits": 0,
+            "num_generated_tokens": self.num_generated_tokens,
+            "num_steps": 0,
+            "memory": {},
+        }
+
+    # -- requests -------------------------------------------------------------------------------
+    async def generate(self, prompt: Any, sampling_params: SamplingParams, request_id: str,
+                       **kwargs: Any) -> AsyncIterator[RequestOutput]:
+        stream = self.submit(prompt, sampling_params, request_id, **kwargs)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.close()
+
+    def submit(
+        self,
+        prompt: str | list[int] | dict[str, Any],
+        sampling_params: SamplingParams,
+        request_id: str,
+        *,
+        tenant: str = "default",
+        service_class: str = "online",
+        priority: int = 0,
+        model: str | None = None,
+        cache_salt: str | None = None,
+    ) -> RequestStream:
+        self._started()
+        tok = self.tokenizer
+        text, ids = self._prompt(prompt)
+        self._validate(ids, sampling_params, request_id, tenant, service_class, priority,
+                       model, cache_salt)
+        if not self._running:
+            raise EngineDead("engine is not running; call `await engine.start()` first")
+        if request_id in self._streams:
+            raise ValueError(f"request_id: {request_id!r} is already in the engine")
+        if service_class not in self.service_classes:
+            raise ValueError(f"service_class: {service_class!r} is not one of {self.service_classes}")
+        queue: asyncio.Queue = asyncio.Queue()
+        for out in self._outputs(request_id, text, ids, sampling_params, tok):
+            queue.put_nowait(out)
+        self._streams[request_id] = (service_class, queue)
+        self.num_submitted += 1
+        return RequestStream(self, request_id, queue)   # type: ignore[arg-type]
+
+    def _prompt(self, prompt: Any) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
+            raise ValueError("prompt: a dict prompt needs 'prompt_token_ids' or 'prompt'")
+        if isinstance(prompt, list):
+            return None, list(prompt)
+        raise ValueError(f"prompt: expected a string or a dict, got {type(prompt).__name__}")
+
+    def _validate(self, ids: list[int], sp: Any, request_id: Any, tenant: Any, service_class: Any,
+                  priority: Any, model: Any, cache_salt: Any) -> None:
+        """AsyncEngine's checks (EngineCore.validate), in its words."""
+        if not isinstance(sp, SamplingParams):
+            raise ValueError(f"sampling_params: expected SamplingParams, got {type(sp).__name__}")
+        sp.__post_init__()
+        if type(priority) is not int:
+            raise ValueError(f"priority: must be an integer, got {priority!r}")
+        for name, value in (("tenant", tenant), ("model", model), ("cache_salt", cache_salt)):
+            if value is not None and not isinstance(value, str) or (name == "tenant" and not value):
+                raise ValueError(f"{name}: must be a{' non-empty' if name == 'tenant' else ''} "
+                                 f"string, got {value!r}")
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError("request_id: must be a non-empty string")
+        if not ids:
+            raise ValueError("prompt: must not be empty")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in ids if not isinstance(t, int) or isinstance(t, bool)
+                    or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt_token_ids: token id {bad!r} is outside the vocabulary [0, {vocab})")
+        if len(ids) >= self._max_model_len:
+            raise PromptTooLong(f"prompt: {len(ids)} tokens leave no room for output within "
+                                f"max_model_len {self._max_model_len}")
+        if len(self._streams) >= self.max_waiting_per_class:
+            raise EngineOverloaded(f"service_class {service_class!r}: {self.max_waiting_per_class} "
+                                   "requests already waiting")
+
+    def _outputs(self, request_id: str, text: str | None, ids: list[int], sp: SamplingParams,
+                 tok: Tokenizer) -> list[RequestOutput]:
+        limit = sp.max_tokens if sp.max_tokens is not None else self._max_model_len - len(ids)
+        k = max(1, min(limit, self.max_output_tokens, self._max_model_len - len(ids)))
+        reason = "length" if k == limit else "stop"
+        answer = self._answer_ids[:k]
+        now = time.time()
+        metrics = RequestMetrics(arrival_time=now, first_scheduled_time=now, first_token_time=now,
+                                 finished_time=now)
+        steps = range(1, k + 1) if self.per_token_outputs else (k,)
+        outs: list[RequestOutput] = []
+        prev = 0
+        for j in steps:
+            last = j == k
+            comps = []
+            for i in range(sp.n):
+                lps = None
+                if sp.logprobs is not None:
+                    lps = [self._logprob_entry(t, sp.logprobs, tok) for t in answer[:j]]
+                comps.append(CompletionOutput(
+                    index=i, text=self._texts[j], token_ids=list(answer[:j]),
+                    cumulative_logprob=-0.25 * j if sp.logprobs is not None else None,
+                    logprobs=lps, finish_reason=reason if last else None,
+                    stop_reason=None, delta_text=self._texts[j][len(self._texts[prev]):],
+                    delta_token_ids=list(answer[prev:j]),
+                ))
+            outs.append(RequestOutput(request_id=request_id, prompt=text, prompt_token_ids=ids,
+                                      outputs=comps, finished=last, num_cached_tokens=0,
+                                      metrics=metrics if last else RequestMetrics(
+                                          now, now, now, None)))
+            prev = j
+        self.num_generated_tokens += k * sp.n
+        return outs
+
+    def _logprob_entry(self, token: int, top: int, tok: Tokenizer) -> dict[int, Logprob]:
+        entry = {token: Logprob(-0.25, 1, tok.decode([token], skip_special_tokens=False))}
+        alt = 0
+        while len(entry) < top + 1 and alt < self.model_config.vocab_size:
+            if alt != token:
+                entry[alt] = Logprob(-3.0 - alt * 1e-3, len(entry) + 1,
+                                     tok.decode([alt], skip_special_tokens=False))
+            alt += 1
+        return entry
+
+    # RequestStream's hooks (AsyncEngine's names)
+    def _forget(self, request_id: str) -> None:
+        if self._streams.pop(request_id, None) is not None:
+            self.num_finished += 1
+
+    def _post_abort(self, request_id: str) -> None:
+        if self._streams.pop(request_id, None) is not None:
+            self.num_aborted += 1
+
+    async def abort(self, request_id: str) -> None:
+        self._post_abort(request_id)
