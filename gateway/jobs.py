@@ -226,12 +226,24 @@ class Job:
                 total_ms=(now - self.t0) * 1000,
                 created_at=datetime.now(UTC),
             )
+            # the usage commit and the lease settlement go in parallel: one wait, not two
+            settle = None
+            if self.lease is not None:
+                self.state.inflight.pop(self.id, None)
+                assert self.state.limiter is not None
+                settle = asyncio.ensure_future(self.state.limiter.settle(self.lease, used))
+                self.lease = None
             try:
                 assert self.state.usage is not None
                 await self.state.usage.record(row)
             except Exception as exc:  # noqa: BLE001
                 logger.error("usage row for request %s not committed: %r", self.id, exc)
                 error = exc
+            if settle is not None:
+                try:
+                    await settle
+                except Exception:  # noqa: BLE001 - leases expire on their own
+                    logger.warning("could not settle the lease of %s", self.id, exc_info=True)
             m = self.state.metrics
             tenant = self.principal.tenant_name
             m.requests.labels(tenant, self.entry.name, self.tier, status).inc()
