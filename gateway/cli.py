@@ -78,6 +78,7 @@ def bench_gateway(
     warmup: Annotated[float, typer.Option(min=0.0, help="seconds of unreported warm-up load")] = 2.0,
     max_time: Annotated[float, typer.Option(min=1.0, help="skip rate steps that would end past this many seconds")] = 300.0,
     json_out: Annotated[Path | None, typer.Option("--json", help="also write the results here")] = None,
+    synchronous_commit: Annotated[bool, typer.Option("--synchronous-commit/--async-commit", help="usage rows: wait for the WAL flush (production default) or not")] = True,
 ) -> None:
     """The gateway's added latency under open-loop load, vs its engine called directly.
 

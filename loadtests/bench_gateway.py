@@ -539,9 +539,11 @@ def bench_gateway(
     max_time_s: float = 300.0,
     json_out: str | None = None,
     echo=print,
+    synchronous_commit: bool = True,
 ) -> dict[str, Any]:
     """Run the benchmark; print the table and the verdicts; return (and optionally write) the
-    results. Raises ServiceUnavailable when PostgreSQL or Redis does not answer."""
+    results. Raises ServiceUnavailable when PostgreSQL or Redis does not answer.
+    `synchronous_commit=False` runs the gateway with `usage_synchronous_commit` off."""
     import httpx
     import psutil
 
@@ -591,9 +593,12 @@ def bench_gateway(
             "LOCKGATE_ADMIN_KEY": admin_key, "LOCKGATE_PEPPER": secrets.token_hex(32),
             "LOCKGATE_DATA_DIR": str(Path(tmp.name) / "data"),
             "LOCKGATE_MODELS": json.dumps([f"{MODEL_NAME}={model_dir}"]),
+            "LOCKGATE_USAGE_SYNCHRONOUS_COMMIT": "true" if synchronous_commit else "false",
             "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1",
         })
         server = Server.start(env, Path(tmp.name) / "gateway.log")
+        echo("usage rows: " + ("each response waits for its batch's durable commit" if synchronous_commit
+                               else "committed with synchronous_commit off (no wait for the WAL flush)"))
         gw_proc = psutil.Process(server.proc.pid)
         with httpx.Client(base_url=server.url + "/admin/v1", timeout=30,
                           headers={"authorization": f"Bearer {admin_key}"}) as admin:
