@@ -96,7 +96,8 @@ def bench_gateway(
         run(database_url=database_url, redis_url=redis_url, rates=rate_list, duration=duration,
             model_dir=str(model) if model else None, clients=clients, repeats=repeats,
             ref_rate=ref_rate, floor=floor, warmup_s=warmup, max_time_s=max_time,
-            json_out=str(json_out) if json_out else None, echo=typer.echo)
+            json_out=str(json_out) if json_out else None, echo=typer.echo,
+            synchronous_commit=synchronous_commit)
     except ServiceUnavailable as exc:
         typer.echo(f"lockgate bench gateway: {exc}", err=True)
         raise typer.Exit(2) from None
