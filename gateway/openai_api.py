@@ -267,24 +267,15 @@ async def chat_completions(request: Request, principal: Principal = Depends(tena
     return JSONResponse(body, headers=headers)
 
 
-async def chat_stream(job: Job, base: dict, top: int, include_usage: bool, n: int):
-    chunk = {**base, "object": "chat.completion.chunk"}
-    extra = {"usage": None} if include_usage else {}
+async def sse_stream(job: Job, chunks, chunk: dict, include_usage: bool):
+    """The SSE body around `chunks` (the choices' chunks as they come): then the usage row
+    is committed and the lease settled (`job.finish`), then the usage chunk and
+    `data: [DONE]`. A failure after the headers went out is reported in the stream; any
+    ending but success (a disconnect included) still finishes the job, shielded."""
     status = "cancelled"
-    sent_tokens = [0] * n
     try:
-        for i in range(n):
-            yield sse({**chunk, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                             "logprobs": None, "finish_reason": None}], **extra})
-        async for _, out in job.events():
-            for c in out.outputs:
-                if not (c.delta_text or c.finish_reason or (c.logprobs and len(c.token_ids) > sent_tokens[c.index])):
-                    continue
-                lp = chat_logprobs(c, sent_tokens[c.index], top)
-                sent_tokens[c.index] = len(c.token_ids)
-                delta = {"content": c.delta_text} if c.delta_text else {}
-                yield sse({**chunk, "choices": [{"index": c.index, "delta": delta, "logprobs": lp,
-                                                 "finish_reason": finish_reason(c)}], **extra})
+        async for data in chunks:
+            yield data
         usage = await job.finish("ok")
         status = "ok"
         if include_usage:
@@ -306,6 +297,28 @@ async def chat_stream(job: Job, base: dict, top: int, include_usage: bool, n: in
                     await job.finish(status)
                 except APIError:
                     pass
+
+
+def chat_stream(job: Job, base: dict, top: int, include_usage: bool, n: int):
+    chunk = {**base, "object": "chat.completion.chunk"}
+    extra = {"usage": None} if include_usage else {}
+
+    async def chunks():
+        sent_tokens = [0] * n
+        for i in range(n):
+            yield sse({**chunk, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                             "logprobs": None, "finish_reason": None}], **extra})
+        async for _, out in job.events():
+            for c in out.outputs:
+                if not (c.delta_text or c.finish_reason or (c.logprobs and len(c.token_ids) > sent_tokens[c.index])):
+                    continue
+                lp = chat_logprobs(c, sent_tokens[c.index], top)
+                sent_tokens[c.index] = len(c.token_ids)
+                delta = {"content": c.delta_text} if c.delta_text else {}
+                yield sse({**chunk, "choices": [{"index": c.index, "delta": delta, "logprobs": lp,
+                                                 "finish_reason": finish_reason(c)}], **extra})
+
+    return sse_stream(job, chunks(), chunk, include_usage)
 
 
 # -- completions ----------------------------------------------------------------------------------
@@ -387,12 +400,12 @@ async def completions(request: Request, principal: Principal = Depends(tenant_pr
     return JSONResponse(body, headers=headers)
 
 
-async def completion_stream(job: Job, base: dict, top: int, include_usage: bool, n: int):
+def completion_stream(job: Job, base: dict, top: int, include_usage: bool, n: int):
     chunk = {**base, "object": "text_completion"}
     extra = {"usage": None} if include_usage else {}
-    status = "cancelled"
-    sent: dict[tuple[int, int], tuple[int, int]] = {}   # (prompt, choice) -> (tokens, chars)
-    try:
+
+    async def chunks():
+        sent: dict[tuple[int, int], tuple[int, int]] = {}   # (prompt, choice) -> (tokens, chars)
         async for i, out in job.events():
             for c in out.outputs:
                 toks, chars = sent.get((i, c.index), (0, 0))
@@ -403,27 +416,8 @@ async def completion_stream(job: Job, base: dict, top: int, include_usage: bool,
                 yield sse({**chunk, "choices": [{"index": i * n + c.index, "text": c.delta_text,
                                                  "logprobs": lp, "finish_reason": finish_reason(c)}],
                            **extra})
-        usage = await job.finish("ok")
-        status = "ok"
-        if include_usage:
-            yield sse({**chunk, "choices": [], "usage": usage})
-        yield b"data: [DONE]\n\n"
-    except APIError as exc:
-        status = "error"
-        yield sse(exc.body())
-    except asyncio.CancelledError:
-        raise
-    except Exception as exc:  # noqa: BLE001
-        status = "error"
-        logger.exception("stream of %s failed", job.id)
-        yield sse(APIError(500, f"The stream failed: {type(exc).__name__}", code="internal_error").body())
-    finally:
-        if status != "ok":
-            with anyio.CancelScope(shield=True):
-                try:
-                    await job.finish(status)
-                except APIError:
-                    pass
+
+    return sse_stream(job, chunks(), chunk, include_usage)
 
 
 # -- models and usage --------------------------------------------------------------------------------
