@@ -71,38 +71,40 @@ class KeyCache:
         age = time.monotonic() - hit[0] if hit else None
         if hit is not None and age <= self.ttl:
             return hit[1]
-        if hit is not None and age <= 2 * self.ttl:
-            if d not in self._inflight:
-                spawn(self._refresh_quietly(d, key, lookup))
-            return hit[1]
         fut = self._inflight.get(d)
+        if hit is not None and age <= 2 * self.ttl:
+            if fut is None:
+                spawn(self._refresh(d, key, lookup, self._start(d)))
+            return hit[1]
         if fut is None:
-            return await self._refresh(d, key, lookup)
+            fut = self._start(d)
+            await self._refresh(d, key, lookup, fut)
         return await asyncio.shield(fut)
 
-    async def _refresh_quietly(self, d: bytes, key: str, lookup) -> None:
-        try:
-            await self._refresh(d, key, lookup)
-        except Exception:  # noqa: BLE001 - the entry is dropped; the next use looks it up
-            pass
-
-    async def _refresh(self, d: bytes, key: str, lookup) -> Principal:
+    def _start(self, d: bytes) -> asyncio.Future:
+        """Mark a lookup of `d` as under way (before it starts, so no second one begins)."""
         fut = asyncio.get_running_loop().create_future()
         self._inflight[d] = fut
+        return fut
+
+    async def _refresh(self, d: bytes, key: str, lookup, fut: asyncio.Future) -> None:
+        """Look `key` up; the result or the error goes to `fut` (never raised here)."""
         try:
             principal = await lookup(key)
-        except BaseException as exc:
+        except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on fut
             self._entries.pop(d, None)
             if not fut.done():
                 fut.set_exception(exc)
-                fut.exception()         # retrieved: no "never retrieved" warning if unused
-            raise
+                fut.exception()         # retrieved: no warning when nobody waits
+            if isinstance(exc, asyncio.CancelledError):
+                raise
         else:
             self.put(key, principal)
-            fut.set_result(principal)
-            return principal
+            if not fut.done():
+                fut.set_result(principal)
         finally:
-            self._inflight.pop(d, None)
+            if self._inflight.get(d) is fut:
+                del self._inflight[d]
 
     def invalidate_key_id(self, key_id: str) -> None:
         for d, (_, p) in list(self._entries.items()):

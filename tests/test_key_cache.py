@@ -1,0 +1,65 @@
+"""The gateway's key cache: fresh hits, stale-while-refresh, one lookup for many misses."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from gateway.state import KeyCache
+from tenancy.errors import AuthError
+
+
+class Lookups:
+    def __init__(self, delay=0.05):
+        self.calls = 0
+        self.delay = delay
+        self.revoked = False
+
+    async def __call__(self, key):
+        self.calls += 1
+        await asyncio.sleep(self.delay)
+        if self.revoked:
+            raise AuthError("revoked")
+        return f"principal-of-{key}"
+
+
+async def test_concurrent_misses_share_one_lookup():
+    cache, lookup = KeyCache(ttl=1.0), Lookups()
+    tasks = []
+    results = await asyncio.gather(*(cache.resolve("k", lookup, tasks.append) for _ in range(20)))
+    assert results == ["principal-of-k"] * 20 and lookup.calls == 1
+    assert await cache.resolve("k", lookup, tasks.append) == "principal-of-k" and lookup.calls == 1
+
+
+async def test_stale_entry_served_while_one_refresh_runs_then_revocation_lands():
+    """Between ttl and 2 x ttl the old principal is served at once and one background lookup
+    refreshes it; when that lookup finds the key revoked, the next use is refused."""
+    cache, lookup = KeyCache(ttl=0.2), Lookups(delay=0.05)
+    spawned = []
+
+    def spawn(coro):
+        spawned.append(asyncio.get_running_loop().create_task(coro))
+
+    await cache.resolve("k", lookup, spawn)
+    await asyncio.sleep(0.25)                      # stale, not expired
+    lookup.revoked = True
+    t0 = time.monotonic()
+    assert await cache.resolve("k", lookup, spawn) == "principal-of-k"
+    assert await cache.resolve("k", lookup, spawn) == "principal-of-k"
+    assert time.monotonic() - t0 < 0.04            # no waiting on the database
+    assert len(spawned) == 1                       # one refresh, not one per request
+    await asyncio.gather(*spawned)
+    with pytest.raises(AuthError):
+        await cache.resolve("k", lookup, spawn)
+
+
+async def test_expired_entry_is_looked_up_before_use():
+    cache, lookup = KeyCache(ttl=0.05), Lookups(delay=0.01)
+    await cache.resolve("k", lookup, lambda c: None)
+    await asyncio.sleep(0.12)                      # older than 2 x ttl
+    lookup.revoked = True
+    with pytest.raises(AuthError):
+        await cache.resolve("k", lookup, lambda c: None)
+    assert lookup.calls == 2
