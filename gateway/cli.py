@@ -36,6 +36,32 @@ def demo_model(
     typer.echo(f"wrote {family}/{size} demo model (seed {seed}) to {path}")
 
 
+@app.command("demo-adapter")
+def demo_adapter(
+    base_dir: Annotated[Path, typer.Argument(help="Hugging Face base model directory (e.g. from demo-model)")],
+    out_dir: Annotated[Path, typer.Argument(help="directory to write the PEFT adapter into")],
+    rank: Annotated[int, typer.Option(help="LoRA rank r, >= 1")] = 8,
+    targets: Annotated[str, typer.Option(help="modules, comma-separated: q,k,v,o,gate,up,down")] = "q,v",
+    seed: Annotated[int, typer.Option(help="adapter weights and nothing else depend on it")] = 0,
+) -> None:
+    """Write a random-weight PEFT LoRA adapter for a base model, offline."""
+    from engine.lora_demo import parse_targets, write_demo_adapter
+
+    try:
+        modules = parse_targets(targets)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc).removeprefix("targets: "), param_hint="--targets") from exc
+    if rank < 1:
+        raise typer.BadParameter(f"must be >= 1, got {rank}", param_hint="--rank")
+    try:
+        path = write_demo_adapter(base_dir, out_dir, rank=rank, targets=modules, seed=seed)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    except OSError as exc:
+        raise typer.BadParameter(f"cannot load a model from {base_dir}: {exc}", param_hint="BASE_DIR") from exc
+    typer.echo(f"wrote rank-{rank} LoRA adapter on {','.join(modules)} (seed {seed}) to {path}")
+
+
 @bench_app.command("throughput")
 def bench_throughput(
     model: Annotated[Path | None, typer.Option(help="model directory (default: the small llama demo model)")] = None,
