@@ -144,7 +144,7 @@ async def load_models(state: AppState) -> None:
         path = s.data_dir / "models" / DEMO_MODEL
         if not (path / "config.json").is_file():
             print(f"lockgate: building the demo model in {path} (first start only)", flush=True)
-            await asyncio.to_thread(write_demo_model, path, "llama", "small", 0)
+            await asyncio.to_thread(write_demo_model, path, family="llama", size="small", seed=0)
         specs = {DEMO_MODEL: path}
     private = set(s.private_models)
     unknown = private - set(specs)

@@ -213,3 +213,21 @@ def test_bad_config_is_one_clear_error(tmp_path, args, env, names):
     assert names in out, out
     assert "Traceback" not in out, out
     assert "Application startup failed" not in out, out
+
+
+def test_quick_start_serves_the_demo_model(tmp_path):
+    """The README's main job: `lockgate serve` with no model builds the demo model in the
+    data directory on first start and serves it as `demo`, through the openai client."""
+    import openai
+
+    srv = GatewayServer.start(tmp_path / "data", models={})
+    try:
+        assert (tmp_path / "data" / "models" / "demo" / "config.json").is_file()
+        t, key = srv.tenant()
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key=key, max_retries=0, timeout=60)
+        assert [m.id for m in client.models.list().data] == ["demo"]
+        r = client.chat.completions.create(model="demo", max_tokens=8,
+                                           messages=[{"role": "user", "content": "Hello"}])
+        assert r.usage.completion_tokens == 8 and r.choices[0].message.content
+    finally:
+        assert srv.stop() == 0
