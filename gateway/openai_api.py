@@ -13,7 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
-from engine import CompletionOutput, RequestOutput, SamplingParams
+from engine import CompletionOutput, SamplingParams
 from gateway.auth import app_state, tenant_principal
 from gateway.errors import APIError, validation_error
 from gateway.jobs import Job, ratelimit_headers
@@ -201,17 +201,59 @@ async def run_or_disconnect(request: Request, job: Job, coro) -> Any:
     raise APIError(499, "client closed the request", code="client_closed_request")
 
 
-# -- chat ------------------------------------------------------------------------------------------
-@router.post("/v1/chat/completions")
-async def chat_completions(request: Request, principal: Principal = Depends(tenant_principal)):
+async def open_request(request: Request, principal: Principal, model: type[BaseModel],
+                       unsupported: tuple[str, ...]) -> tuple[AppState, Any, ModelEntry, str]:
+    """What both inference routes do first: draining check, body, model, tier, limits."""
     state = app_state(request)
     check_draining(state)
     data = await read_json(request)
-    refuse_unsupported(data, UNSUPPORTED_CHAT)
-    req: ChatCompletionRequest = parse(ChatCompletionRequest, data)
+    refuse_unsupported(data, unsupported)
+    req = parse(model, data)
     entry = resolve_model(state, principal, req.model)
     tier = resolve_tier(principal, req.service_tier)
     check_common(state, req)
+    return state, req, entry, tier
+
+
+async def respond(request: Request, job: Job, req: Any, tier: str, id_prefix: str, obj: str,
+                  stream, choices) -> Response:
+    """Admit and submit `job`, then answer: an SSE stream (`stream(job, base, include_usage)`)
+    or one JSON body whose choices `choices()` builds from the finished outputs."""
+    await job.admit()
+    try:
+        job.submit()
+    except APIError:
+        await job.finish("error")
+        raise
+    headers = {**ratelimit_headers(job.decision)} if job.decision else {}
+    base = {"id": f"{id_prefix}-{job.id}", "created": int(job.t0), "model": req.model,
+            "service_tier": tier, "system_fingerprint": None}
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return StreamingResponse(stream(job, base, include_usage), media_type="text/event-stream",
+                                 headers=headers)
+
+    async def collect() -> dict:
+        async for _ in job.events():
+            pass
+        usage = await job.finish("ok")
+        return {**base, "object": obj, "choices": choices(), "usage": usage}
+
+    try:
+        body = await run_or_disconnect(request, job, collect())
+    except APIError:
+        raise
+    except Exception:
+        await asyncio.shield(job.finish("error"))
+        raise
+    return JSONResponse(body, headers=headers)
+
+
+# -- chat ------------------------------------------------------------------------------------------
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request, principal: Principal = Depends(tenant_principal)):
+    state, req, entry, tier = await open_request(request, principal, ChatCompletionRequest,
+                                                 UNSUPPORTED_CHAT)
     messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text(),
                  **({"name": m.name} if m.name else {})} for m in req.messages]
     if sum(len(m["content"]) for m in messages) > state.settings.max_prompt_chars:
@@ -230,41 +272,17 @@ async def chat_completions(request: Request, principal: Principal = Depends(tena
     params = sampling(req, max_tokens, top if req.logprobs else None)
     job = Job(state, principal, entry, tier, [ids], [params], len(ids) + max_tokens * params.n,
               req.cache_salt)
-    await job.admit()
-    try:
-        job.submit()
-    except APIError:
-        await job.finish("error")
-        raise
-    headers = {**ratelimit_headers(job.decision)} if job.decision else {}
-    base = {"id": f"chatcmpl-{job.id}", "created": int(job.t0), "model": req.model,
-            "service_tier": tier, "system_fingerprint": None}
-    if req.stream:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return StreamingResponse(chat_stream(job, base, top, include_usage, params.n),
-                                 media_type="text/event-stream", headers=headers)
 
-    async def collect() -> dict:
-        async for _ in job.events():
-            pass
-        usage = await job.finish("ok")
-        out = job.finals[0]
-        choices = [{
+    def choices() -> list[dict]:
+        return [{
             "index": c.index,
             "message": {"role": "assistant", "content": c.text, "refusal": None},
             "logprobs": chat_logprobs(c, 0, top),
             "finish_reason": finish_reason(c),
-        } for c in out.outputs]
-        return {**base, "object": "chat.completion", "choices": choices, "usage": usage}
+        } for c in job.finals[0].outputs]
 
-    try:
-        body = await run_or_disconnect(request, job, collect())
-    except APIError:
-        raise
-    except Exception:
-        await asyncio.shield(job.finish("error"))
-        raise
-    return JSONResponse(body, headers=headers)
+    return await respond(request, job, req, tier, "chatcmpl", "chat.completion",
+                         lambda j, base, usage: chat_stream(j, base, top, usage, params.n), choices)
 
 
 async def sse_stream(job: Job, chunks, chunk: dict, include_usage: bool):
@@ -324,14 +342,8 @@ def chat_stream(job: Job, base: dict, top: int, include_usage: bool, n: int):
 # -- completions ----------------------------------------------------------------------------------
 @router.post("/v1/completions")
 async def completions(request: Request, principal: Principal = Depends(tenant_principal)):
-    state = app_state(request)
-    check_draining(state)
-    data = await read_json(request)
-    refuse_unsupported(data, UNSUPPORTED_COMPLETION)
-    req: CompletionRequest = parse(CompletionRequest, data)
-    entry = resolve_model(state, principal, req.model)
-    tier = resolve_tier(principal, req.service_tier)
-    check_common(state, req)
+    state, req, entry, tier = await open_request(request, principal, CompletionRequest,
+                                                 UNSUPPORTED_COMPLETION)
     prompts = req.prompts()
     if not prompts:
         raise APIError(400, "prompt: must not be empty", param="prompt")
@@ -362,42 +374,16 @@ async def completions(request: Request, principal: Principal = Depends(tenant_pr
         params_list.append(sp)
         reserve += len(ids) + mt * sp.n
     n = params_list[0].n
-    job = Job(state, principal, entry, tier, ids_list, params_list, reserve, req.cache_salt)
-    await job.admit()
-    try:
-        job.submit()
-    except APIError:
-        await job.finish("error")
-        raise
-    headers = {**ratelimit_headers(job.decision)} if job.decision else {}
-    base = {"id": f"cmpl-{job.id}", "created": int(job.t0), "model": req.model,
-            "service_tier": tier, "system_fingerprint": None}
     top = req.logprobs or 0
-    if req.stream:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return StreamingResponse(completion_stream(job, base, top, include_usage, n),
-                                 media_type="text/event-stream", headers=headers)
+    job = Job(state, principal, entry, tier, ids_list, params_list, reserve, req.cache_salt)
 
-    async def collect() -> dict:
-        async for _ in job.events():
-            pass
-        usage = await job.finish("ok")
-        choices = []
-        for i in range(len(ids_list)):
-            for c in job.finals[i].outputs:
-                choices.append({"index": i * n + c.index, "text": c.text,
-                                "logprobs": completion_logprobs(c, 0, top, 0),
-                                "finish_reason": finish_reason(c)})
-        return {**base, "object": "text_completion", "choices": choices, "usage": usage}
+    def choices() -> list[dict]:
+        return [{"index": i * n + c.index, "text": c.text,
+                 "logprobs": completion_logprobs(c, 0, top, 0), "finish_reason": finish_reason(c)}
+                for i in range(len(ids_list)) for c in job.finals[i].outputs]
 
-    try:
-        body = await run_or_disconnect(request, job, collect())
-    except APIError:
-        raise
-    except Exception:
-        await asyncio.shield(job.finish("error"))
-        raise
-    return JSONResponse(body, headers=headers)
+    return await respond(request, job, req, tier, "cmpl", "text_completion",
+                         lambda j, base, usage: completion_stream(j, base, top, usage, n), choices)
 
 
 def completion_stream(job: Job, base: dict, top: int, include_usage: bool, n: int):
