@@ -41,6 +41,37 @@ def resolve_dtype(name: str, model_dtype: str, device: torch.device) -> torch.dt
     return dtype
 
 
+def check_request(req: EngineRequest, vocab_size: int, max_model_len: int) -> None:
+    """The checks of a request that need no engine state beyond the model's vocabulary and
+    context: ValueError (PromptTooLong for the context) naming the field."""
+    if not isinstance(req.sampling, SamplingParams):
+        raise ValueError(f"sampling_params: expected SamplingParams, got {type(req.sampling).__name__}")
+    req.sampling.__post_init__()   # re-checked: the object may have changed since it was built
+    if type(req.priority) is not int:
+        raise ValueError(f"priority: must be an integer, got {req.priority!r}")
+    if req.tenant_weight is not None and (
+        isinstance(req.tenant_weight, bool) or not isinstance(req.tenant_weight, (int, float))
+        or not 0 < req.tenant_weight < float("inf")
+    ):
+        raise ValueError(f"tenant_weight: must be a number > 0, got {req.tenant_weight!r}")
+    for name in ("tenant", "model", "cache_salt", "share_group"):
+        value = getattr(req, name)
+        if value is not None and not isinstance(value, str) or (name == "tenant" and not value):
+            raise ValueError(f"{name}: must be a{' non-empty' if name == 'tenant' else ''} string, got {value!r}")
+    ids = req.prompt_token_ids
+    if not isinstance(req.request_id, str) or not req.request_id:
+        raise ValueError("request_id: must be a non-empty string")
+    if not ids:
+        raise ValueError("prompt: must not be empty")
+    bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"prompt_token_ids: token id {bad!r} is outside the vocabulary [0, {vocab_size})")
+    if len(ids) >= max_model_len:
+        raise PromptTooLong(
+            f"prompt: {len(ids)} tokens leave no room for output within max_model_len {max_model_len}"
+        )
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, *, stream_outputs: bool = False) -> None:
         self.config = config
@@ -101,36 +132,10 @@ class EngineCore:
     # -- requests ------------------------------------------------------------------------
     def validate(self, req: EngineRequest) -> None:
         """Raise ValueError (naming the field) for anything that could never run."""
-        if not isinstance(req.sampling, SamplingParams):
-            raise ValueError(f"sampling_params: expected SamplingParams, got {type(req.sampling).__name__}")
-        req.sampling.__post_init__()   # re-checked: the object may have changed since it was built
-        if type(req.priority) is not int:
-            raise ValueError(f"priority: must be an integer, got {req.priority!r}")
-        if req.tenant_weight is not None and (
-            isinstance(req.tenant_weight, bool) or not isinstance(req.tenant_weight, (int, float))
-            or not 0 < req.tenant_weight < float("inf")
-        ):
-            raise ValueError(f"tenant_weight: must be a number > 0, got {req.tenant_weight!r}")
-        for name in ("tenant", "model", "cache_salt", "share_group"):
-            value = getattr(req, name)
-            if value is not None and not isinstance(value, str) or (name == "tenant" and not value):
-                raise ValueError(f"{name}: must be a{' non-empty' if name == 'tenant' else ''} string, got {value!r}")
-        ids = req.prompt_token_ids
-        if not isinstance(req.request_id, str) or not req.request_id:
-            raise ValueError("request_id: must be a non-empty string")
+        check_request(req, self.model_config.vocab_size, self.max_model_len)
         if req.request_id in self.requests:
             raise ValueError(f"request_id: {req.request_id!r} is already in the engine")
-        if not ids:
-            raise ValueError("prompt: must not be empty")
-        vocab = self.model_config.vocab_size
-        bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"prompt_token_ids: token id {bad!r} is outside the vocabulary [0, {vocab})")
-        if len(ids) >= self.max_model_len:
-            raise PromptTooLong(
-                f"prompt: {len(ids)} tokens leave no room for output within max_model_len "
-                f"{self.max_model_len}"
-            )
+        ids = req.prompt_token_ids
         if req.service_class not in self.class_rank:
             raise ValueError(
                 f"service_class: {req.service_class!r} is not one of {list(self.config.service_classes)}"

@@ -33,7 +33,10 @@ from typing import Any
 
 from engine.async_engine import RequestStream
 from engine.config import ModelConfig
-from engine.errors import EngineDead, EngineOverloaded, PromptTooLong
+from engine.engine_core import check_request
+from engine.errors import EngineDead, EngineOverloaded
+from engine.llm import to_token_ids
+from engine.request import EngineRequest
 from engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
@@ -208,9 +211,14 @@ class InstantEngine:
     ) -> RequestStream:
         self._started()
         tok = self.tokenizer
-        text, ids = self._prompt(prompt)
-        self._validate(ids, sampling_params, request_id, tenant, service_class, priority,
-                       model, cache_salt)
+        text, ids = to_token_ids(self, prompt)
+        check_request(EngineRequest(request_id, ids, sampling_params, prompt=text, tenant=tenant,
+                                    service_class=service_class, priority=priority, model=model,
+                                    cache_salt=cache_salt),
+                      self.model_config.vocab_size, self._max_model_len)
+        if len(self._streams) >= self.max_waiting_per_class:
+            raise EngineOverloaded(f"service_class {service_class!r}: {self.max_waiting_per_class} "
+                                   "requests already waiting")
         if not self._running:
             raise EngineDead("engine is not running; call `await engine.start()` first")
         if request_id in self._streams:
@@ -223,47 +231,6 @@ class InstantEngine:
         self._streams[request_id] = (service_class, queue)
         self.num_submitted += 1
         return RequestStream(self, request_id, queue)   # type: ignore[arg-type]
-
-    def _prompt(self, prompt: Any) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
-            if "prompt" in prompt:
-                return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
-            raise ValueError("prompt: a dict prompt needs 'prompt_token_ids' or 'prompt'")
-        if isinstance(prompt, list):
-            return None, list(prompt)
-        raise ValueError(f"prompt: expected a string or a dict, got {type(prompt).__name__}")
-
-    def _validate(self, ids: list[int], sp: Any, request_id: Any, tenant: Any, service_class: Any,
-                  priority: Any, model: Any, cache_salt: Any) -> None:
-        """AsyncEngine's checks (EngineCore.validate), in its words."""
-        if not isinstance(sp, SamplingParams):
-            raise ValueError(f"sampling_params: expected SamplingParams, got {type(sp).__name__}")
-        sp.__post_init__()
-        if type(priority) is not int:
-            raise ValueError(f"priority: must be an integer, got {priority!r}")
-        for name, value in (("tenant", tenant), ("model", model), ("cache_salt", cache_salt)):
-            if value is not None and not isinstance(value, str) or (name == "tenant" and not value):
-                raise ValueError(f"{name}: must be a{' non-empty' if name == 'tenant' else ''} "
-                                 f"string, got {value!r}")
-        if not isinstance(request_id, str) or not request_id:
-            raise ValueError("request_id: must be a non-empty string")
-        if not ids:
-            raise ValueError("prompt: must not be empty")
-        vocab = self.model_config.vocab_size
-        bad = next((t for t in ids if not isinstance(t, int) or isinstance(t, bool)
-                    or not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"prompt_token_ids: token id {bad!r} is outside the vocabulary [0, {vocab})")
-        if len(ids) >= self._max_model_len:
-            raise PromptTooLong(f"prompt: {len(ids)} tokens leave no room for output within "
-                                f"max_model_len {self._max_model_len}")
-        if len(self._streams) >= self.max_waiting_per_class:
-            raise EngineOverloaded(f"service_class {service_class!r}: {self.max_waiting_per_class} "
-                                   "requests already waiting")
 
     def _outputs(self, request_id: str, text: str | None, ids: list[int], sp: SamplingParams,
                  tok: Tokenizer) -> list[RequestOutput]:
