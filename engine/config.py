@@ -112,6 +112,7 @@ class ModelConfig:
     torch_dtype: str
     eos_token_ids: list[int] = field(default_factory=list)
     max_model_len: int = 0
+    quantization: dict[str, Any] | None = None   # config.json's quantization_config
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
@@ -155,6 +156,7 @@ class ModelConfig:
             attention_bias=bool(raw.get("attention_bias", model_type == "qwen2")),
             torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
             eos_token_ids=eos,
+            quantization=raw.get("quantization_config") or None,
         )
 
 

@@ -60,7 +60,9 @@ class ModelRunner:
 
     @property
     def weight_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+        # buffers too: quantized projections keep their packed weights and scales as buffers
+        tensors = [*self.model.parameters(), *self.model.buffers()]
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     def bytes_per_block(self, block_size: int) -> int:
         c = self.cfg

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
+from engine.models.linear import DenseLinear, LinearBase, LinearFactory
 from engine.models.rope import RopeAt, RotaryEmbedding
 from kernels.paged_attention import paged_attention, write_kv_cache
 
@@ -43,15 +44,15 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, linear: LinearFactory) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.qkv_proj = linear(cfg.hidden_size, [self.q_size, self.kv_size, self.kv_size], cfg.attention_bias)
+        self.o_proj = linear(self.q_size, [cfg.hidden_size], False)
 
     def forward(
         self,
@@ -76,11 +77,11 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, linear: LinearFactory) -> None:
         super().__init__()
         self.intermediate = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = linear(cfg.hidden_size, [cfg.intermediate_size] * 2, False)
+        self.down_proj = linear(cfg.intermediate_size, [cfg.hidden_size], False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
@@ -88,12 +89,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, linear: LinearFactory) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, linear)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, linear)
 
     def forward(self, x, rope, kv_cache, meta):
         x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
@@ -103,11 +104,18 @@ class DecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Also Mistral (same layout) and Qwen2 (q/k/v biases, usually tied embeddings)."""
 
-    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding) -> None:
+    # HF layer name -> (our fused projection, part index)
+    FUSED = {
+        "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+        "o_proj": ("o_proj", 0),
+        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1), "down_proj": ("down_proj", 0),
+    }
+
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, linear: LinearFactory = DenseLinear) -> None:
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, linear) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope = rope
@@ -131,45 +139,54 @@ class LlamaForCausalLM(nn.Module):
         return F.linear(hidden, weight)
 
     # -- loading -----------------------------------------------------------------------------
+    def projections(self) -> dict[str, tuple[LinearBase, int]]:
+        """HF layer path without the "model." prefix (e.g. "layers.0.self_attn.q_proj") ->
+        (the projection holding it, its part index)."""
+        out: dict[str, tuple[LinearBase, int]] = {}
+        for name, module in self.named_modules():
+            if isinstance(module, LinearBase):
+                parent, _, ours = name.rpartition(".")
+                for hf, (fused, part) in self.FUSED.items():
+                    if fused == ours:
+                        out[f"{parent}.{hf}"] = (module, part)
+        return out
+
     def load_weights(self, weights) -> None:
-        """Copy HF-named tensors into the fused parameters. Raises on missing or unknown names."""
+        """Copy HF-named tensors into the model: projections part by part (dense or
+        quantized alike), the rest by name. Raises on missing or unknown tensors."""
         params = dict(self.named_parameters())
+        projections = self.projections()
         loaded: set[str] = set()
-        q, kv = self.cfg.num_attention_heads * self.cfg.head_dim, self.cfg.num_key_value_heads * self.cfg.head_dim
-        fused = {
-            "q_proj": ("qkv_proj", 0, q), "k_proj": ("qkv_proj", q, kv), "v_proj": ("qkv_proj", q + kv, kv),
-            "gate_proj": ("gate_up_proj", 0, self.cfg.intermediate_size),
-            "up_proj": ("gate_up_proj", self.cfg.intermediate_size, self.cfg.intermediate_size),
-        }
+        loaded_parts: set[tuple[str, int, str]] = set()
         for hf_name, tensor in weights:
             name = hf_name.removeprefix("model.")
             if "rotary_emb" in name:
                 continue
             if name == "lm_head.weight" and self.lm_head is None:
                 continue  # tied: the embedding is the head
-            parts = name.split(".")
-            target, offset, size = name, 0, None
-            for i, part in enumerate(parts):
-                if part in fused:
-                    new, offset, size = fused[part]
-                    target = ".".join(parts[:i] + [new] + parts[i + 1 :])
-                    break
-            if target not in params:
+            layer, _, leaf = name.rpartition(".")
+            if layer in projections:
+                module, part = projections[layer]
+                try:
+                    module.load_part(part, leaf, tensor)
+                except ValueError as exc:
+                    raise ValueError(f"weight {hf_name!r}: {exc}") from None
+                loaded_parts.add((layer, part, leaf))
+                continue
+            if name not in params:
                 raise ValueError(f"checkpoint has an unexpected weight {hf_name!r}")
-            param = params[target]
-            dst = param.data if size is None else param.data.narrow(0, offset, size)
+            dst = params[name].data
             if dst.shape != tensor.shape:
                 raise ValueError(f"weight {hf_name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
-            dst.copy_(tensor)
-            loaded.add(target if size is None else f"{target}:{offset}")
-        expected = set()
-        for pname in params:
-            if pname.endswith("qkv_proj.weight") or pname.endswith("qkv_proj.bias"):
-                expected |= {f"{pname}:0", f"{pname}:{q}", f"{pname}:{q + kv}"}
-            elif pname.endswith("gate_up_proj.weight"):
-                expected |= {f"{pname}:0", f"{pname}:{self.cfg.intermediate_size}"}
-            else:
-                expected.add(pname)
+            dst.copy_(tensor.to(dst.dtype))
+            loaded.add(name)
+        owned = {name for name, m in self.named_modules() if isinstance(m, LinearBase)}
+        expected = {n for n in params if n.rpartition(".")[0] not in owned}
         missing = sorted(expected - loaded)
+        for layer, (module, part) in projections.items():
+            missing += sorted(
+                f"{layer}.{leaf}" for p, leaf in module.expected_tensors()
+                if p == part and (layer, part, leaf) not in loaded_parts
+            )
         if missing:
             raise ValueError(f"checkpoint is missing weights: {missing[:5]}{' ...' if len(missing) > 5 else ''}")

@@ -13,6 +13,7 @@ from safetensors import safe_open
 from engine.config import ModelConfig
 from engine.models.llama import LlamaForCausalLM
 from engine.models.rope import RotaryEmbedding
+from engine.quant import linear_factory
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +42,9 @@ def iter_weights(model_dir: Path, dtype: torch.dtype) -> Iterator[tuple[str, tor
     for path in safetensors_files(model_dir):
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name).to(dtype)
+                t = f.get_tensor(name)
+                # packed integer tensors (quantized checkpoints) keep their dtype
+                yield name, t.to(dtype) if t.is_floating_point() else t
 
 
 def load_model(
@@ -50,8 +53,9 @@ def load_model(
     model_dir = Path(model_dir)
     cls = MODEL_CLASSES[cfg.architecture]
     rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, dtype, device)
+    linear = linear_factory(cfg.quantization)
     with torch.device("meta"):   # no init work: every parameter is overwritten by the checkpoint
-        model = cls(cfg, rope)
+        model = cls(cfg, rope, linear)
     model = model.to_empty(device=device).to(dtype)
     with torch.no_grad():
         model.load_weights(iter_weights(model_dir, dtype))

@@ -1,0 +1,115 @@
+"""Projection layers the models are built from: dense, or quantized (engine/quant/), each
+optionally with batched multi-LoRA on top.
+
+A projection may fuse several Hugging Face layers along its output: `qkv_proj` is q_proj,
+k_proj and v_proj side by side, `gate_up_proj` is gate_proj and up_proj. Each fused layer is
+a *part*; checkpoints load part by part under HF's own tensor names (`load_part`), and a
+LoRA adapter on one HF layer lands in that part's output columns.
+
+LoRA: the LoRA manager (engine/lora.py) attaches a `LoRASlots` to every projection it
+targets, holding per part the stacked slot tensors, and sets one shared `LoRABatch` (the
+slot of each token in this step) before each forward. Tokens of the bare base model have
+slot -1 and are left alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels.lora import lora_shrink_expand
+
+
+@dataclass(slots=True)
+class LoRABatch:
+    """The current step's adapter slot per token (-1: base model); None when no token of
+    this step uses an adapter, so the LoRA path costs nothing then."""
+
+    slot_per_token: torch.Tensor | None = None
+
+
+@dataclass(slots=True)
+class LoRASlots:
+    """One projection's adapter slots, per part: lora_a [slots, r_max, in],
+    lora_b [slots, part_out, r_max], scaling [slots]. A part no adapter targets is None."""
+
+    lora_a: list[torch.Tensor | None]
+    lora_b: list[torch.Tensor | None]
+    scaling: list[torch.Tensor | None]
+    batch: LoRABatch = field(default_factory=LoRABatch)
+
+
+class LinearBase(nn.Module):
+    """y = x W^T (+ b), W being the parts stacked along the output dimension."""
+
+    def __init__(self, in_features: int, out_sizes: list[int], bias: bool) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_sizes = list(out_sizes)
+        self.out_features = sum(out_sizes)
+        self.offsets = [sum(out_sizes[:i]) for i in range(len(out_sizes))]
+        self.has_bias = bias
+        self.lora: LoRASlots | None = None
+
+    # -- what a subclass provides ---------------------------------------------------------
+    def base_forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def load_part(self, part: int, name: str, tensor: torch.Tensor) -> None:
+        """Copy one checkpoint tensor (`name` is its last component: weight, bias, qweight...)
+        of HF layer `part`. Raises ValueError on an unknown name or a wrong shape."""
+        raise NotImplementedError
+
+    def expected_tensors(self) -> set[tuple[int, str]]:
+        """Every (part, name) a complete checkpoint provides for this projection."""
+        raise NotImplementedError
+
+    def dense_weight(self) -> torch.Tensor:
+        """The full-precision weight [out, in] (dequantized where quantized), for checks."""
+        raise NotImplementedError
+
+    # -- shared -------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base_forward(x)
+        lora = self.lora
+        if lora is not None and lora.batch.slot_per_token is not None:
+            slots = lora.batch.slot_per_token
+            for part, (a, b, s) in enumerate(zip(lora.lora_a, lora.lora_b, lora.scaling)):
+                if a is not None:
+                    lo = self.offsets[part]
+                    lora_shrink_expand(x, y, a, b, slots, s, (lo, lo + self.out_sizes[part]))
+        return y
+
+
+class DenseLinear(LinearBase):
+    def __init__(self, in_features: int, out_sizes: list[int], bias: bool) -> None:
+        super().__init__(in_features, out_sizes, bias)
+        self.weight = nn.Parameter(torch.empty(self.out_features, in_features))
+        self.bias = nn.Parameter(torch.empty(self.out_features)) if bias else None
+
+    def base_forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def load_part(self, part: int, name: str, tensor: torch.Tensor) -> None:
+        if name not in ("weight", "bias") or (name == "bias" and self.bias is None):
+            raise ValueError(f"unexpected tensor {name!r} for a dense projection")
+        param = self.weight if name == "weight" else self.bias
+        dst = param.data.narrow(0, self.offsets[part], self.out_sizes[part])
+        if dst.shape != tensor.shape:
+            raise ValueError(f"shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
+        dst.copy_(tensor)
+
+    def expected_tensors(self) -> set[tuple[int, str]]:
+        names = ("weight", "bias") if self.has_bias else ("weight",)
+        return {(p, n) for p in range(len(self.out_sizes)) for n in names}
+
+    def dense_weight(self) -> torch.Tensor:
+        return self.weight.data
+
+
+# builds one projection: (in_features, out_sizes, bias) -> LinearBase
+LinearFactory = Callable[[int, list[int], bool], LinearBase]
