@@ -39,6 +39,11 @@ class EngineConfig:
     # step time that background prefill adds (chunked prefill only)
     prefill_token_budget: dict[str, int] = field(default_factory=dict)
     num_threads: int | None = None
+    # LoRA (engine/lora.py): adapters per step, the largest rank, adapters kept in host memory
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", *DTYPES):
@@ -50,6 +55,16 @@ class EngineConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting_per_class"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1; got {getattr(self, name)}")
+        for name in ("max_loras", "max_lora_rank"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1; got {value!r}")
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        elif isinstance(self.max_cpu_loras, bool) or not isinstance(self.max_cpu_loras, int) \
+                or self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras must be an integer >= max_loras ({self.max_loras}); "
+                             f"got {self.max_cpu_loras!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2; got {self.max_model_len}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

@@ -15,6 +15,7 @@ import torch
 from engine.config import DTYPES, EngineConfig, ModelConfig
 from engine.errors import PromptTooLong, UnknownModel
 from engine.kv_cache import KVCacheManager
+from engine.lora import LoRAManager
 from engine.memory import MemoryBudget
 from engine.model_runner import ModelRunner, StepTimings
 from engine.platform import tune_cpu_allocator
@@ -94,11 +95,18 @@ class EngineCore:
         self.tokenizer = Tokenizer(config.model)
         torch.manual_seed(config.seed)
         self.runner = ModelRunner(config.model, mc, self.max_model_len, self.dtype, self.device, config.seed)
+        self.lora: LoRAManager | None = None
+        if config.enable_lora:
+            self.lora = self.runner.enable_lora(
+                max_loras=config.max_loras, max_lora_rank=config.max_lora_rank,
+                max_cpu_loras=config.max_cpu_loras,
+            )
         self.memory = MemoryBudget.for_device(
             self.device,
             gpu_memory_utilization=config.gpu_memory_utilization,
             kv_cache_memory=config.kv_cache_memory,
             weight_bytes=self.runner.weight_bytes,
+            lora_bytes=self.lora.slot_bytes if self.lora else 0,
         )
         bs = config.block_size
         self.num_kv_blocks = self.memory.kv_blocks(
@@ -110,6 +118,11 @@ class EngineCore:
         self.kv = KVCacheManager(self.num_kv_blocks, bs, config.enable_prefix_caching,
                                  num_tiers=len(config.service_classes))
         self.scheduler = Scheduler(config, self.kv)
+        if self.lora is not None:
+            self.scheduler.lora_ready = self.lora.is_ready
+        # (request id, error) of requests that failed after they were queued (an adapter
+        # that could not be read): AsyncEngine hands each to its caller
+        self.failed: list[tuple[str, Exception]] = []
         self.class_rank = {name: i for i, name in enumerate(config.service_classes)}
         self.eos_token_ids = set(mc.eos_token_ids)
         # a sequence can grow until the context or the cache its class may use is full
@@ -154,6 +167,10 @@ class EngineCore:
             )
         if req.model is not None and req.model not in self.served_model_names:
             raise UnknownModel(f"model: {req.model!r} is not served by this engine")
+        if req.lora_request is not None:
+            if self.lora is None:
+                raise ValueError("lora_request: LoRA is not enabled on this engine (enable_lora=True)")
+            self.lora.check_request(req.lora_request)
 
     @property
     def model_name(self) -> str:
@@ -177,17 +194,42 @@ class EngineCore:
                 seq.logprobs = []
             state.seqs.append(seq)
         self.requests[req.request_id] = state
+        if req.lora_request is not None:
+            self.lora.acquire(req.lora_request)
         self.scheduler.add(state)
         return state
 
+    def _retire(self, state: RequestState) -> None:
+        """The request left the engine (finished, aborted or failed)."""
+        self.requests.pop(state.request_id, None)
+        if state.req.lora_request is not None and self.lora is not None:
+            self.lora.release(state.req.lora_request)
+
+    def add_lora(self, lora_request) -> bool:
+        """Read and check an adapter into host memory (blocking; vLLM's add_lora)."""
+        if self.lora is None:
+            raise ValueError("lora_request: LoRA is not enabled on this engine (enable_lora=True)")
+        self.lora.load(lora_request)
+        return True
+
+    def _fail_adapter_requests(self) -> None:
+        for aid, exc in self.lora.take_failures().items():
+            for state in [s for s in self.requests.values() if s.req.lora_id == aid]:
+                for seq in state.seqs:
+                    if seq.status is not SeqStatus.FINISHED:
+                        self.scheduler.finish(seq, "abort")
+                self._retire(state)
+                self.failed.append((state.request_id, exc))
+
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Free the request's blocks at once; returns its last output, finish_reason 'abort'."""
-        state = self.requests.pop(request_id, None)
+        state = self.requests.get(request_id)
         if state is None:
             return None
         for seq in state.seqs:
             if seq.status is not SeqStatus.FINISHED:
                 self.scheduler.finish(seq, "abort")
+        self._retire(state)
         state.finished_time = time.time()
         return self._output(state)
 
@@ -198,12 +240,19 @@ class EngineCore:
     # -- one step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
+        if self.lora is not None:
+            self._fail_adapter_requests()
         sched = self.scheduler.schedule()
         t1 = time.perf_counter()
         self.timings.schedule += t1 - t0
         if self.check_invariants:
             self.verify(sched)
         if sched.is_empty:
+            if self.lora is not None and any(
+                not self.lora.is_ready(s.state.req.lora_id) for s in self.scheduler.waiting if s.state.req.lora_id
+            ):
+                time.sleep(0.001)   # only adapters still being read: wait for them, do not spin hot
+                return []
             if self.scheduler.waiting or self.scheduler.running:
                 # cannot happen for validated requests; fail loudly rather than spin
                 raise RuntimeError(f"scheduler made no progress with {len(self.scheduler.waiting)} waiting")
@@ -223,7 +272,7 @@ class EngineCore:
         for state in touched.values():
             if state.finished:
                 state.finished_time = time.time()
-                self.requests.pop(state.request_id, None)
+                self._retire(state)
                 outputs.append(self._output(state))
             elif self.stream_outputs:
                 outputs.append(self._output(state))
@@ -405,4 +454,5 @@ class EngineCore:
             "num_generated_tokens": self.num_generated_tokens,
             "num_steps": self.timings.num_steps,
             "memory": self.memory.summary(),
+            **({"lora": self.lora.stats()} if self.lora is not None else {}),
         }

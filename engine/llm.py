@@ -9,6 +9,7 @@ from typing import Any
 
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore
+from engine.lora import LoRARequest
 from engine.outputs import RequestOutput
 from engine.request import EngineRequest
 from engine.sampling_params import SamplingParams
@@ -40,6 +41,18 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Read and check an adapter now (it is read on first use otherwise)."""
+        return self.engine.add_lora(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        if self.engine.lora is None:
+            return False
+        return self.engine.lora.remove(lora_int_id)
+
+    def list_loras(self) -> list[str]:
+        return [] if self.engine.lora is None else self.engine.lora.stats()["in_cpu"]
+
     def generate(
         self,
         prompts: PromptType | Seq[PromptType],
@@ -52,10 +65,12 @@ class LLM:
         tenant: str = "default",
         cache_salt: str | None = None,
         share_group: str | None = None,
+        lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs in input order. `use_tqdm` is vLLM's
         name for `use_progress_bar`. `tenant`, `cache_salt` and `share_group` scope the
-        prefix cache (and the tenant is the fairness key)."""
+        prefix cache (and the tenant is the fairness key). `lora_request`: one adapter for
+        every prompt, or a list with one (or None, the base model) per prompt."""
         if use_tqdm is not None:
             use_progress_bar = use_tqdm
         if isinstance(prompts, (str, dict)):
@@ -72,14 +87,21 @@ class LLM:
             raise ValueError(
                 f"sampling_params: {len(params)} given for {len(prompts)} prompts; pass one or one each"
             )
+        loras = (
+            list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
+        )
+        if len(loras) != len(prompts):
+            raise ValueError(f"lora_request: {len(loras)} given for {len(prompts)} prompts; pass one or one each")
         requests = []
-        for prompt, sp in zip(prompts, params):   # validate all before queueing any
+        for prompt, sp, lora in zip(prompts, params, loras):   # validate all before queueing any
             text, ids = to_token_ids(self.engine, prompt)
             req = EngineRequest(str(next(self._ids)), ids, sp, prompt=text,
                                 service_class=service_class, priority=priority, tenant=tenant,
-                                cache_salt=cache_salt, share_group=share_group)
+                                cache_salt=cache_salt, share_group=share_group, lora_request=lora)
             self.engine.validate(req)
             requests.append(req)
+        for lora in {r.lora_request for r in requests if r.lora_request is not None}:
+            self.engine.add_lora(lora)   # read from disk now, not inside the step loop
         for req in requests:
             self.engine.add_request(req)
         return self._run(requests, use_progress_bar and len(requests) > 1)

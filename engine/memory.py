@@ -1,4 +1,4 @@
-"""One device memory budget: model weights, KV blocks (and, later, LoRA slots) drawn from it.
+"""One device memory budget: model weights, LoRA slots and KV blocks drawn from it.
 
 The KV cache's size is what is left once everything else has reserved its share, so later
 features (more models, adapter slots) shrink the cache through the same object instead of
@@ -29,6 +29,7 @@ class MemoryBudget:
         gpu_memory_utilization: float,
         kv_cache_memory: int | None,
         weight_bytes: int,
+        lora_bytes: int = 0,
     ) -> MemoryBudget:
         """CUDA: a share of the device's memory. CPU: the weights plus the KV bytes asked for
         (512 MiB by default), since host memory is not ours to take whole."""
@@ -38,8 +39,10 @@ class MemoryBudget:
             budget.reserve("activations", CUDA_ACTIVATION_HEADROOM)
         else:
             kv = kv_cache_memory if kv_cache_memory is not None else CPU_DEFAULT_KV_BYTES
-            budget = cls(weight_bytes + kv, str(device))
+            budget = cls(weight_bytes + lora_bytes + kv, str(device))
         budget.reserve("weights", weight_bytes)
+        if lora_bytes:
+            budget.reserve("lora_slots", lora_bytes)
         return budget
 
     @property

@@ -10,6 +10,7 @@ import torch
 
 from engine.config import ModelConfig
 from engine.kv_cache import KVCacheManager
+from engine.lora import LoRAManager
 from engine.models import AttentionMetadata, load_model
 from engine.request import Sequence
 from engine.sampler import Sampler, SampleRow, SamplerOutput
@@ -57,6 +58,14 @@ class ModelRunner:
         self.sampler = Sampler(seed, device)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.block_size = 0
+        self.lora: LoRAManager | None = None
+
+    def enable_lora(self, *, max_loras: int, max_lora_rank: int, max_cpu_loras: int) -> LoRAManager:
+        self.lora = LoRAManager(
+            self.model.projections(), max_loras=max_loras, max_lora_rank=max_lora_rank,
+            max_cpu_loras=max_cpu_loras, dtype=self.dtype, device=self.device,
+        )
+        return self.lora
 
     @property
     def weight_bytes(self) -> int:
@@ -82,6 +91,30 @@ class ModelRunner:
             for _ in range(c.num_hidden_layers)
         ]
 
+    def _order_by_adapter(self, scheduled: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int]]:
+        """With adapters in the step: sequences grouped by adapter (base model first), each
+        adapter's tokens one contiguous segment, and the slots filled; else as scheduled."""
+        lora = self.lora
+        if lora is None:
+            return scheduled
+        ids = sorted({seq.state.req.lora_id for seq, _ in scheduled} - {0})
+        if not ids:
+            lora.clear_batch()
+            return scheduled
+        slot_of = lora.activate(ids)
+        ordered = sorted(scheduled, key=lambda item: item[0].state.req.lora_id)
+        starts, slots = [0], []
+        for seq, num_new in ordered:
+            aid = seq.state.req.lora_id
+            slot = slot_of[aid] if aid else -1
+            if slots and slots[-1] == slot:
+                starts[-1] += num_new
+            else:
+                slots.append(slot)
+                starts.append(starts[-1] + num_new)
+        lora.set_batch(starts, slots)
+        return ordered
+
     def prepare(self, sched: SchedulerOutput, kv: KVCacheManager) -> ModelInput:
         bs = self.block_size
         input_ids: list[int] = []
@@ -93,7 +126,7 @@ class ModelRunner:
         logits_indices: list[int] = []
         sample_seqs: list[Sequence] = []
         rows: list[SampleRow] = []
-        for seq, num_new in sched.scheduled:
+        for seq, num_new in self._order_by_adapter(sched.scheduled):
             start = seq.num_computed_tokens
             end = start + num_new
             table = kv.block_ids(seq)

@@ -12,6 +12,7 @@ from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from engine.kv_cache.block_pool import BlockHash
+    from engine.lora import LoRARequest
 
 
 @dataclass(slots=True, frozen=True)
@@ -29,6 +30,11 @@ class EngineRequest:
     cache_salt: str | None = None     # mixed into prefix-cache hashes
     share_group: str | None = None    # prefix blocks shared across tenants of this group only
     tenant_weight: float | None = None  # the tenant's fairness weight, if the caller sets it here
+    lora_request: LoRARequest | None = None   # the adapter it runs with; None: the base model
+
+    @property
+    def lora_id(self) -> int:
+        return self.lora_request.lora_int_id if self.lora_request is not None else 0
 
 
 class SeqStatus(enum.Enum):

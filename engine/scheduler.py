@@ -10,7 +10,8 @@ next); inside a tenant, by the request's priority; then arrival. `fcfs` orders b
 alone. When blocks run out, the least urgent running sequence is preempted (blocks freed,
 its cached prefix kept for its return, recomputed later, its place in line kept); a waiting
 sequence may preempt running ones only of a less urgent class. `reserved_kv_fraction`
-keeps a share of the blocks out of reach of less urgent classes.
+keeps a share of the blocks out of reach of less urgent classes. With LoRA on, at most
+`max_loras` adapters run at once, and adapters take turns (`_lora_admissible`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
@@ -142,6 +144,12 @@ class Scheduler:
         self.tenant_stats: dict[tuple[int, str], TenantStats] = defaultdict(TenantStats)
         self._step_charges: dict[Sequence, list[tuple[int, bool]]] = {}
         self._admitting = True
+        # LoRA: at most max_loras distinct adapters among running sequences; an adapter
+        # whose requests are queued is admitted only once it is in host memory
+        self.max_loras = config.max_loras if config.enable_lora else 0
+        self.lora_ready: Callable[[int], bool] = lambda _aid: True
+        self._running_loras: set[int] = set()
+        self._lora_gate: int | None = None
 
     def key(self, seq: Sequence) -> tuple:
         """Urgency, smallest first: under `priority` (class, tenant's counter, priority,
@@ -220,6 +228,8 @@ class Scheduler:
         self._admitting = True
         self._prefill_left = list(self.prefill_cap_by_rank)
         self._min_prefill_rank = len(self.classes)   # the most urgent class prefilling this step
+        self._running_loras = {s.state.req.lora_id for s in self.running} - {0}
+        self._lora_gate = None
         self.running.sort(key=self.key)
         self._schedule_decodes(budget, scheduled, preempted)
         self._schedule_prefills(budget, scheduled, preempted)
@@ -284,6 +294,8 @@ class Scheduler:
                 budget.take(num_new)
                 self._charge(seq, num_new, decode=False)
         elif self._admitting and seq not in preempted and self._room(seq, budget) > 0:
+            if not self._lora_admissible(seq):
+                return
             admitted = self._try_admit(seq, budget, scheduled, preempted)
             if admitted is None:
                 self._admitting = False   # keep the order: nothing later jumps the queue
@@ -291,6 +303,27 @@ class Scheduler:
                 scheduled[seq] = admitted
                 budget.take(admitted)
                 self._charge(seq, admitted, decode=False)
+                if seq.state.req.lora_id:
+                    self._running_loras.add(seq.state.req.lora_id)
+
+    def _lora_admissible(self, seq: Sequence) -> bool:
+        """May this waiting sequence start, as far as adapters go? Base-model requests always
+        may. An adapter's requests may while it holds one of the max_loras places or one is
+        free. The first adapter (in policy order) refused a place becomes the step's *gate*:
+        no other adapter's requests start until it has a place, so the adapters running now
+        drain and the next place goes to it. Adapters thus take turns in queue order and a
+        popular one cannot keep its place forever."""
+        aid = seq.state.req.lora_id
+        if not aid:
+            return True
+        if not self.lora_ready(aid):
+            return False          # still being read from disk: the others go ahead
+        if self._lora_gate is not None and self._lora_gate != aid:
+            return False
+        if aid in self._running_loras or len(self._running_loras) < self.max_loras:
+            return True
+        self._lora_gate = aid
+        return False
 
     def _allocate_or_preempt(
         self,

@@ -111,3 +111,23 @@ def test_bad_slot_and_shapes_rejected():
         lora_shrink_expand(x, out, a, b, torch.tensor([0, 2, -1]), torch.ones(2))
     with pytest.raises(ValueError):
         lora_shrink_expand(x, out, a, b, torch.tensor([0, 1, -1]), torch.ones(2), out_slice=(0, 5))
+
+
+def test_sgmv_on_contiguous_segments_matches_the_general_form():
+    """sgmv (rows grouped by slot, Punica's seg_indptr) equals lora_shrink_expand given the
+    same per-token slots, base segments (-1) included, into a slice of a fused output."""
+    from kernels.lora import sgmv
+
+    g = torch.Generator().manual_seed(3)
+    in_f, out_f, r_max = 32, 24, 8
+    a, b = make_slots(3, [8, 2, 5], r_max, in_f, out_f, g)
+    seg_slots = [-1, 2, 0, -1, 1]
+    seg_starts = [0, 4, 11, 12, 20, 27]
+    per_token = torch.cat([torch.full((seg_starts[i + 1] - seg_starts[i],), s) for i, s in enumerate(seg_slots)])
+    x = torch.randn(27, in_f, generator=g)
+    base = torch.randn(27, 40, generator=g)
+    scaling = torch.tensor([2.0, 0.25, 1.5])
+    want = lora_shrink_expand(x, base.clone(), a, b, per_token, scaling, (10, 34))
+    got = sgmv(x, base.clone(), a, b, seg_starts, seg_slots, scaling.tolist(), (10, 34))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(got[:4], base[:4]) and not torch.equal(got[4:11], base[4:11])

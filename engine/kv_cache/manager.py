@@ -50,8 +50,10 @@ class KVCacheManager:
     def _extra_key(self, seq: Sequence) -> bytes:
         req = seq.state.req
         scope = f"g:{req.share_group}" if req.share_group else f"t:{req.tenant}"
-        parts = [(req.model or "").encode(), scope.encode(), (req.cache_salt or "").encode()]
-        # length-prefixed, so no (model, scope, salt) triple can spell another
+        lora = req.lora_request
+        variant = f"{lora.lora_int_id}:{lora.lora_name}" if lora is not None else ""
+        parts = [(req.model or "").encode(), variant.encode(), scope.encode(), (req.cache_salt or "").encode()]
+        # length-prefixed, so no (model, adapter, scope, salt) tuple can spell another
         return b"".join(len(p).to_bytes(4, "little") + p for p in parts)
 
     def update_hashes(self, seq: Sequence) -> None:

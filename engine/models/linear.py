@@ -6,9 +6,9 @@ k_proj and v_proj side by side, `gate_up_proj` is gate_proj and up_proj. Each fu
 a *part*; checkpoints load part by part under HF's own tensor names (`load_part`), and a
 LoRA adapter on one HF layer lands in that part's output columns.
 
-LoRA: the LoRA manager (engine/lora.py) attaches a `LoRASlots` to every projection it
-targets, holding per part the stacked slot tensors, and sets one shared `LoRABatch` (the
-slot of each token in this step) before each forward. Tokens of the bare base model have
+LoRA: the LoRA manager (engine/lora.py) attaches a `LoRASlots` to every projection,
+holding per part the stacked slot tensors, and sets one shared `LoRABatch` (this step's
+tokens grouped by adapter slot) before each forward. Tokens of the bare base model have
 slot -1 and are left alone.
 """
 
@@ -21,26 +21,34 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.lora import lora_shrink_expand
+from kernels.lora import sgmv
 
 
 @dataclass(slots=True)
 class LoRABatch:
-    """The current step's adapter slot per token (-1: base model); None when no token of
-    this step uses an adapter, so the LoRA path costs nothing then."""
+    """The current step's tokens grouped by adapter: segment i is rows
+    seg_starts[i]:seg_starts[i+1], all of slot seg_slots[i] (-1: the bare base model).
+    `active` is False when no token of this step uses an adapter: the LoRA path then costs
+    nothing."""
 
-    slot_per_token: torch.Tensor | None = None
+    active: bool = False
+    seg_starts: list[int] = field(default_factory=lambda: [0])
+    seg_slots: list[int] = field(default_factory=list)
+    slots: frozenset[int] = frozenset()
 
 
 @dataclass(slots=True)
 class LoRASlots:
     """One projection's adapter slots, per part: lora_a [slots, r_max, in],
-    lora_b [slots, part_out, r_max], scaling [slots]. A part no adapter targets is None."""
+    lora_b [slots, part_out, r_max]; `scales` per slot (alpha / r, or alpha / sqrt(r) for
+    rsLoRA); `targeted[part]` the slots whose adapter adapts that part (the others hold
+    zeros there, and are skipped)."""
 
-    lora_a: list[torch.Tensor | None]
-    lora_b: list[torch.Tensor | None]
-    scaling: list[torch.Tensor | None]
-    batch: LoRABatch = field(default_factory=LoRABatch)
+    lora_a: list[torch.Tensor]
+    lora_b: list[torch.Tensor]
+    scales: list[float]
+    targeted: list[set[int]]
+    batch: LoRABatch
 
 
 class LinearBase(nn.Module):
@@ -76,12 +84,15 @@ class LinearBase(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base_forward(x)
         lora = self.lora
-        if lora is not None and lora.batch.slot_per_token is not None:
-            slots = lora.batch.slot_per_token
-            for part, (a, b, s) in enumerate(zip(lora.lora_a, lora.lora_b, lora.scaling)):
-                if a is not None:
-                    lo = self.offsets[part]
-                    lora_shrink_expand(x, y, a, b, slots, s, (lo, lo + self.out_sizes[part]))
+        if lora is not None and lora.batch.active:
+            batch = lora.batch
+            for part, targeted in enumerate(lora.targeted):
+                if targeted.isdisjoint(batch.slots):
+                    continue
+                seg_slots = [s if s in targeted else -1 for s in batch.seg_slots]
+                lo = self.offsets[part]
+                sgmv(x, y, lora.lora_a[part], lora.lora_b[part], batch.seg_starts, seg_slots,
+                     lora.scales, (lo, lo + self.out_sizes[part]))
         return y
 
 

@@ -88,3 +88,30 @@ def lora_shrink_expand(
             target.index_add_(0, rows, delta.to(out.dtype), alpha=scales[slot])  # scatter-add
         start += n
     return out
+
+
+def sgmv(
+    x: torch.Tensor,               # [T, in]
+    out: torch.Tensor,             # [T, out_total], added to in place
+    lora_a: torch.Tensor,          # [num_slots, r_max, in]
+    lora_b: torch.Tensor,          # [num_slots, hi - lo, r_max]
+    seg_starts: list[int],         # [S + 1] row offsets of contiguous segments
+    seg_slots: list[int],          # [S] slot of each segment, -1 = no adapter
+    scales: list[float],           # [num_slots]
+    out_slice: tuple[int, int] | None = None,
+) -> torch.Tensor:
+    """`lora_shrink_expand` for a batch already grouped by adapter: segment i is rows
+    seg_starts[i]:seg_starts[i+1], all of slot seg_slots[i] (Punica's seg_indptr form). No
+    sort, gather or scatter: each segment is one shrink and one expand on a row slice. The
+    engine orders each step's sequences by adapter so that every adapter is one segment."""
+    lo, hi = out_slice if out_slice is not None else (0, out.shape[1])
+    if len(seg_starts) != len(seg_slots) + 1:
+        raise ValueError("seg_starts must have one more entry than seg_slots")
+    target = out[:, lo:hi]
+    for i, slot in enumerate(seg_slots):
+        if slot < 0:
+            continue
+        a0, a1 = seg_starts[i], seg_starts[i + 1]
+        delta = (x[a0:a1] @ lora_a[slot].transpose(0, 1)) @ lora_b[slot].transpose(0, 1)
+        target[a0:a1].add_(delta.to(out.dtype), alpha=scales[slot])
+    return out

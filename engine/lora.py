@@ -1,0 +1,412 @@
+"""LoRA adapters in PEFT's format, served many at once on one base model.
+
+Where an adapter lives, from fast to slow:
+
+- a *device slot*: `max_loras` slots per projection (engine/models/linear.py `LoRASlots`),
+  zero-padded to `max_lora_rank`; one step's batch uses at most `max_loras` adapters, each
+  in a slot (the scheduler sees to that), and a slot is refilled by a plain copy;
+- the *CPU cache*: parsed, checked adapters, at most `max_cpu_loras` of them kept beyond
+  those that queued or running requests use (those are pinned), least recently used
+  dropped first;
+- disk: `adapter_config.json` + `adapter_model.safetensors`, read again on demand.
+
+Reading an adapter from disk happens outside the step loop: `LLM` reads before queueing,
+`AsyncEngine` on a worker thread (`load`), and a request whose adapter is not in the CPU
+cache yet waits in the queue (`is_ready`) instead of stalling the running batch.
+
+PEFT's computation, reproduced: for a target layer y = base(x) + scaling * B(A(x)), with
+A = lora_A.weight [r, in], B = lora_B.weight [out, r] and scaling = lora_alpha / r
+(lora_alpha / sqrt(r) when `use_rslora`). Per-layer ranks (`rank_pattern`) follow from the
+tensors' shapes; `alpha_pattern`, DoRA, bias training, `modules_to_save` and embedding or
+lm_head adapters are refused with an error naming the field.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import threading
+from collections import OrderedDict, Counter
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from engine.models.linear import LinearBase, LoRABatch, LoRASlots
+
+logger = logging.getLogger(__name__)
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
+class LoRAError(ValueError):
+    """An adapter that cannot be served, with the field and the reason."""
+
+
+@dataclass(frozen=True, slots=True)
+class LoRARequest:
+    """Which adapter a request runs with, as vLLM's: a name, a positive integer id unique
+    per adapter, and the adapter's directory."""
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.lora_name, str) or not self.lora_name:
+            raise LoRAError(f"lora_name: must be a non-empty string, got {self.lora_name!r}")
+        if isinstance(self.lora_int_id, bool) or not isinstance(self.lora_int_id, int) or self.lora_int_id < 1:
+            raise LoRAError(f"lora_int_id: must be an integer >= 1, got {self.lora_int_id!r}")
+        if not isinstance(self.lora_path, str) or not self.lora_path:
+            raise LoRAError(f"lora_path: must be a non-empty string, got {self.lora_path!r}")
+
+    @property
+    def adapter_id(self) -> int:
+        return self.lora_int_id
+
+
+@dataclass(slots=True)
+class Adapter:
+    """A parsed, checked adapter in host memory."""
+
+    request: LoRARequest
+    rank: int                     # the largest rank of its layers
+    scaling_alpha: float
+    use_rslora: bool
+    # HF layer path ("layers.0.self_attn.q_proj") -> (A [r, in], B [out, r])
+    weights: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    targets: tuple[str, ...]      # module names, e.g. ("q_proj", "v_proj")
+    nbytes: int
+
+    def scaling(self, r: int) -> float:
+        return self.scaling_alpha / (math.sqrt(r) if self.use_rslora else r)
+
+
+def read_adapter(
+    request: LoRARequest,
+    projections: dict[str, tuple[LinearBase, int]],
+    max_lora_rank: int,
+    dtype: torch.dtype,
+) -> Adapter:
+    """Parse and check an adapter against the base model's projections. Raises LoRAError
+    naming the file or field; nothing is kept when it does."""
+    path = Path(request.lora_path)
+    cfg_path, w_path = path / ADAPTER_CONFIG, path / ADAPTER_WEIGHTS
+    if not path.is_dir():
+        raise LoRAError(f"lora_path: {request.lora_path!r} is not a directory")
+    if not cfg_path.is_file():
+        raise LoRAError(f"lora_path: {request.lora_path!r} has no {ADAPTER_CONFIG}")
+    if not w_path.is_file():
+        raise LoRAError(f"lora_path: {request.lora_path!r} has no {ADAPTER_WEIGHTS}")
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except (OSError, ValueError) as exc:
+        raise LoRAError(f"{ADAPTER_CONFIG}: not valid JSON ({exc})") from None
+    if not isinstance(cfg, dict):
+        raise LoRAError(f"{ADAPTER_CONFIG}: must be a JSON object")
+    peft_type = str(cfg.get("peft_type", "LORA")).upper()
+    if peft_type != "LORA":
+        raise LoRAError(f"{ADAPTER_CONFIG}: peft_type {peft_type!r} is not supported (only LORA)")
+    for key, bad in (("use_dora", True), ("fan_in_fan_out", True)):
+        if cfg.get(key) is bad:
+            raise LoRAError(f"{ADAPTER_CONFIG}: {key}={bad} is not supported")
+    if cfg.get("bias", "none") not in ("none", None):
+        raise LoRAError(f"{ADAPTER_CONFIG}: bias={cfg['bias']!r} is not supported (only 'none')")
+    if cfg.get("modules_to_save"):
+        raise LoRAError(f"{ADAPTER_CONFIG}: modules_to_save {cfg['modules_to_save']!r} is not supported")
+    if cfg.get("alpha_pattern"):
+        raise LoRAError(f"{ADAPTER_CONFIG}: alpha_pattern is not supported")
+    r_cfg, alpha = cfg.get("r"), cfg.get("lora_alpha")
+    if isinstance(r_cfg, bool) or not isinstance(r_cfg, int) or r_cfg < 1:
+        raise LoRAError(f"{ADAPTER_CONFIG}: r must be an integer >= 1, got {r_cfg!r}")
+    if alpha is None:
+        alpha = 8   # peft's default
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
+        raise LoRAError(f"{ADAPTER_CONFIG}: lora_alpha must be a number, got {alpha!r}")
+
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    try:
+        with safe_open(str(w_path), framework="pt") as f:
+            for name in f.keys():
+                key = name.removeprefix("base_model.model.").removeprefix("model.")
+                for kind in ("lora_A", "lora_B"):
+                    for suffix in (f".{kind}.weight", f".{kind}.default.weight"):
+                        if key.endswith(suffix):
+                            layer = key[: -len(suffix)]
+                            pairs.setdefault(layer, {})[kind] = f.get_tensor(name)
+                            break
+                    else:
+                        continue
+                    break
+                else:
+                    raise LoRAError(f"{ADAPTER_WEIGHTS}: tensor {name!r} is not a LoRA A/B weight this engine reads")
+    except LoRAError:
+        raise
+    except Exception as exc:   # safetensors raises its own error types on a corrupt file
+        raise LoRAError(f"{ADAPTER_WEIGHTS}: cannot be read ({exc})") from None
+    if not pairs:
+        raise LoRAError(f"{ADAPTER_WEIGHTS}: holds no LoRA weights")
+
+    weights: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    max_r = 0
+    for layer, ab in sorted(pairs.items()):
+        if layer not in projections:
+            raise LoRAError(
+                f"{ADAPTER_WEIGHTS}: layer {layer!r} is not a projection of the base model "
+                "(an adapter of another base model?)"
+            )
+        if set(ab) != {"lora_A", "lora_B"}:
+            raise LoRAError(f"{ADAPTER_WEIGHTS}: layer {layer!r} lacks {({'lora_A', 'lora_B'} - set(ab)).pop()}")
+        a, b = ab["lora_A"], ab["lora_B"]
+        module, part = projections[layer]
+        out_f = module.out_sizes[part]
+        if a.dim() != 2 or b.dim() != 2 or a.shape[1] != module.in_features or b.shape[0] != out_f \
+                or a.shape[0] != b.shape[1]:
+            raise LoRAError(
+                f"{ADAPTER_WEIGHTS}: layer {layer!r} has A {tuple(a.shape)} and B {tuple(b.shape)}; the base "
+                f"model needs A [r, {module.in_features}] and B [{out_f}, r] (an adapter of another base model?)"
+            )
+        r = a.shape[0]
+        if r > max_lora_rank:
+            raise LoRAError(f"{ADAPTER_CONFIG}: rank {r} (layer {layer!r}) exceeds max_lora_rank {max_lora_rank}")
+        if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+            raise LoRAError(f"{ADAPTER_WEIGHTS}: layer {layer!r} holds non-finite values")
+        weights[layer] = (a.to(dtype).contiguous(), b.to(dtype).contiguous())
+        max_r = max(max_r, r)
+    targets = tuple(sorted({layer.rpartition(".")[2] for layer in weights}))
+    nbytes = sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in weights.values())
+    return Adapter(request, max_r, float(alpha), bool(cfg.get("use_rslora", False)), weights, targets, nbytes)
+
+
+class LoRAManager:
+    """Adapters for one model: device slots, the CPU cache and loading off the step loop."""
+
+    def __init__(
+        self,
+        projections: dict[str, tuple[LinearBase, int]],
+        *,
+        max_loras: int,
+        max_lora_rank: int,
+        max_cpu_loras: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.projections = projections
+        self.max_loras, self.max_lora_rank, self.max_cpu_loras = max_loras, max_lora_rank, max_cpu_loras
+        self.dtype, self.device = dtype, device
+        self.batch = LoRABatch()
+        self.scales = [0.0] * max_loras
+        self.modules: list[LinearBase] = []
+        for module, _ in projections.values():
+            if module.lora is None:
+                self.modules.append(module)
+                module.lora = LoRASlots(
+                    lora_a=[torch.zeros(max_loras, max_lora_rank, module.in_features, dtype=dtype, device=device)
+                            for _ in module.out_sizes],
+                    lora_b=[torch.zeros(max_loras, n, max_lora_rank, dtype=dtype, device=device)
+                            for n in module.out_sizes],
+                    scales=self.scales,
+                    targeted=[set() for _ in module.out_sizes],
+                    batch=self.batch,
+                )
+        self.slot_bytes = sum(
+            t.numel() * t.element_size() for m in self.modules for t in (*m.lora.lora_a, *m.lora.lora_b)
+        )
+        self.slot_of: OrderedDict[int, int] = OrderedDict()   # adapter id -> slot, LRU first
+        self._lock = threading.Lock()
+        self._cpu: OrderedDict[int, Adapter] = OrderedDict()    # LRU first
+        self._refs: Counter[int] = Counter()
+        self._known: dict[int, LoRARequest] = {}
+        self._loading: dict[int, Future] = {}
+        self._failed: dict[int, Exception] = {}
+        self._executor: ThreadPoolExecutor | None = None
+        self.num_slot_loads = 0
+        self.num_disk_loads = 0
+
+    # -- host side ------------------------------------------------------------------------
+    def check_request(self, req: LoRARequest) -> None:
+        """One id, one adapter: the same id with another name or path is an error."""
+        if not isinstance(req, LoRARequest):
+            raise LoRAError(f"lora_request: expected LoRARequest, got {type(req).__name__}")
+        known = self._known.get(req.lora_int_id)
+        if known is not None and known != req:
+            raise LoRAError(
+                f"lora_request: id {req.lora_int_id} is already adapter {known.lora_name!r} at "
+                f"{known.lora_path!r}; give each adapter its own id"
+            )
+
+    def load(self, req: LoRARequest) -> Adapter:
+        """Read (or find in the CPU cache) and check an adapter. Blocking: call it outside
+        the step loop. Raises LoRAError."""
+        self.check_request(req)
+        with self._lock:
+            hit = self._cpu.get(req.lora_int_id)
+            if hit is not None:
+                self._cpu.move_to_end(req.lora_int_id)
+                return hit
+        adapter = read_adapter(req, self.projections, self.max_lora_rank, self.dtype)
+        with self._lock:
+            self.num_disk_loads += 1
+            self._known[req.lora_int_id] = req
+            self._failed.pop(req.lora_int_id, None)
+            self._cpu[req.lora_int_id] = adapter
+            self._cpu.move_to_end(req.lora_int_id)
+            self._trim()
+        return adapter
+
+    def _trim(self) -> None:
+        """Drop least recently used adapters that no request holds, down to max_cpu_loras."""
+        excess = len(self._cpu) - self.max_cpu_loras
+        for aid in list(self._cpu):
+            if excess <= 0:
+                break
+            if self._refs[aid] == 0 and aid not in self.slot_of:
+                del self._cpu[aid]
+                excess -= 1
+
+    def acquire(self, req: LoRARequest) -> None:
+        """A request of this adapter entered the engine: pin it in the CPU cache, reading it
+        on a worker thread if it is not there."""
+        with self._lock:
+            self._refs[req.lora_int_id] += 1
+            self._known.setdefault(req.lora_int_id, req)
+            if req.lora_int_id in self._cpu or req.lora_int_id in self._loading:
+                return
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(1, thread_name_prefix="lockgate-lora")
+            self._failed.pop(req.lora_int_id, None)
+            self._loading[req.lora_int_id] = self._executor.submit(self._load_async, req)
+
+    def _load_async(self, req: LoRARequest) -> None:
+        try:
+            self.load(req)
+        except Exception as exc:
+            logger.warning("adapter %s could not be loaded: %s", req.lora_name, exc)
+            with self._lock:
+                self._failed[req.lora_int_id] = exc
+        finally:
+            with self._lock:
+                self._loading.pop(req.lora_int_id, None)
+
+    def release(self, req: LoRARequest) -> None:
+        with self._lock:
+            self._refs[req.lora_int_id] -= 1
+            if self._refs[req.lora_int_id] <= 0:
+                del self._refs[req.lora_int_id]
+                self._trim()
+
+    def is_ready(self, adapter_id: int) -> bool:
+        return adapter_id in self._cpu
+
+    def take_failures(self) -> dict[int, Exception]:
+        with self._lock:
+            failed, self._failed = self._failed, {}
+        return failed
+
+    def remove(self, adapter_id: int) -> bool:
+        """Forget an adapter (vLLM's remove_lora): out of its slot and the CPU cache. Refused
+        while requests use it."""
+        with self._lock:
+            if self._refs[adapter_id] > 0:
+                raise LoRAError(f"adapter {adapter_id}: {self._refs[adapter_id]} requests still use it")
+            found = self._cpu.pop(adapter_id, None) is not None
+            self._known.pop(adapter_id, None)
+        slot = self.slot_of.pop(adapter_id, None)
+        if slot is not None:
+            self._clear_slot(slot)
+        return found or slot is not None
+
+    # -- device side (the step loop's thread) -------------------------------------------------
+    def activate(self, adapter_ids: list[int]) -> dict[int, int]:
+        """Put each adapter in a device slot (at most max_loras of them), refilling the least
+        recently used slots no adapter of this step holds. Returns id -> slot."""
+        if len(adapter_ids) > self.max_loras:
+            raise RuntimeError(f"{len(adapter_ids)} adapters in one step; max_loras is {self.max_loras}")
+        for aid in adapter_ids:
+            if aid in self.slot_of:
+                self.slot_of.move_to_end(aid)
+        for aid in adapter_ids:
+            if aid in self.slot_of:
+                continue
+            used = set(self.slot_of.values())
+            free = [s for s in range(self.max_loras) if s not in used]
+            if free:
+                slot = free[0]
+            else:
+                victim = next(a for a in self.slot_of if a not in adapter_ids)
+                slot = self.slot_of.pop(victim)
+            with self._lock:
+                adapter = self._cpu[aid]
+            self._fill_slot(slot, adapter)
+            self.slot_of[aid] = slot
+        return {aid: self.slot_of[aid] for aid in adapter_ids}
+
+    def _fill_slot(self, slot: int, adapter: Adapter) -> None:
+        for layer, (module, part) in self.projections.items():
+            lora = module.lora
+            a_slot, b_slot = lora.lora_a[part][slot], lora.lora_b[part][slot]
+            ab = adapter.weights.get(layer)
+            if ab is None:
+                if slot in lora.targeted[part]:
+                    a_slot.zero_()
+                    b_slot.zero_()
+                    lora.targeted[part].discard(slot)
+                continue
+            a, b = ab
+            r = a.shape[0]
+            a_slot[:r].copy_(a)
+            a_slot[r:].zero_()
+            b_slot[:, :r].copy_(b)
+            b_slot[:, r:].zero_()
+            lora.targeted[part].add(slot)
+        # one scaling per slot: every layer of an adapter has the same rank unless
+        # rank_pattern says otherwise, and then B is pre-scaled to the shared factor
+        self.scales[slot] = adapter.scaling(adapter.rank)
+        for layer, (a, b) in adapter.weights.items():
+            r = a.shape[0]
+            if r != adapter.rank:
+                module, part = self.projections[layer]
+                module.lora.lora_b[part][slot][:, :r].mul_(adapter.scaling(r) / self.scales[slot])
+        self.num_slot_loads += 1
+
+    def _clear_slot(self, slot: int) -> None:
+        for module, part in self.projections.values():
+            lora = module.lora
+            lora.lora_a[part][slot].zero_()
+            lora.lora_b[part][slot].zero_()
+            lora.targeted[part].discard(slot)
+        self.scales[slot] = 0.0
+
+    def set_batch(self, seg_starts: list[int], seg_slots: list[int]) -> None:
+        b = self.batch
+        b.seg_starts, b.seg_slots = seg_starts, seg_slots
+        b.slots = frozenset(s for s in seg_slots if s >= 0)
+        b.active = bool(b.slots)
+
+    def clear_batch(self) -> None:
+        self.batch.active = False
+
+    def stats(self) -> dict:
+        with self._lock:
+            cpu = list(self._cpu)
+            refs = dict(self._refs)
+        names = {aid: req.lora_name for aid, req in self._known.items()}
+        return {
+            "max_loras": self.max_loras,
+            "max_lora_rank": self.max_lora_rank,
+            "max_cpu_loras": self.max_cpu_loras,
+            "slot_bytes": self.slot_bytes,
+            "in_slots": {names.get(a, str(a)): s for a, s in self.slot_of.items()},
+            "in_cpu": [names.get(a, str(a)) for a in cpu],
+            "requests": {names.get(a, str(a)): n for a, n in refs.items()},
+            "slot_loads": self.num_slot_loads,
+            "disk_loads": self.num_disk_loads,
+        }
+
+    def shutdown(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
