@@ -62,6 +62,30 @@ def demo_adapter(
     typer.echo(f"wrote rank-{rank} LoRA adapter on {','.join(modules)} (seed {seed}) to {path}")
 
 
+@app.command("quantize")
+def quantize(
+    model_dir: Annotated[Path, typer.Argument(help="full-precision Hugging Face model directory")],
+    out_dir: Annotated[Path, typer.Argument(help="directory to write the quantized checkpoint into")],
+    method: Annotated[str, typer.Option(help="awq (AutoAWQ GEMM) or gptq (GPTQ v1)")] = "awq",
+    group_size: Annotated[int, typer.Option(help="input channels per scale and zero point; -1: one group")] = 128,
+    bits: Annotated[int, typer.Option(help="4, or 8 (gptq only)")] = 4,
+    desc_act: Annotated[bool, typer.Option("--desc-act", help="gptq: group channels by descending column norm")] = False,
+    sym: Annotated[bool | None, typer.Option("--sym/--asym", help="gptq: symmetric (default) or not; awq is asymmetric")] = None,
+) -> None:
+    """Write an AWQ or GPTQ 4/8-bit checkpoint (round-to-nearest), as AutoAWQ / GPTQModel lay it out."""
+    from engine.quant.quantize import QuantizeSpec, quantize_model
+
+    try:
+        spec = QuantizeSpec(method=method.lower(), bits=bits, group_size=group_size, desc_act=desc_act,  # type: ignore[arg-type]
+                            sym=(method.lower() == "gptq") if sym is None else sym)
+        path = quantize_model(model_dir, out_dir, spec)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    except OSError as exc:
+        raise typer.BadParameter(f"cannot read a model from {model_dir}: {exc}", param_hint="MODEL_DIR") from exc
+    typer.echo(f"wrote {spec.method} {spec.bits}-bit (group {spec.group_size}) checkpoint to {path}")
+
+
 @bench_app.command("throughput")
 def bench_throughput(
     model: Annotated[Path | None, typer.Option(help="model directory (default: the small llama demo model)")] = None,

@@ -1,0 +1,120 @@
+"""AutoGPTQ / GPTQModel checkpoints, format "gptq" (v1): 4- or 8-bit codes packed along the
+input dimension, zero points stored minus one and packed along the output dimension, fp16
+scales, and g_idx (the group of each input channel, shuffled under desc_act). The layout is
+documented in kernels/quant/reference.py.
+
+config.json: {"quant_method": "gptq", "bits": 4 | 8, "group_size": G | -1, "desc_act": bool,
+"sym": bool, "checkpoint_format" (or "format"): "gptq"}. gptq_v2 (zeros stored as is),
+Marlin-packed checkpoints, other bit widths, a quantized lm_head and per-module "dynamic"
+overrides are refused.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from engine.quant.packed import PackedLinear, PackedTensor, config_int, resolve_group_size
+from kernels.quant import gptq_dequantize
+
+GPTQ_BITS = (4, 8)
+
+
+def _config_bool(config: dict[str, Any], key: str, default: bool) -> bool:
+    value = config.get(key, default)
+    if not isinstance(value, bool):
+        raise ValueError(f"quantization_config.{key}: {value!r} is not a boolean")
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class GPTQConfig:
+    bits: int
+    group_size: int   # -1: one group over all input channels
+    desc_act: bool    # informational: g_idx alone decides each input channel's group
+    sym: bool         # informational: v1 stores the zero points either way
+
+    @classmethod
+    def from_dict(cls, config: dict[str, Any]) -> GPTQConfig:
+        """Check a quantization_config with quant_method "gptq"; ValueError naming the field."""
+        formats = {k: str(config[k]).lower() for k in ("checkpoint_format", "format") if config.get(k)}
+        if len(set(formats.values())) > 1:
+            raise ValueError(f"quantization_config: checkpoint_format and format disagree ({formats})")
+        for key, fmt in formats.items():
+            if fmt != "gptq":
+                raise ValueError(f"quantization_config.{key}: {fmt!r} is not supported (only 'gptq', v1)")
+        if config.get("is_marlin_format"):
+            raise ValueError("quantization_config.is_marlin_format: Marlin-packed checkpoints are not supported")
+        if config.get("lm_head"):
+            raise ValueError("quantization_config.lm_head: a quantized lm_head is not supported")
+        if config.get("dynamic"):
+            raise ValueError("quantization_config.dynamic: per-module overrides are not supported")
+        bits = config_int(config, "bits")
+        if bits not in GPTQ_BITS:
+            raise ValueError(f"quantization_config.bits: {bits} is not supported (one of {GPTQ_BITS})")
+        return cls(
+            bits=bits,
+            group_size=config_int(config, "group_size"),
+            desc_act=_config_bool(config, "desc_act", False),
+            sym=_config_bool(config, "sym", True),
+        )
+
+
+class GPTQLinear(PackedLinear):
+    """y = x @ ((q - z) * s)[g_idx] (+ b), dequantized per forward into the model's dtype.
+
+    Buffers (parts side by side along the output dimension): qweight int32 [in / pack, out],
+    qzeros int32 [groups, out / pack], scales [groups, out], g_idx int32 [parts, in] (each HF
+    layer has its own, desc_act permutes them differently), bias [out] where the model has one;
+    pack = 32 / bits."""
+
+    method = "gptq"
+
+    def __init__(self, in_features: int, out_sizes: list[int], bias: bool, config: GPTQConfig) -> None:
+        self.bits = config.bits
+        self.pack = 32 // config.bits
+        self.group_size = resolve_group_size(config.group_size, in_features)
+        self.num_groups = math.ceil(in_features / self.group_size)
+        if in_features % self.pack:
+            raise ValueError(f"GPTQ {config.bits}-bit: in_features {in_features} is not a multiple of {self.pack}")
+        if any(n % self.pack for n in out_sizes):
+            raise ValueError(f"GPTQ {config.bits}-bit: output sizes {out_sizes} must be multiples of {self.pack}")
+        super().__init__(in_features, out_sizes, bias)
+
+    def tensor_specs(self) -> dict[str, PackedTensor]:
+        n_in, n_out, groups, pack = self.in_features, self.out_features, self.num_groups, self.pack
+        return {
+            "qweight": PackedTensor((n_in // pack, n_out), True, out_dim=1),
+            "qzeros": PackedTensor((groups, n_out // pack), True, out_dim=1, columns_per_element=pack),
+            "scales": PackedTensor((groups, n_out), False, out_dim=1),
+            "g_idx": PackedTensor((len(self.out_sizes), n_in), True, out_dim=None),
+        }
+
+    def check_part(self, name: str, tensor: torch.Tensor) -> None:
+        if name == "g_idx" and tensor.numel() and (int(tensor.min()) < 0 or int(tensor.max()) >= self.num_groups):
+            raise ValueError(f"g_idx has groups {int(tensor.min())}..{int(tensor.max())}, expected 0..{self.num_groups - 1}")
+
+    def _dequantize_part(self, part: int) -> torch.Tensor:
+        lo, n = self.offsets[part], self.out_sizes[part]
+        return gptq_dequantize(
+            self.qweight[:, lo:lo + n],
+            self.qzeros[:, lo // self.pack:(lo + n) // self.pack],
+            self.scales[:, lo:lo + n],
+            self.g_idx[part],
+            self.bits,
+        )
+
+    def dequantize(self) -> torch.Tensor:
+        return torch.cat([self._dequantize_part(p) for p in range(len(self.out_sizes))], dim=1)
+
+    def base_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """One part at a time, into its slice of the output: only one part's weight exists at once."""
+        y = x.new_empty(*x.shape[:-1], self.out_features)
+        for part, (lo, n) in enumerate(zip(self.offsets, self.out_sizes)):
+            torch.matmul(x, self._dequantize_part(part).to(x.dtype), out=y[..., lo:lo + n])
+        if self.bias is not None:
+            y += self.bias.to(x.dtype)
+        return y
