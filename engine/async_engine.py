@@ -19,6 +19,7 @@ from engine.config import EngineConfig, ModelConfig
 from engine.engine_core import EngineCore
 from engine.errors import EngineDead, EngineOverloaded
 from engine.llm import to_token_ids
+from engine.lora import LoRAError, LoRARequest
 from engine.outputs import RequestOutput
 from engine.request import EngineRequest
 from engine.sampling_params import SamplingParams
@@ -41,6 +42,7 @@ class AsyncEngine:
         self._stats: dict = {}
         self._error: BaseException | None = None
         self._tenant_weights: dict[str, float] = {}
+        self._variants: dict[str, LoRARequest] = {}   # adapter name -> its request
 
     # -- life cycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -68,6 +70,8 @@ class AsyncEngine:
         if self.core is not None:
             for rid in list(self.core.requests):
                 self.core.abort_request(rid)
+            if self.core.lora is not None:
+                self.core.lora.shutdown()
 
     async def __aenter__(self) -> AsyncEngine:
         await self.start()
@@ -103,6 +107,46 @@ class AsyncEngine:
         self._tenant_weights[tenant] = float(weight)
         if self.core is not None:   # a dict store: atomic under the GIL, read by the loop thread
             self.core.scheduler.fair.weights[tenant] = float(weight)
+
+    # -- adapters ---------------------------------------------------------------------------
+    async def add_lora(self, lora_request: LoRARequest) -> None:
+        """Read and check an adapter (on a worker thread: the running batch goes on) and
+        serve it under its name: `submit(..., model=lora_request.lora_name)`. Raises
+        LoRAError naming the problem; nothing is registered then."""
+        core = self._core
+        name = lora_request.lora_name
+        known = self._variants.get(name)
+        if known is not None and known != lora_request:
+            raise LoRAError(f"lora_name: {name!r} is already registered as adapter {known.lora_int_id}")
+        if name in core.served_model_names:
+            raise LoRAError(f"lora_name: {name!r} is the base model's name")
+        await asyncio.to_thread(core.add_lora, lora_request)
+        self._variants[name] = lora_request
+
+    def remove_lora(self, name: str) -> bool:
+        """Stop serving an adapter and free its memory; refused (LoRAError) while requests
+        use it."""
+        req = self._variants.get(name)
+        if req is None:
+            return False
+        if self._core.lora is not None:
+            self._core.lora.remove(req.lora_int_id)
+        del self._variants[name]
+        return True
+
+    def unload_lora(self, name: str) -> bool:
+        """Drop an adapter's weights from memory but keep serving it: the next request
+        reads it again. False if it is not registered."""
+        req = self._variants.get(name)
+        if req is None:
+            return False
+        if self._core.lora is not None:
+            self._core.lora.remove(req.lora_int_id)
+        return True
+
+    @property
+    def loras(self) -> dict[str, LoRARequest]:
+        return dict(self._variants)
 
     @property
     def _core(self) -> EngineCore:
@@ -145,17 +189,22 @@ class AsyncEngine:
         cache_salt: str | None = None,
         share_group: str | None = None,
         tenant_weight: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
         """Queue a request now (raising ValueError, PromptTooLong or EngineOverloaded at once,
         before anything is queued) and return its stream of outputs. Must be called from
         the caller's event loop; `close()` the stream when done with it (it aborts the
         request if it has not finished)."""
         core = self._core
+        if model is not None and model in self._variants:
+            if lora_request is not None and lora_request != self._variants[model]:
+                raise ValueError(f"model: {model!r} is an adapter; do not pass another lora_request")
+            lora_request, model = self._variants[model], None
         text, ids = to_token_ids(core, prompt)
         req = EngineRequest(request_id, ids, sampling_params, prompt=text, tenant=tenant,
                             service_class=service_class, priority=priority, model=model,
                             cache_salt=cache_salt, share_group=share_group,
-                            tenant_weight=tenant_weight)
+                            tenant_weight=tenant_weight, lora_request=lora_request)
         core.validate(req)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
@@ -206,6 +255,9 @@ class AsyncEngine:
                 self._publish_stats(core, drained)
                 for out in outputs:
                     self._deliver(out.request_id, out)
+                while core.failed:   # e.g. an adapter that could not be read again
+                    rid, exc = core.failed.pop()
+                    self._deliver(rid, exc)
             except Exception as exc:   # a bug: fail every caller loudly rather than hang them
                 logger.exception("engine step failed")
                 with self._lock:

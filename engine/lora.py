@@ -204,17 +204,16 @@ class LoRAManager:
         for module, _ in projections.values():
             if module.lora is None:
                 self.modules.append(module)
+                width = len(module.out_sizes) * max_lora_rank
                 module.lora = LoRASlots(
-                    lora_a=[torch.zeros(max_loras, max_lora_rank, module.in_features, dtype=dtype, device=device)
-                            for _ in module.out_sizes],
-                    lora_b=[torch.zeros(max_loras, n, max_lora_rank, dtype=dtype, device=device)
-                            for n in module.out_sizes],
+                    lora_a=torch.zeros(max_loras, width, module.in_features, dtype=dtype, device=device),
+                    lora_bt=torch.zeros(max_loras, width, module.out_features, dtype=dtype, device=device),
                     scales=self.scales,
-                    targeted=[set() for _ in module.out_sizes],
+                    targeted=set(),
                     batch=self.batch,
                 )
         self.slot_bytes = sum(
-            t.numel() * t.element_size() for m in self.modules for t in (*m.lora.lora_a, *m.lora.lora_b)
+            t.numel() * t.element_size() for m in self.modules for t in (m.lora.lora_a, m.lora.lora_bt)
         )
         self.slot_of: OrderedDict[int, int] = OrderedDict()   # adapter id -> slot, LRU first
         self._lock = threading.Lock()
@@ -223,6 +222,7 @@ class LoRAManager:
         self._known: dict[int, LoRARequest] = {}
         self._loading: dict[int, Future] = {}
         self._failed: dict[int, Exception] = {}
+        self._removed: set[int] = set()    # slots to clear on the step loop's thread
         self._executor: ThreadPoolExecutor | None = None
         self.num_slot_loads = 0
         self.num_disk_loads = 0
@@ -302,23 +302,26 @@ class LoRAManager:
     def is_ready(self, adapter_id: int) -> bool:
         return adapter_id in self._cpu
 
+    def is_loaded(self, adapter_id: int) -> bool:
+        return adapter_id in self._cpu or adapter_id in self.slot_of
+
     def take_failures(self) -> dict[int, Exception]:
         with self._lock:
             failed, self._failed = self._failed, {}
         return failed
 
     def remove(self, adapter_id: int) -> bool:
-        """Forget an adapter (vLLM's remove_lora): out of its slot and the CPU cache. Refused
-        while requests use it."""
+        """Forget an adapter (vLLM's remove_lora): out of the CPU cache now, out of its device
+        slot at the next step. Refused while requests use it. Safe from any thread."""
         with self._lock:
             if self._refs[adapter_id] > 0:
                 raise LoRAError(f"adapter {adapter_id}: {self._refs[adapter_id]} requests still use it")
             found = self._cpu.pop(adapter_id, None) is not None
             self._known.pop(adapter_id, None)
-        slot = self.slot_of.pop(adapter_id, None)
-        if slot is not None:
-            self._clear_slot(slot)
-        return found or slot is not None
+            if adapter_id in self.slot_of:
+                self._removed.add(adapter_id)
+                found = True
+        return found
 
     # -- device side (the step loop's thread) -------------------------------------------------
     def activate(self, adapter_ids: list[int]) -> dict[int, int]:
@@ -326,6 +329,13 @@ class LoRAManager:
         recently used slots no adapter of this step holds. Returns id -> slot."""
         if len(adapter_ids) > self.max_loras:
             raise RuntimeError(f"{len(adapter_ids)} adapters in one step; max_loras is {self.max_loras}")
+        if self._removed:
+            with self._lock:
+                removed, self._removed = self._removed, set()
+            for aid in removed:
+                slot = self.slot_of.pop(aid, None)
+                if slot is not None:
+                    self._clear_slot(slot)
         for aid in adapter_ids:
             if aid in self.slot_of:
                 self.slot_of.move_to_end(aid)
@@ -346,46 +356,43 @@ class LoRAManager:
         return {aid: self.slot_of[aid] for aid in adapter_ids}
 
     def _fill_slot(self, slot: int, adapter: Adapter) -> None:
-        for layer, (module, part) in self.projections.items():
-            lora = module.lora
-            a_slot, b_slot = lora.lora_a[part][slot], lora.lora_b[part][slot]
-            ab = adapter.weights.get(layer)
-            if ab is None:
-                if slot in lora.targeted[part]:
-                    a_slot.zero_()
-                    b_slot.zero_()
-                    lora.targeted[part].discard(slot)
-                continue
-            a, b = ab
-            r = a.shape[0]
-            a_slot[:r].copy_(a)
-            a_slot[r:].zero_()
-            b_slot[:, :r].copy_(b)
-            b_slot[:, r:].zero_()
-            lora.targeted[part].add(slot)
+        self._clear_slot(slot)
         # one scaling per slot: every layer of an adapter has the same rank unless
         # rank_pattern says otherwise, and then B is pre-scaled to the shared factor
-        self.scales[slot] = adapter.scaling(adapter.rank)
+        self.scales[slot] = scale = adapter.scaling(adapter.rank)
+        rm = self.max_lora_rank
         for layer, (a, b) in adapter.weights.items():
-            r = a.shape[0]
+            module, part = self.projections[layer]
+            lora = module.lora
+            r, lo = a.shape[0], module.offsets[part]
+            lora.lora_a[slot, part * rm: part * rm + r].copy_(a)
+            b_dst = lora.lora_bt[slot, part * rm: part * rm + r, lo: lo + module.out_sizes[part]]
+            b_dst.copy_(b.T)
             if r != adapter.rank:
-                module, part = self.projections[layer]
-                module.lora.lora_b[part][slot][:, :r].mul_(adapter.scaling(r) / self.scales[slot])
+                b_dst.mul_(adapter.scaling(r) / scale)
+            lora.targeted.add(slot)
         self.num_slot_loads += 1
 
     def _clear_slot(self, slot: int) -> None:
-        for module, part in self.projections.values():
+        for module in self.modules:
             lora = module.lora
-            lora.lora_a[part][slot].zero_()
-            lora.lora_b[part][slot].zero_()
-            lora.targeted[part].discard(slot)
+            if slot in lora.targeted:
+                lora.lora_a[slot].zero_()
+                lora.lora_bt[slot].zero_()
+                lora.targeted.discard(slot)
         self.scales[slot] = 0.0
+
+    # at most this many tokens in a step: the masked form (all slots at once) is used
+    MASKED_MAX_TOKENS = 64
 
     def set_batch(self, seg_starts: list[int], seg_slots: list[int]) -> None:
         b = self.batch
         b.seg_starts, b.seg_slots = seg_starts, seg_slots
         b.slots = frozenset(s for s in seg_slots if s >= 0)
         b.active = bool(b.slots)
+        b.masked = seg_starts[-1] <= self.MASKED_MAX_TOKENS and len(b.slots) > 1
+        b.scales = self.scales
+        b.masks = {}
 
     def clear_batch(self) -> None:
         self.batch.active = False

@@ -204,3 +204,64 @@ def test_rslora_scaling_matches_peft(base, adapters, tmp_path):
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(), lora_request=req)
     for prompt, out in zip(prompts, outs):
         assert out.outputs[0].token_ids == peft_greedy(base, str(rs), prompt, NEW_TOKENS)
+
+
+async def test_async_engine_serves_adapters_by_name(base, adapters, tmp_path):
+    """AsyncEngine: adapters registered by name, requested with model=<name>, mixed with the
+    base model in one run; an adapter unloaded from memory is read again (off the step loop)
+    on its next request; a removed one is unknown; bad registrations change nothing."""
+    from engine import AsyncEngine, UnknownModel
+
+    prompts = random_prompts(base, [9, 21, 14], seed=16)
+    async with AsyncEngine(base, dtype="float32", enable_lora=True, max_loras=2, num_kv_blocks=64) as engine:
+        await engine.add_lora(adapters["qv"])
+        await engine.add_lora(adapters["all"])
+        with pytest.raises(LoRAError, match="already registered"):
+            await engine.add_lora(LoRARequest("qv", 9, adapters["mlp"].lora_path))
+        with pytest.raises(LoRAError, match="another base model"):
+            other = write_demo_adapter(demo_model("llama", "small", 0), tmp_path / "f", rank=2, seed=1)
+            await engine.add_lora(LoRARequest("foreign", 10, str(other)))
+        assert set(engine.loras) == {"qv", "all"}
+
+        async def run(model, prompt, rid):
+            last = None
+            async for out in engine.generate({"prompt_token_ids": prompt}, greedy(), rid, model=model):
+                last = out
+            return last.outputs[0].token_ids
+
+        import asyncio
+        got = await asyncio.gather(run("qv", prompts[0], "a"), run(None, prompts[1], "b"),
+                                   run("all", prompts[2], "c"))
+        assert got[0] == peft_greedy(base, adapters["qv"].lora_path, prompts[0], NEW_TOKENS)
+        assert got[1] == hf_greedy(base, prompts[1], NEW_TOKENS, ignore_eos=True)
+        assert got[2] == peft_greedy(base, adapters["all"].lora_path, prompts[2], NEW_TOKENS)
+        loads = engine.core.lora.num_disk_loads
+        assert engine.unload_lora("qv")
+        assert "qv" not in engine.core.lora.stats()["in_cpu"]
+        assert await run("qv", prompts[0], "d") == got[0]
+        assert engine.core.lora.num_disk_loads == loads + 1
+        assert engine.remove_lora("all")
+        with pytest.raises(UnknownModel):
+            engine.submit({"prompt_token_ids": prompts[2]}, greedy(), "e", model="all")
+
+
+async def test_adapter_that_fails_to_load_later_fails_its_request_only(base, adapters, tmp_path):
+    """An adapter registered fine, dropped from memory, then corrupted on disk: its next
+    request fails with LoRAError (read on the worker thread), the base model keeps serving."""
+    import shutil
+
+    from engine import AsyncEngine
+
+    copy = tmp_path / "copy"
+    shutil.copytree(adapters["qv"].lora_path, copy)
+    prompt = random_prompts(base, [12], seed=17)[0]
+    async with AsyncEngine(base, dtype="float32", enable_lora=True, num_kv_blocks=32) as engine:
+        await engine.add_lora(LoRARequest("fragile", 40, str(copy)))
+        engine.unload_lora("fragile")
+        (copy / "adapter_model.safetensors").write_bytes(b"garbage")
+        with pytest.raises(LoRAError, match="cannot be read"):
+            async for _ in engine.generate({"prompt_token_ids": prompt}, greedy(), "x", model="fragile"):
+                pass
+        outs = [o async for o in engine.generate({"prompt_token_ids": prompt}, greedy(), "y")]
+        assert outs[-1].outputs[0].token_ids == hf_greedy(base, prompt, NEW_TOKENS, ignore_eos=True)
+        assert engine.core.lora.stats()["requests"] == {} and engine.core.kv.num_used_blocks == 0

@@ -116,7 +116,7 @@ def test_bad_slot_and_shapes_rejected():
 def test_sgmv_on_contiguous_segments_matches_the_general_form():
     """sgmv (rows grouped by slot, Punica's seg_indptr) equals lora_shrink_expand given the
     same per-token slots, base segments (-1) included, into a slice of a fused output."""
-    from kernels.lora import sgmv
+    from kernels.lora import lora_masked, sgmv, slot_mask
 
     g = torch.Generator().manual_seed(3)
     in_f, out_f, r_max = 32, 24, 8
@@ -128,6 +128,12 @@ def test_sgmv_on_contiguous_segments_matches_the_general_form():
     base = torch.randn(27, 40, generator=g)
     scaling = torch.tensor([2.0, 0.25, 1.5])
     want = lora_shrink_expand(x, base.clone(), a, b, per_token, scaling, (10, 34))
-    got = sgmv(x, base.clone(), a, b, seg_starts, seg_slots, scaling.tolist(), (10, 34))
+    bt = b.transpose(1, 2).contiguous()   # the engine keeps B transposed
+    got = sgmv(x, base.clone(), a, bt, seg_starts, seg_slots, scaling.tolist(), (10, 34))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert torch.equal(got[:4], base[:4]) and not torch.equal(got[4:11], base[4:11])
+    # the masked form (every slot at once, other slots' columns zeroed) agrees too
+    mask = slot_mask(seg_starts, seg_slots, scaling.tolist(), 3, r_max, torch.float32)
+    masked = lora_masked(x, base.clone(), a, bt, mask, (10, 34))
+    torch.testing.assert_close(masked, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(masked[:4], base[:4])

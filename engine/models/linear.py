@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.lora import sgmv
+from kernels.lora import lora_masked, sgmv, slot_mask
 
 
 @dataclass(slots=True)
@@ -35,19 +35,34 @@ class LoRABatch:
     seg_starts: list[int] = field(default_factory=lambda: [0])
     seg_slots: list[int] = field(default_factory=list)
     slots: frozenset[int] = frozenset()
+    # few tokens: one masked shrink/expand against all slots beats a call per segment
+    masked: bool = False
+    scales: list[float] = field(default_factory=list)
+    masks: dict[tuple[int, int, torch.dtype], torch.Tensor] = field(default_factory=dict)
+
+    def mask(self, num_slots: int, r_max: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        key = (num_slots, r_max, dtype)
+        m = self.masks.get(key)
+        if m is None:
+            m = self.masks[key] = slot_mask(self.seg_starts, self.seg_slots, self.scales, num_slots,
+                                            r_max, dtype, device)
+        return m
 
 
 @dataclass(slots=True)
 class LoRASlots:
-    """One projection's adapter slots, per part: lora_a [slots, r_max, in],
-    lora_b [slots, part_out, r_max]; `scales` per slot (alpha / r, or alpha / sqrt(r) for
-    rsLoRA); `targeted[part]` the slots whose adapter adapts that part (the others hold
-    zeros there, and are skipped)."""
+    """One projection's adapter slots, all parts stacked so that one shrink and one expand
+    serve a fused projection: lora_a [slots, P * r_max, in] holds part p's A in rows
+    p * r_max:(p + 1) * r_max; lora_bt [slots, P * r_max, out_total] holds the B's
+    transposed, block-diagonal: part p's B^T in its rank rows and its output columns, zeros
+    elsewhere. `scales` per slot
+    (alpha / r, or alpha / sqrt(r) for rsLoRA); `targeted` the slots whose adapter adapts
+    some part of this projection (the others are skipped)."""
 
-    lora_a: list[torch.Tensor]
-    lora_b: list[torch.Tensor]
+    lora_a: torch.Tensor
+    lora_bt: torch.Tensor
     scales: list[float]
-    targeted: list[set[int]]
+    targeted: set[int]
     batch: LoRABatch
 
 
@@ -84,15 +99,15 @@ class LinearBase(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base_forward(x)
         lora = self.lora
-        if lora is not None and lora.batch.active:
+        if lora is not None and lora.batch.active and not lora.targeted.isdisjoint(lora.batch.slots):
             batch = lora.batch
-            for part, targeted in enumerate(lora.targeted):
-                if targeted.isdisjoint(batch.slots):
-                    continue
-                seg_slots = [s if s in targeted else -1 for s in batch.seg_slots]
-                lo = self.offsets[part]
-                sgmv(x, y, lora.lora_a[part], lora.lora_b[part], batch.seg_starts, seg_slots,
-                     lora.scales, (lo, lo + self.out_sizes[part]))
+            if batch.masked:
+                # slots that do not adapt this projection hold zeros: no need to mask them
+                num_slots, width, _ = lora.lora_a.shape
+                lora_masked(x, y, lora.lora_a, lora.lora_bt, batch.mask(num_slots, width, x.dtype, x.device))
+            else:
+                seg_slots = [s if s in lora.targeted else -1 for s in batch.seg_slots]
+                sgmv(x, y, lora.lora_a, lora.lora_bt, batch.seg_starts, seg_slots, lora.scales)
         return y
 
 
