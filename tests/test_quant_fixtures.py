@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-import kernels.quant.reference as reference
+from kernels.quant import reference
 from engine.quant import AWQConfig, AWQLinear, GPTQConfig, GPTQLinear
 from kernels.quant import awq_dequantize, awq_matmul, gptq_dequantize, gptq_matmul
 from tests.test_quant import assert_greedy_matches_hf, copy_tokenizer, write_hf_twin

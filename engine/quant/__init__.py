@@ -17,7 +17,7 @@ from engine.quant.gptq import GPTQConfig, GPTQLinear
 
 QUANT_METHODS = ("awq", "gptq")
 
-__all__ = ["AWQConfig", "AWQLinear", "GPTQConfig", "GPTQLinear", "QUANT_METHODS", "linear_factory"]
+__all__ = ["QUANT_METHODS", "AWQConfig", "AWQLinear", "GPTQConfig", "GPTQLinear", "linear_factory"]
 
 
 def linear_factory(quantization: dict[str, Any] | None) -> LinearFactory:
