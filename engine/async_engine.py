@@ -17,6 +17,7 @@ from typing import Any
 
 from engine.config import EngineConfig, ModelConfig
 from engine.engine_core import EngineCore
+from engine.model_registry import ModelPool, make_core
 from engine.errors import EngineDead, EngineOverloaded
 from engine.llm import to_token_ids
 from engine.lora import LoRAError, LoRARequest
@@ -31,7 +32,7 @@ logger = logging.getLogger(__name__)
 class AsyncEngine:
     def __init__(self, model: str, **kwargs: Any) -> None:
         self.config = EngineConfig(model=str(model), **kwargs)
-        self.core: EngineCore | None = None
+        self.core: EngineCore | ModelPool | None = None
         self._inbox: deque[tuple[str, Any]] = deque()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -47,8 +48,9 @@ class AsyncEngine:
     # -- life cycle -------------------------------------------------------------------------
     async def start(self) -> None:
         if self.core is None:
-            self.core = await asyncio.to_thread(EngineCore, self.config, stream_outputs=True)
-            self.core.scheduler.fair.weights.update(self._tenant_weights)
+            self.core = await asyncio.to_thread(make_core, self.config, stream_outputs=True)
+            for tenant, weight in self._tenant_weights.items():
+                self.core.set_tenant_weight(tenant, weight)
             self._stats = self.core.stats()
         if self._thread is None:
             self._stop.clear()
@@ -70,8 +72,7 @@ class AsyncEngine:
         if self.core is not None:
             for rid in list(self.core.requests):
                 self.core.abort_request(rid)
-            if self.core.lora is not None:
-                self.core.lora.shutdown()
+            self.core.shutdown()
 
     async def __aenter__(self) -> AsyncEngine:
         await self.start()
@@ -106,7 +107,7 @@ class AsyncEngine:
             raise ValueError(f"weight: must be a number > 0, got {weight!r}")
         self._tenant_weights[tenant] = float(weight)
         if self.core is not None:   # a dict store: atomic under the GIL, read by the loop thread
-            self.core.scheduler.fair.weights[tenant] = float(weight)
+            self.core.set_tenant_weight(tenant, float(weight))
 
     # -- adapters ---------------------------------------------------------------------------
     async def add_lora(self, lora_request: LoRARequest) -> None:
@@ -129,8 +130,9 @@ class AsyncEngine:
         req = self._variants.get(name)
         if req is None:
             return False
-        if self._core.lora is not None:
-            self._core.lora.remove(req.lora_int_id)
+        lora = self._core.core_for(req.base_model_name).lora
+        if lora is not None:
+            lora.remove(req.lora_int_id)
         del self._variants[name]
         return True
 
@@ -140,8 +142,9 @@ class AsyncEngine:
         req = self._variants.get(name)
         if req is None:
             return False
-        if self._core.lora is not None:
-            self._core.lora.remove(req.lora_int_id)
+        lora = self._core.core_for(req.base_model_name).lora
+        if lora is not None:
+            lora.remove(req.lora_int_id)
         return True
 
     @property
@@ -149,7 +152,7 @@ class AsyncEngine:
         return dict(self._variants)
 
     @property
-    def _core(self) -> EngineCore:
+    def _core(self) -> EngineCore | ModelPool:
         if self.core is None:
             raise RuntimeError("AsyncEngine is not started; call `await engine.start()` first")
         return self.core
@@ -199,8 +202,9 @@ class AsyncEngine:
         if model is not None and model in self._variants:
             if lora_request is not None and lora_request != self._variants[model]:
                 raise ValueError(f"model: {model!r} is an adapter; do not pass another lora_request")
-            lora_request, model = self._variants[model], None
-        text, ids = to_token_ids(core, prompt)
+            lora_request = self._variants[model]
+            model = lora_request.base_model_name
+        text, ids = to_token_ids(core.core_for(model), prompt)
         req = EngineRequest(request_id, ids, sampling_params, prompt=text, tenant=tenant,
                             service_class=service_class, priority=priority, model=model,
                             cache_salt=cache_salt, share_group=share_group,

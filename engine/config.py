@@ -44,6 +44,11 @@ class EngineConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    # more base models on the same device budget (engine/model_registry.py): name -> directory
+    models: dict[str, str] = field(default_factory=dict)
+    memory_budget: int | None = None      # bytes for all models together (CPU; CUDA: a share of the device)
+    switch_overhead: float = 0.1          # a model's turn lasts until its switch-in cost is this share
+    min_turn_s: float = 0.0               # shortest turn, whatever switching costs
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", *DTYPES):
@@ -65,6 +70,19 @@ class EngineConfig:
                 or self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras must be an integer >= max_loras ({self.max_loras}); "
                              f"got {self.max_cpu_loras!r}")
+        self.models = {str(k): str(v) for k, v in dict(self.models or {}).items()}
+        for name, path in self.models.items():
+            if not name:
+                raise ValueError("models: a model name must not be empty")
+            if not Path(path).is_dir():
+                raise ValueError(f"models[{name!r}]: {path!r} is not a model directory")
+        if self.memory_budget is not None and (isinstance(self.memory_budget, bool)
+                                               or not isinstance(self.memory_budget, int) or self.memory_budget < 1):
+            raise ValueError(f"memory_budget must be a positive byte count; got {self.memory_budget!r}")
+        if not 0.0 < self.switch_overhead < 1.0:
+            raise ValueError(f"switch_overhead must be in (0, 1); got {self.switch_overhead!r}")
+        if self.min_turn_s < 0:
+            raise ValueError(f"min_turn_s must be >= 0; got {self.min_turn_s!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2; got {self.max_model_len}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

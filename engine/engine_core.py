@@ -16,7 +16,7 @@ from engine.config import DTYPES, EngineConfig, ModelConfig
 from engine.errors import PromptTooLong, UnknownModel
 from engine.kv_cache import KVCacheManager
 from engine.lora import LoRAManager
-from engine.memory import MemoryBudget
+from engine.memory import CPU_DEFAULT_KV_BYTES, MemoryBudget
 from engine.model_runner import ModelRunner, StepTimings
 from engine.platform import tune_cpu_allocator
 from engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -74,9 +74,15 @@ def check_request(req: EngineRequest, vocab_size: int, max_model_len: int) -> No
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, *, stream_outputs: bool = False) -> None:
+    """One model: its weights, KV cache, scheduler and requests. Alone (the usual case) it
+    sizes its own memory budget and loads at once. In a `ModelPool` (`pooled=True`) the pool
+    owns the budget, and loads and offloads the model by demand (`load`, `offload`)."""
+
+    def __init__(self, config: EngineConfig, *, stream_outputs: bool = False, pooled: bool = False,
+                 name: str | None = None) -> None:
         self.config = config
         self.stream_outputs = stream_outputs
+        self.name = name or Path(config.model).name
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.device = config.resolve_device()
@@ -101,20 +107,34 @@ class EngineCore:
                 max_loras=config.max_loras, max_lora_rank=config.max_lora_rank,
                 max_cpu_loras=config.max_cpu_loras,
             )
-        self.memory = MemoryBudget.for_device(
-            self.device,
-            gpu_memory_utilization=config.gpu_memory_utilization,
-            kv_cache_memory=config.kv_cache_memory,
-            weight_bytes=self.runner.weight_bytes,
-            lora_bytes=self.lora.slot_bytes if self.lora else 0,
-        )
         bs = config.block_size
-        self.num_kv_blocks = self.memory.kv_blocks(
-            self.runner.bytes_per_block(bs),
-            num_kv_blocks=config.num_kv_blocks,
-            kv_cache_memory=config.kv_cache_memory,
-        )
+        self.memory: MemoryBudget | None = None
+        if pooled:
+            # the pool reserves this model's footprint when it loads it
+            per_block = self.runner.bytes_per_block(bs)
+            if config.num_kv_blocks is not None:
+                self.num_kv_blocks = config.num_kv_blocks
+            else:
+                kv_bytes = config.kv_cache_memory if config.kv_cache_memory is not None else CPU_DEFAULT_KV_BYTES
+                self.num_kv_blocks = kv_bytes // per_block
+            if self.num_kv_blocks < 1:
+                raise ValueError(f"kv cache: no room for a single block ({per_block} bytes) for {self.name}")
+        else:
+            self.memory = MemoryBudget.for_device(
+                self.device,
+                gpu_memory_utilization=config.gpu_memory_utilization,
+                kv_cache_memory=config.kv_cache_memory,
+                weight_bytes=self.runner.weight_bytes,
+                lora_bytes=self.lora.slot_bytes if self.lora else 0,
+            )
+            self.num_kv_blocks = self.memory.kv_blocks(
+                self.runner.bytes_per_block(bs),
+                num_kv_blocks=config.num_kv_blocks,
+                kv_cache_memory=config.kv_cache_memory,
+            )
         self.runner.allocate_kv_cache(self.num_kv_blocks, bs)
+        if not pooled:
+            self.runner.load()
         self.kv = KVCacheManager(self.num_kv_blocks, bs, config.enable_prefix_caching,
                                  num_tiers=len(config.service_classes))
         self.scheduler = Scheduler(config, self.kv)
@@ -141,6 +161,42 @@ class EngineCore:
             "engine ready: %s on %s (%s), %d KV blocks of %d tokens",
             config.model, self.device, self.dtype, self.num_kv_blocks, bs,
         )
+
+    # -- residency (a pool's models) ----------------------------------------------------------
+    @property
+    def resident(self) -> bool:
+        return self.runner.resident
+
+    def footprint(self) -> dict[str, int]:
+        """What this model holds on the device while resident, by part."""
+        out = {"weights": self.runner.weight_bytes,
+               "kv_cache": self.num_kv_blocks * self.runner.bytes_per_block(self.config.block_size)}
+        if self.lora is not None:
+            out["lora_slots"] = self.lora.slot_bytes
+        return out
+
+    def load(self) -> None:
+        self.runner.load()
+
+    def offload(self) -> None:
+        """Preempt every running request (back to the queue, in its place), forget the
+        cached prefixes, and give the device memory back. Queued requests stay queued."""
+        self.scheduler.preempt_all()
+        self.kv.reset()
+        self.runner.offload()
+
+    def core_for(self, model: str | None) -> EngineCore:
+        """The core serving `model` (None: the default): this one."""
+        if model is not None and model not in self.served_model_names:
+            raise UnknownModel(f"model: {model!r} is not served by this engine")
+        return self
+
+    def set_tenant_weight(self, tenant: str, weight: float) -> None:
+        self.scheduler.fair.weights[tenant] = float(weight)
+
+    def shutdown(self) -> None:
+        if self.lora is not None:
+            self.lora.shutdown()
 
     # -- requests ------------------------------------------------------------------------
     def validate(self, req: EngineRequest) -> None:
@@ -175,7 +231,7 @@ class EngineCore:
     @property
     def model_name(self) -> str:
         """The canonical name of the served model (its directory's name)."""
-        return Path(self.config.model).name
+        return self.name
 
     @property
     def served_model_names(self) -> set[str]:
@@ -453,6 +509,6 @@ class EngineCore:
             "prefix_cache_hits": self.kv.num_cache_hits,
             "num_generated_tokens": self.num_generated_tokens,
             "num_steps": self.timings.num_steps,
-            "memory": self.memory.summary(),
+            "memory": self.memory.summary() if self.memory is not None else self.footprint(),
             **({"lora": self.lora.stats()} if self.lora is not None else {}),
         }

@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence as Seq
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.config import EngineConfig
-from engine.engine_core import EngineCore
+from engine.model_registry import make_core
 from engine.lora import LoRARequest
 from engine.outputs import RequestOutput
 from engine.request import EngineRequest
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.engine_core import EngineCore
 
 PromptType = str | dict[str, Any]
 
@@ -34,7 +37,7 @@ def to_token_ids(core: EngineCore, prompt: PromptType | list[int]) -> tuple[str 
 class LLM:
     def __init__(self, model: str, **kwargs: Any) -> None:
         self.config = EngineConfig(model=str(model), **kwargs)
-        self.engine = EngineCore(self.config)
+        self.engine = make_core(self.config)
         self._ids = itertools.count()
 
     @property
@@ -66,11 +69,13 @@ class LLM:
         cache_salt: str | None = None,
         share_group: str | None = None,
         lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
+        model: str | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs in input order. `use_tqdm` is vLLM's
         name for `use_progress_bar`. `tenant`, `cache_salt` and `share_group` scope the
         prefix cache (and the tenant is the fairness key). `lora_request`: one adapter for
-        every prompt, or a list with one (or None, the base model) per prompt."""
+        every prompt, or a list with one (or None, the base model) per prompt. `model`: which
+        model, in an engine of several (`models=`); None: the first."""
         if use_tqdm is not None:
             use_progress_bar = use_tqdm
         if isinstance(prompts, (str, dict)):
@@ -94,8 +99,8 @@ class LLM:
             raise ValueError(f"lora_request: {len(loras)} given for {len(prompts)} prompts; pass one or one each")
         requests = []
         for prompt, sp, lora in zip(prompts, params, loras):   # validate all before queueing any
-            text, ids = to_token_ids(self.engine, prompt)
-            req = EngineRequest(str(next(self._ids)), ids, sp, prompt=text,
+            text, ids = to_token_ids(self.engine.core_for(model), prompt)
+            req = EngineRequest(str(next(self._ids)), ids, sp, prompt=text, model=model,
                                 service_class=service_class, priority=priority, tenant=tenant,
                                 cache_salt=cache_salt, share_group=share_group, lora_request=lora)
             self.engine.validate(req)

@@ -55,6 +55,7 @@ class LoRARequest:
     lora_name: str
     lora_int_id: int
     lora_path: str
+    base_model_name: str | None = None    # in an engine of several base models: whose adapter
 
     def __post_init__(self) -> None:
         if not isinstance(self.lora_name, str) or not self.lora_name:
@@ -195,25 +196,18 @@ class LoRAManager:
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
+        # shapes to check adapters against (the model's, or its storage-less skeleton's)
         self.projections = projections
         self.max_loras, self.max_lora_rank, self.max_cpu_loras = max_loras, max_lora_rank, max_cpu_loras
         self.dtype, self.device = dtype, device
         self.batch = LoRABatch()
         self.scales = [0.0] * max_loras
         self.modules: list[LinearBase] = []
-        for module, _ in projections.values():
-            if module.lora is None:
-                self.modules.append(module)
-                width = len(module.out_sizes) * max_lora_rank
-                module.lora = LoRASlots(
-                    lora_a=torch.zeros(max_loras, width, module.in_features, dtype=dtype, device=device),
-                    lora_bt=torch.zeros(max_loras, width, module.out_features, dtype=dtype, device=device),
-                    scales=self.scales,
-                    targeted=set(),
-                    batch=self.batch,
-                )
+        self.live: dict[str, tuple[LinearBase, int]] = {}    # the loaded model's projections
+        elem = torch.tensor([], dtype=dtype).element_size()
         self.slot_bytes = sum(
-            t.numel() * t.element_size() for m in self.modules for t in (m.lora.lora_a, m.lora.lora_bt)
+            max_loras * len(m.out_sizes) * max_lora_rank * (m.in_features + m.out_features) * elem
+            for m in {id(m): m for m, _ in projections.values()}.values()
         )
         self.slot_of: OrderedDict[int, int] = OrderedDict()   # adapter id -> slot, LRU first
         self._lock = threading.Lock()
@@ -226,6 +220,34 @@ class LoRAManager:
         self._executor: ThreadPoolExecutor | None = None
         self.num_slot_loads = 0
         self.num_disk_loads = 0
+
+    def bind(self, projections: dict[str, tuple[LinearBase, int]]) -> None:
+        """Give a loaded model's projections their (empty) device slots."""
+        self.live = projections
+        self.modules = []
+        width = self.max_lora_rank
+        for module, _ in projections.values():
+            if module.lora is None:
+                self.modules.append(module)
+                w = len(module.out_sizes) * width
+                module.lora = LoRASlots(
+                    lora_a=torch.zeros(self.max_loras, w, module.in_features, dtype=self.dtype, device=self.device),
+                    lora_bt=torch.zeros(self.max_loras, w, module.out_features, dtype=self.dtype, device=self.device),
+                    scales=self.scales,
+                    targeted=set(),
+                    batch=self.batch,
+                )
+        self.slot_of.clear()
+        self.scales[:] = [0.0] * self.max_loras
+        self.batch.active = False
+
+    def unbind(self) -> None:
+        """The model is offloaded: its slots go with it; adapters stay in the CPU cache."""
+        for module in self.modules:
+            module.lora = None
+        self.modules, self.live = [], {}
+        self.slot_of.clear()
+        self.batch.active = False
 
     # -- host side ------------------------------------------------------------------------
     def check_request(self, req: LoRARequest) -> None:
@@ -362,7 +384,7 @@ class LoRAManager:
         self.scales[slot] = scale = adapter.scaling(adapter.rank)
         rm = self.max_lora_rank
         for layer, (a, b) in adapter.weights.items():
-            module, part = self.projections[layer]
+            module, part = self.live[layer]
             lora = module.lora
             r, lo = a.shape[0], module.offsets[part]
             lora.lora_a[slot, part * rm: part * rm + r].copy_(a)

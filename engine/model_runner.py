@@ -11,7 +11,7 @@ import torch
 from engine.config import ModelConfig
 from engine.kv_cache import KVCacheManager
 from engine.lora import LoRAManager
-from engine.models import AttentionMetadata, load_model
+from engine.models import AttentionMetadata, build_skeleton, load_model, tensor_bytes
 from engine.request import Sequence
 from engine.sampler import Sampler, SampleRow, SamplerOutput
 from engine.scheduler import SchedulerOutput
@@ -53,25 +53,50 @@ class ModelRunner:
         seed: int,
     ) -> None:
         self.cfg = model_config
+        self.model_dir, self.max_model_len = model_dir, max_model_len
         self.dtype, self.device = dtype, device
-        self.model = load_model(model_dir, model_config, max_model_len, dtype, device)
+        # shapes and sizes without storage: what the budget counts before (and while not)
+        # loading, and what adapters are checked against
+        self.skeleton = build_skeleton(model_config, dtype)
+        self.weight_bytes = tensor_bytes(self.skeleton)
+        self.model: torch.nn.Module | None = None
         self.sampler = Sampler(seed, device)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.block_size = 0
+        self.num_blocks = 0
         self.lora: LoRAManager | None = None
 
     def enable_lora(self, *, max_loras: int, max_lora_rank: int, max_cpu_loras: int) -> LoRAManager:
         self.lora = LoRAManager(
-            self.model.projections(), max_loras=max_loras, max_lora_rank=max_lora_rank,
+            self.skeleton.projections(), max_loras=max_loras, max_lora_rank=max_lora_rank,
             max_cpu_loras=max_cpu_loras, dtype=self.dtype, device=self.device,
         )
+        if self.model is not None:
+            self.lora.bind(self.model.projections())
         return self.lora
 
     @property
-    def weight_bytes(self) -> int:
-        # buffers too: quantized projections keep their packed weights and scales as buffers
-        tensors = [*self.model.parameters(), *self.model.buffers()]
-        return sum(t.numel() * t.element_size() for t in tensors)
+    def resident(self) -> bool:
+        return self.model is not None
+
+    def load(self) -> None:
+        """Weights from the checkpoint (memory-mapped safetensors), the KV cache, the LoRA
+        slots: everything the device holds for this model."""
+        if self.model is not None:
+            return
+        self.model = load_model(self.model_dir, self.cfg, self.max_model_len, self.dtype, self.device)
+        if self.lora is not None:
+            self.lora.bind(self.model.projections())
+        if self.num_blocks:
+            self.allocate_kv_cache(self.num_blocks, self.block_size)
+
+    def offload(self) -> None:
+        """Give the device memory back: weights are dropped (read again from the checkpoint's
+        files on `load`), the KV cache and the LoRA slots freed."""
+        if self.lora is not None:
+            self.lora.unbind()
+        self.model = None
+        self.kv_caches = []
 
     def bytes_per_block(self, block_size: int) -> int:
         c = self.cfg
@@ -84,7 +109,9 @@ class ModelRunner:
         (and zeroes) every slot past a sequence's length, so unwritten slots never count."""
         c = self.cfg
         shape = (c.num_key_value_heads, num_blocks, block_size, c.head_dim)
-        self.block_size = block_size
+        self.block_size, self.num_blocks = block_size, num_blocks
+        if self.model is None:
+            return   # allocated on load
         self.kv_caches = [
             (torch.empty(shape, dtype=self.dtype, device=self.device),
              torch.empty(shape, dtype=self.dtype, device=self.device))

@@ -438,6 +438,14 @@ class Scheduler:
         self.num_preemptions += 1
         logger.debug("preempted %s", victim)
 
+    def preempt_all(self) -> int:
+        """Every running sequence back to the queue (its model is being offloaded)."""
+        victims = sorted(self.running, key=self.key, reverse=True)
+        budget = StepBudget(self.max_num_batched_tokens)
+        for victim in victims:
+            self._preempt(victim, budget, {}, [])
+        return len(victims)
+
     # -- integrity ---------------------------------------------------------------------------
     def check_invariants(self, out: SchedulerOutput | None = None) -> None:
         """Raise if block accounting or a budget is off: pool integrity, every held block

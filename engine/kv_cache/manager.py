@@ -40,6 +40,14 @@ class KVCacheManager:
         self.num_cache_queries = 0
         self.num_cache_hits = 0   # in tokens
 
+    def reset(self) -> None:
+        """The cache's memory is gone (the model was offloaded): every block free, no cached
+        prefix. Only when no sequence holds a block."""
+        if self.tables:
+            raise RuntimeError(f"kv cache reset while {len(self.tables)} sequences hold blocks")
+        self.pool = BlockPool(self.pool.num_blocks, self.enable_caching, len(self.pool.free_queues))
+        self.num_registered.clear()
+
     # -- lookups ---------------------------------------------------------------------------
     def blocks_of(self, seq: Sequence) -> list[KVBlock]:
         return self.tables.get(id(seq), [])

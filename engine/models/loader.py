@@ -47,6 +47,22 @@ def iter_weights(model_dir: Path, dtype: torch.dtype) -> Iterator[tuple[str, tor
                 yield name, t.to(dtype) if t.is_floating_point() else t
 
 
+def build_skeleton(cfg: ModelConfig, dtype: torch.dtype) -> LlamaForCausalLM:
+    """The model on the meta device: its shapes and byte sizes, no storage. Raises
+    ValueError for an unsupported quantization before anything is read."""
+    cls = MODEL_CLASSES[cfg.architecture]
+    linear = linear_factory(cfg.quantization)
+    with torch.device("meta"):
+        model = cls(cfg, None, linear)
+    return model.to(dtype)
+
+
+def tensor_bytes(model: torch.nn.Module) -> int:
+    """Bytes of a model's parameters and buffers (quantized projections keep their packed
+    weights and scales as buffers)."""
+    return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+
+
 def load_model(
     model_dir: str | Path, cfg: ModelConfig, max_positions: int, dtype: torch.dtype, device: torch.device
 ) -> LlamaForCausalLM:

@@ -1,0 +1,303 @@
+"""Several base models (full precision or quantized, each with its adapters) on one device
+memory budget: `ModelPool`.
+
+Each model is an `EngineCore` of its own (weights, KV cache, scheduler, queue); the pool
+owns the budget and decides, step by step, which model runs:
+
+- one model per step;
+- the most urgent class first: a model with online work waiting goes before one with only
+  offline work, at once (that is what online means);
+- among models with work of that class, the current one keeps the device for a *turn*
+  long enough that switching into it cost at most `switch_overhead` of the turn (the
+  measured cost of the last switch, over `switch_overhead`), then the one that has waited
+  longest since its last turn goes next (round robin, so no model starves);
+- bringing a model in reserves its whole footprint (weights + LoRA slots + KV cache) before
+  loading it, offloading the least recently run resident models until it fits, so the
+  budget is never exceeded. An offloaded model's running requests are preempted back to its
+  queue first (they keep their place and are recomputed); none is lost or failed.
+
+Offloading drops the weights (read again from the checkpoint's memory-mapped safetensors on
+return) and frees the KV cache and LoRA slots; adapters stay in host memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.config import EngineConfig
+from engine.engine_core import EngineCore
+from engine.errors import UnknownModel
+from engine.memory import CUDA_ACTIVATION_HEADROOM, MemoryBudget
+from engine.outputs import RequestOutput
+from engine.request import EngineRequest, RequestState
+
+logger = logging.getLogger(__name__)
+
+
+def make_core(config: EngineConfig, *, stream_outputs: bool = False) -> EngineCore | ModelPool:
+    """One EngineCore for one model; a ModelPool when `config.models` names more."""
+    if config.models:
+        return ModelPool(config, stream_outputs=stream_outputs)
+    return EngineCore(config, stream_outputs=stream_outputs)
+
+
+@dataclasses.dataclass(slots=True)
+class ModelStats:
+    loads: int = 0
+    offloads: int = 0
+    load_s: float = 0.0
+    offload_s: float = 0.0
+    turns: int = 0
+    steps: int = 0
+    last_run: float = 0.0
+
+
+class ModelPool:
+    def __init__(self, config: EngineConfig, *, stream_outputs: bool = False) -> None:
+        self.config = config
+        specs = {Path(config.model).name: config.model, **config.models}
+        if len(specs) != 1 + len(config.models):
+            raise ValueError(f"models: the name {Path(config.model).name!r} is given twice")
+        self.cores: dict[str, EngineCore] = {
+            name: EngineCore(dataclasses.replace(config, model=str(path), models={}),
+                             stream_outputs=stream_outputs, pooled=True, name=name)
+            for name, path in specs.items()
+        }
+        self.default = next(iter(self.cores))
+        first = self.cores[self.default]
+        self.device = first.device
+        footprints = {n: sum(c.footprint().values()) for n, c in self.cores.items()}
+        if config.memory_budget is not None:
+            total = config.memory_budget
+        elif self.device.type == "cuda":
+            _, dev_total = torch.cuda.mem_get_info(self.device)
+            total = int(dev_total * config.gpu_memory_utilization) - CUDA_ACTIVATION_HEADROOM
+        else:
+            total = sum(footprints.values())    # CPU, no budget given: every model fits
+        self.memory = MemoryBudget(total, str(self.device))
+        for name, need in footprints.items():
+            if need > total:
+                raise ValueError(
+                    f"models: {name!r} needs {need / 2**20:.1f} MiB (weights, LoRA slots, KV cache), "
+                    f"more than the whole budget of {total / 2**20:.1f} MiB"
+                )
+        self.peak_used_bytes = 0
+        self.stats_by_model = {n: ModelStats() for n in self.cores}
+        self.current: str | None = None
+        self.turn_started = 0.0
+        self.last_switch_s = 0.0
+        self.switch_s_total = 0.0
+        self.num_switches = 0
+        self.owner: dict[str, str] = {}          # request id -> model name
+        self.failed: list[tuple[str, Exception]] = []
+        for name in self.cores:                  # in order, while they fit
+            if footprints[name] <= self.memory.available_bytes:
+                self._bring_in(name, count=False)
+
+    # -- what LLM and AsyncEngine use ---------------------------------------------------------
+    def core_for(self, model: str | None) -> EngineCore:
+        if model is None:
+            return self.cores[self.default]
+        for core in self.cores.values():
+            if model in core.served_model_names:
+                return core
+        raise UnknownModel(f"model: {model!r} is not served by this engine")
+
+    @property
+    def tokenizer(self):
+        return self.cores[self.default].tokenizer
+
+    @property
+    def model_config(self):
+        return self.cores[self.default].model_config
+
+    @property
+    def max_model_len(self) -> int:
+        return self.cores[self.default].max_model_len
+
+    @property
+    def served_model_names(self) -> set[str]:
+        return set().union(*(c.served_model_names for c in self.cores.values()))
+
+    @property
+    def lora(self):
+        return self.cores[self.default].lora
+
+    @property
+    def requests(self) -> dict[str, RequestState]:
+        out: dict[str, RequestState] = {}
+        for core in self.cores.values():
+            out.update(core.requests)
+        return out
+
+    @property
+    def has_unfinished(self) -> bool:
+        return any(c.has_unfinished for c in self.cores.values())
+
+    def validate(self, req: EngineRequest) -> None:
+        self.core_for(req.model).validate(req)
+        if req.request_id in self.owner:
+            raise ValueError(f"request_id: {req.request_id!r} is already in the engine")
+
+    def add_request(self, req: EngineRequest) -> RequestState:
+        self.validate(req)
+        core = self.core_for(req.model)
+        state = core.add_request(req)
+        self.owner[req.request_id] = core.name
+        return state
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        name = self.owner.pop(request_id, None)
+        return None if name is None else self.cores[name].abort_request(request_id)
+
+    def add_lora(self, lora_request) -> bool:
+        return self.core_for(getattr(lora_request, "base_model_name", None)).add_lora(lora_request)
+
+    def set_tenant_weight(self, tenant: str, weight: float) -> None:
+        for core in self.cores.values():
+            core.set_tenant_weight(tenant, weight)
+
+    def shutdown(self) -> None:
+        for core in self.cores.values():
+            core.shutdown()
+
+    # -- one step -------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        name = self.choose()
+        if name is None:
+            return []
+        core = self.cores[name]
+        if not core.resident:
+            self._bring_in(name)
+        now = time.perf_counter()
+        if name != self.current:
+            self.current, self.turn_started = name, now
+            self.stats_by_model[name].turns += 1
+        st = self.stats_by_model[name]
+        st.steps += 1
+        outputs = core.step()
+        st.last_run = time.perf_counter()
+        for out in outputs:
+            if out.finished:
+                self.owner.pop(out.request_id, None)
+        while core.failed:
+            rid, exc = core.failed.pop()
+            self.owner.pop(rid, None)
+            self.failed.append((rid, exc))
+        return outputs
+
+    @staticmethod
+    def urgency(core: EngineCore) -> int | None:
+        """The most urgent class rank among the model's queued and running sequences."""
+        sched = core.scheduler
+        ranks = [s.state.class_rank for s in sched.running] + [s.state.class_rank for s in sched.waiting]
+        return min(ranks) if ranks else None
+
+    def quantum_s(self) -> float:
+        """How long a model keeps the device once it has it (while others wait in its class):
+        long enough that the last switch cost at most `switch_overhead` of the turn."""
+        f = self.config.switch_overhead
+        return max(self.config.min_turn_s, self.last_switch_s * (1 - f) / f)
+
+    def choose(self) -> str | None:
+        urg = {n: u for n, c in self.cores.items() if (u := self.urgency(c)) is not None}
+        if not urg:
+            return None
+        top = min(urg.values())
+        cands = [n for n, u in urg.items() if u == top]
+        cur = self.current
+        if cur in cands:
+            if len(cands) == 1 or time.perf_counter() - self.turn_started < self.quantum_s():
+                return cur
+            cands = [n for n in cands if n != cur]
+        return min(cands, key=lambda n: (self.stats_by_model[n].last_run, n))
+
+    # -- residency ------------------------------------------------------------------------------
+    def _bring_in(self, name: str, count: bool = True) -> None:
+        core = self.cores[name]
+        parts = core.footprint()
+        need = sum(parts.values())
+        t0 = time.perf_counter()
+        victims = sorted((n for n, c in self.cores.items() if c.resident and n != name),
+                         key=lambda n: self.stats_by_model[n].last_run)
+        while self.memory.available_bytes < need and victims:
+            self._offload(victims.pop(0))
+        for part, num in parts.items():    # reserve first: never over budget, not even briefly
+            self.memory.reserve(f"{name}/{part}", num)
+        self.peak_used_bytes = max(self.peak_used_bytes, self.memory.used_bytes)
+        t1 = time.perf_counter()
+        core.load()
+        t2 = time.perf_counter()
+        st = self.stats_by_model[name]
+        st.loads += 1
+        st.load_s += t2 - t1
+        if count:
+            self.num_switches += 1
+            self.last_switch_s = t2 - t0
+            self.switch_s_total += t2 - t0
+        logger.info("model %s loaded in %.3f s (switch %.3f s)", name, t2 - t1, t2 - t0)
+
+    def _offload(self, name: str) -> None:
+        core = self.cores[name]
+        t0 = time.perf_counter()
+        core.offload()
+        for part in core.footprint():
+            self.memory.release(f"{name}/{part}")
+        st = self.stats_by_model[name]
+        st.offloads += 1
+        st.offload_s += time.perf_counter() - t0
+        logger.info("model %s offloaded", name)
+
+    # -- introspection --------------------------------------------------------------------------
+    def verify(self, sched=None) -> None:
+        for core in self.cores.values():
+            core.verify()
+        if self.memory.used_bytes > self.memory.total_bytes:
+            raise AssertionError("memory budget exceeded")
+
+    def stats(self) -> dict[str, Any]:
+        per = {n: c.stats() for n, c in self.cores.items()}
+        out: dict[str, Any] = {}
+        for s in per.values():
+            _merge_sum(out, {k: v for k, v in s.items() if k not in ("memory", "lora", "tenants")})
+        out["tenants"] = {}
+        for s in per.values():
+            for tenant, by_class in s.get("tenants", {}).items():
+                _merge_sum(out["tenants"].setdefault(tenant, {}), by_class)
+        out["memory"] = {**self.memory.summary(), "used_bytes": self.memory.used_bytes,
+                         "peak_used_bytes": self.peak_used_bytes}
+        out["switches"] = self.num_switches
+        out["switch_s"] = self.switch_s_total
+        out["current_model"] = self.current
+        out["models"] = {
+            n: {
+                "resident": self.cores[n].resident,
+                "memory_bytes": sum(self.cores[n].footprint().values()),
+                "waiting": sum(per[n]["waiting_requests"].values()),
+                "running": sum(per[n]["running"].values()),
+                **dataclasses.asdict(self.stats_by_model[n]),
+                **({"lora": per[n]["lora"]} if "lora" in per[n] else {}),
+            }
+            for n in self.cores
+        }
+        return out
+
+
+def _merge_sum(into: dict, other: dict) -> None:
+    """Add `other`'s numbers into `into`, recursively (fairness counters and weights are
+    per model, so their sum means little; they are kept from the first model)."""
+    for k, v in other.items():
+        if isinstance(v, dict):
+            _merge_sum(into.setdefault(k, {}), v)
+        elif isinstance(v, bool) or not isinstance(v, (int, float)):
+            into.setdefault(k, v)
+        elif k in ("counter", "weight"):
+            into.setdefault(k, v)
+        else:
+            into[k] = into.get(k, 0) + v
