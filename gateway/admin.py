@@ -1,4 +1,4 @@
-"""The admin REST console under /admin/v1: tenants, keys, quotas, usage, the engine.
+"""The admin REST console under /admin/v1: tenants, keys, quotas, adapters, usage, the engine.
 
 Every route depends on `admin_principal` through the router, so a route added here cannot
 be left open: no key is 401, a tenant's key is 403.
@@ -16,12 +16,14 @@ from fastapi.routing import APIRoute
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from engine import LoRAError
 from gateway.auth import admin_principal, app_state
 from gateway.errors import APIError
+from gateway.state import AdapterInfo, AppState, read_adapter_meta
 from gateway.usage_api import usage_response
 from tenancy import service
 from tenancy.errors import Conflict, Invalid, NotFound
-from tenancy.models import Tenant
+from tenancy.models import Tenant, new_adapter_id
 from tenancy.quota import Quota
 from tenancy.service import Principal
 
@@ -88,6 +90,13 @@ class KeyCreate(_Strict):
 class AdminKeyCreate(_Strict):
     name: str = Field(min_length=1, max_length=128)
     expires_at: datetime | None = None
+
+
+class AdapterCreate(_Strict):
+    name: str = Field(min_length=1, max_length=64)
+    base_model: str = Field(min_length=1, max_length=128)
+    owner_tenant_id: str | None          # required; null: every tenant may use it
+    path: str = Field(min_length=1, max_length=1024)    # a directory under the adapter root
 
 
 @asynccontextmanager
@@ -247,6 +256,127 @@ async def revoke_key(key_id: str, request: Request) -> dict:
     return {"id": key_id, "object": "api_key", "revoked": True}
 
 
+# -- adapters -------------------------------------------------------------------------------------
+def adapter_json(a: Any, state: AppState) -> dict:
+    entry = state.models.get(a.base_model)
+    return {
+        "id": a.id, "object": "adapter", "name": a.name, "base_model": a.base_model,
+        "owner_tenant_id": a.owner_tenant_id, "public": a.owner_tenant_id is None,
+        "path": a.path, "rank": a.rank, "targets": list(a.targets),
+        "created_at": _iso(a.created_at),
+        # served by this replica's engine now (others read it on first use)
+        "registered": entry is not None and state.adapters.is_current(entry.engine, a.name, a.id),
+    }
+
+
+def _lora_error(exc: LoRAError, body: AdapterCreate) -> APIError:
+    """The engine's refusal as a 400 naming the request's field it is about."""
+    msg = str(exc)
+    if msg.startswith("lora_name"):
+        return APIError(400, f"name: {msg}", param="name")
+    if "another base model" in msg:
+        return APIError(400, f"base_model: the adapter in {body.path!r} does not fit "
+                        f"{body.base_model!r}: {msg}", param="base_model")
+    return APIError(400, f"path: the adapter in {body.path!r} cannot be served: {msg}", param="path")
+
+
+@router.post("/adapters", status_code=201)
+async def create_adapter(body: AdapterCreate, request: Request) -> dict:
+    """Check everything, then have the engine read the adapter, then insert the row; if
+    the insert fails the engine forgets the adapter again (nothing half-registered)."""
+    state = app_state(request)
+    if body.name in state.models:
+        raise APIError(400, f"name: {body.name!r} is a served model's name", param="name")
+    base = state.models.get(body.base_model)
+    if base is None:
+        raise APIError(400, f"base_model: {body.base_model!r} is not served here (served: "
+                       f"{', '.join(sorted(state.models))})", param="base_model")
+    assert state.settings.adapter_root is not None
+    adapter_id = new_adapter_id()
+    catalog = state.adapters
+    async with _session(request) as s:
+        rel, real = service.adapter_path(state.settings.adapter_root, body.path)
+        await service.check_new_adapter(s, name=body.name, owner_tenant_id=body.owner_tenant_id)
+        try:
+            catalog.remove_stale(base.engine, body.name, None)   # a deleted namesake, still served
+            await base.engine.add_lora(catalog.lora_request(adapter_id, body.name, rel))
+        except LoRAError as exc:
+            catalog.forget_int_id(adapter_id)
+            raise _lora_error(exc, body) from None
+        try:
+            rank, targets = read_adapter_meta(real)
+            row = await service.create_adapter(
+                s, adapter_id=adapter_id, name=body.name, base_model=body.base_model,
+                owner_tenant_id=body.owner_tenant_id, path=rel, rank=rank, targets=targets,
+                actor=_actor(request))
+        except BaseException:
+            base.engine.remove_lora(body.name)
+            catalog.forget_int_id(adapter_id)
+            raise
+    catalog.put(AdapterInfo.from_row(row))
+    return adapter_json(row, state)
+
+
+@router.get("/adapters")
+async def list_adapters(request: Request) -> dict:
+    state = app_state(request)
+    async with _session(request) as s:
+        rows = await service.list_adapters(s)
+    return {"object": "list", "data": [adapter_json(a, state) for a in rows]}
+
+
+@router.get("/adapters/{adapter_id}")
+async def get_adapter(adapter_id: str, request: Request) -> dict:
+    async with _session(request) as s:
+        return adapter_json(await service.get_adapter(s, adapter_id), app_state(request))
+
+
+def _in_use(name: str, exc: LoRAError) -> APIError:
+    return APIError(409, f"adapter {name!r} is in use by requests on this replica; retry when "
+                    f"they have finished ({exc})", code="adapter_in_use")
+
+
+@router.post("/adapters/{adapter_id}/unload")
+async def unload_adapter(adapter_id: str, request: Request) -> dict:
+    """Drop the adapter's weights from this replica's memory; it stays registered and is
+    read again on its next use."""
+    state = app_state(request)
+    async with _session(request) as s:
+        a = await service.get_adapter(s, adapter_id)
+    entry = state.models.get(a.base_model)
+    unloaded = False
+    if entry is not None and state.adapters.is_current(entry.engine, a.name, a.id):
+        try:
+            unloaded = entry.engine.unload_lora(a.name)
+        except LoRAError as exc:
+            raise _in_use(a.name, exc) from None
+    return {**adapter_json(a, state), "unloaded": unloaded}
+
+
+@router.delete("/adapters/{adapter_id}")
+async def delete_adapter(adapter_id: str, request: Request) -> dict:
+    """Off this replica's engine (409 while requests use it), then out of the database;
+    other replicas stop serving it within `adapter_cache_ttl_s`."""
+    state = app_state(request)
+    catalog = state.adapters
+    async with _session(request) as s:
+        a = await service.get_adapter(s, adapter_id)
+        name, entry = a.name, state.models.get(a.base_model)
+        catalog.deleting.add(name)
+        try:
+            if entry is not None:
+                try:
+                    catalog.remove_stale(entry.engine, name, None)
+                except LoRAError as exc:
+                    raise _in_use(name, exc) from None
+            await service.delete_adapter(s, adapter_id, actor=_actor(request))
+            catalog.mark_missing(name)
+            catalog.forget_int_id(adapter_id)
+        finally:
+            catalog.deleting.discard(name)
+    return {"id": adapter_id, "object": "adapter", "name": name, "deleted": True}
+
+
 # -- reports and the engine ------------------------------------------------------------------------------
 @router.get("/usage")
 async def usage(request: Request):
@@ -278,6 +408,7 @@ async def engine(request: Request) -> dict:
             "generated_tokens": stats.get("num_generated_tokens", 0),
             "prefix_cache": {"queries": stats.get("prefix_cache_queries", 0),
                              "hits": stats.get("prefix_cache_hits", 0)},
+            "lora": stats.get("lora"),     # in_slots, in_cpu, requests, slot_loads, disk_loads
         }
     return {"object": "engine", "models": out, "inflight_requests": len(state.inflight),
             "draining": state.draining}

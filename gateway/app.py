@@ -151,7 +151,7 @@ async def load_models(state: AppState) -> None:
     if unknown:
         raise ValueError(f"private_models: {sorted(unknown)} are not served models")
     for name, path in specs.items():
-        engine = state.engine_factory(str(path), **s.engine_kwargs)
+        engine = state.engine_factory(str(path), **s.lora_engine_kwargs())
         await engine.start()
         # load the chat template's renderer now, not on the first request
         await asyncio.to_thread(lambda e=engine: e.tokenizer.hf_tokenizer)
@@ -208,6 +208,8 @@ async def lifespan(app: FastAPI):
     state: AppState = app.state.lockgate
     s = state.settings
     s.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    assert s.adapter_root is not None
+    s.adapter_root.mkdir(parents=True, exist_ok=True)
     url = await prepare_database(s)
     state.db = db.make_engine(url)
     state.sessions = db.make_sessionmaker(state.db)
@@ -223,18 +225,20 @@ async def lifespan(app: FastAPI):
                               max_delay_s=s.usage_batch_delay_s,
                               synchronous_commit=s.usage_synchronous_commit)
     await state.usage.start()
-    beat = None
+    beat = sweep = None
     try:
         await load_models(state)
         await bootstrap_keys(state)
         beat = asyncio.get_running_loop().create_task(heartbeat(state))
+        sweep = asyncio.get_running_loop().create_task(state.adapters.watch())
         state.ready = True
         yield
     finally:
         state.ready = False
         state.draining = True
-        if beat is not None:
-            beat.cancel()
+        for task in (beat, sweep):
+            if task is not None:
+                task.cancel()
         await state.wait_background()
         await state.usage.close()
         await state.limiter.close()

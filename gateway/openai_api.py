@@ -53,9 +53,11 @@ def parse(model: type[BaseModel], data: dict[str, Any]) -> Any:
         raise validation_error(RequestValidationError(exc.errors())) from None
 
 
-def resolve_model(state: AppState, principal: Principal, name: str) -> ModelEntry:
-    entry = state.models.get(name)
-    if entry is None or entry not in state.visible_models(principal):
+async def resolve_model(state: AppState, principal: Principal, name: str) -> ModelEntry:
+    """A served model or adapter the tenant may use (404 otherwise: another tenant's
+    adapter is indistinguishable from none)."""
+    entry = await state.find_model(principal, name)
+    if entry is None:
         raise APIError(404, f"The model `{name}` does not exist or you do not have access to it.",
                        param="model", code="model_not_found")
     return entry
@@ -209,9 +211,11 @@ async def open_request(request: Request, principal: Principal, model: type[BaseM
     data = await read_json(request)
     refuse_unsupported(data, unsupported)
     req = parse(model, data)
-    entry = resolve_model(state, principal, req.model)
+    entry = await resolve_model(state, principal, req.model)
     tier = resolve_tier(principal, req.service_tier)
     check_common(state, req)
+    if entry.parent is not None:
+        await state.use_adapter(entry)
     return state, req, entry, tier
 
 
@@ -408,19 +412,21 @@ def completion_stream(job: Job, base: dict, top: int, include_usage: bool, n: in
 
 # -- models and usage --------------------------------------------------------------------------------
 def model_card(m: ModelEntry) -> dict:
+    """A model's card; an adapter's names its base model as `parent` and `root`."""
     return {"id": m.name, "object": "model", "created": m.created, "owned_by": "lockgate",
-            "parent": None, "root": m.name, "max_model_len": m.engine.max_model_len}
+            "parent": m.parent, "root": m.parent or m.name, "max_model_len": m.engine.max_model_len}
 
 
 @router.get("/v1/models")
 async def list_models(request: Request, principal: Principal = Depends(tenant_principal)):
     state = app_state(request)
-    return {"object": "list", "data": [model_card(m) for m in state.visible_models(principal)]}
+    entries = state.visible_models(principal) + await state.visible_adapters(principal)
+    return {"object": "list", "data": [model_card(m) for m in entries]}
 
 
 @router.get("/v1/models/{model_id:path}")
 async def get_model(model_id: str, request: Request, principal: Principal = Depends(tenant_principal)):
-    return model_card(resolve_model(app_state(request), principal, model_id))
+    return model_card(await resolve_model(app_state(request), principal, model_id))
 
 
 @router.get("/v1/usage")

@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 
@@ -53,7 +53,25 @@ class Settings(BaseSettings):
     default_tier: str = "default"
 
     # engine
-    engine_kwargs: dict[str, Any] = Field(default_factory=dict)
+    engine_kwargs: dict[str, Any] = Field(default_factory=dict)   # wins over the LoRA fields below
+
+    # LoRA adapters
+    adapter_root: Path | None = None         # None: data_dir / "adapters"; every adapter lives under it
+    max_loras: int = 4                       # adapters in one step (device slots)
+    max_lora_rank: int = 64
+    max_cpu_loras: int | None = None         # parsed adapters kept in host memory; None: max_loras
+    adapter_cache_ttl_s: float = 5.0         # a deleted adapter stops working on every replica within this
+
+    @model_validator(mode="after")
+    def _adapter_root(self) -> Settings:
+        if self.adapter_root is None:
+            self.adapter_root = self.data_dir / "adapters"
+        return self
+
+    def lora_engine_kwargs(self) -> dict[str, Any]:
+        """What each model's engine is built with: LoRA on, these limits, then engine_kwargs."""
+        return {"enable_lora": True, "max_loras": self.max_loras, "max_lora_rank": self.max_lora_rank,
+                "max_cpu_loras": self.max_cpu_loras, **self.engine_kwargs}
 
     @field_validator("port")
     @classmethod
@@ -62,7 +80,7 @@ class Settings(BaseSettings):
             raise ValueError("must be in [0, 65535]")
         return v
 
-    @field_validator("max_body_bytes", "max_n", "max_prompt_chars")
+    @field_validator("max_body_bytes", "max_n", "max_prompt_chars", "max_loras", "max_lora_rank")
     @classmethod
     def _positive(cls, v: int) -> int:
         if v < 1:

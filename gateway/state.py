@@ -1,10 +1,12 @@
-"""What one gateway process holds: settings, the served models, the database, the limiter,
-the usage writer, the key cache and the metrics."""
+"""What one gateway process holds: settings, the served models and their adapters, the
+database, the limiter, the usage writer, the key cache and the metrics."""
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import itertools
+import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -15,11 +17,12 @@ from typing import Any
 from sqlalchemy.ext.asyncio import AsyncEngine as SAEngine
 from sqlalchemy.ext.asyncio import async_sessionmaker
 
-from engine import AsyncEngine
+from engine import AsyncEngine, LoRAError, LoRARequest
+from gateway.errors import APIError
 from gateway.metrics import Metrics
 from gateway.settings import Settings
 from tenancy import service
-from tenancy.errors import AuthError
+from tenancy.errors import AuthError, Invalid
 from tenancy.limiter import Lease, Limiter
 from tenancy.service import Principal, UsageWriter
 
@@ -33,6 +36,7 @@ class ModelEntry:
     engine: AsyncEngine
     private: bool = False          # served only to tenants that list it
     created: int = field(default_factory=lambda: int(time.time()))
+    parent: str | None = None      # an adapter's base model; `engine` is then a BoundEngine
 
 
 class KeyCache:
@@ -117,6 +121,182 @@ class KeyCache:
                 self._entries.pop(d, None)
 
 
+@dataclass(frozen=True, slots=True)
+class AdapterInfo:
+    """An adapter's row, as this replica last read it."""
+
+    id: str
+    name: str
+    base_model: str
+    owner_tenant_id: str | None
+    path: str                      # relative to the adapter root
+    rank: int
+    targets: tuple[str, ...]
+    created: int
+
+    @classmethod
+    def from_row(cls, row: Any) -> AdapterInfo:
+        return cls(row.id, row.name, row.base_model, row.owner_tenant_id, row.path, row.rank,
+                   tuple(row.targets), int(row.created_at.timestamp()))
+
+
+class BoundEngine:
+    """A base model's engine bound to one adapter: what a request for the adapter submits
+    to (`submit(..., model=<adapter>)`); everything else is the base engine's."""
+
+    def __init__(self, engine: AsyncEngine, adapter: str) -> None:
+        self.engine = engine
+        self.adapter = adapter
+
+    def submit(self, *args: Any, **kwargs: Any) -> Any:
+        if self.adapter not in self.engine.loras:      # deleted since it was resolved
+            raise APIError(404, f"The model `{self.adapter}` does not exist or you do not have "
+                           "access to it.", param="model", code="model_not_found")
+        return self.engine.submit(*args, model=self.adapter, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.engine, name)
+
+
+def read_adapter_meta(path: Path) -> tuple[int, list[str]]:
+    """(rank, target modules) from a PEFT adapter_config.json the engine has accepted."""
+    cfg = json.loads((path / "adapter_config.json").read_text())
+    ranks = [cfg.get("r") or 0, *(cfg.get("rank_pattern") or {}).values()]
+    targets = cfg.get("target_modules") or []
+    return int(max(ranks)), sorted([targets] if isinstance(targets, str) else targets)
+
+
+class AdapterCatalog:
+    """The adapters as this replica knows them. Rows are read from the database by name
+    and kept `ttl` seconds (a miss 1 s), so an adapter registered on another replica is
+    found on first use and a deleted one stops resolving everywhere within `ttl`. The
+    engine reads an adapter (`add_lora`) on its first use here; `sweep()` drops those whose
+    row is gone. LoRARequest ids are this process's own: one per adapter row."""
+
+    MISS_TTL = 1.0
+
+    def __init__(self, state: AppState, ttl: float) -> None:
+        self.state = state
+        self.ttl = ttl
+        self._entries: dict[str, tuple[float, AdapterInfo | None]] = {}
+        self._lookups: dict[str, asyncio.Future] = {}
+        self._adding: dict[tuple[str, str], asyncio.Future] = {}
+        self._int_ids: dict[str, int] = {}
+        self._next_int_id = itertools.count(1)
+        self.deleting: set[str] = set()
+
+    # -- rows ---------------------------------------------------------------------------------
+    def put(self, info: AdapterInfo) -> None:
+        self._entries[info.name] = (time.monotonic(), info)
+
+    def drop(self, name: str) -> None:
+        self._entries.pop(name, None)
+
+    def mark_missing(self, name: str) -> None:
+        """Deleted here: a miss until the next lookup."""
+        self._entries[name] = (time.monotonic(), None)
+
+    async def lookup(self, name: str) -> AdapterInfo | None:
+        """The adapter named `name`, from the cache while fresh, else from the database
+        (concurrent lookups of one name share one query)."""
+        hit = self._entries.get(name)
+        if hit is not None:
+            age = time.monotonic() - hit[0]
+            if age <= (self.ttl if hit[1] is not None else min(self.MISS_TTL, self.ttl)):
+                return hit[1]
+        fut = self._lookups.get(name)
+        if fut is None:
+            fut = asyncio.ensure_future(self._read(name))
+            self._lookups[name] = fut
+            fut.add_done_callback(lambda _: self._lookups.pop(name, None))
+        return await asyncio.shield(fut)
+
+    async def _read(self, name: str) -> AdapterInfo | None:
+        assert self.state.sessions is not None
+        async with self.state.sessions() as session:
+            row = await service.find_adapter(session, name)
+        info = AdapterInfo.from_row(row) if row is not None else None
+        self._entries[name] = (time.monotonic(), info)
+        return info
+
+    async def listing(self, tenant_id: str) -> list[AdapterInfo]:
+        """A tenant's own and the public adapters, read now (and cached by name)."""
+        assert self.state.sessions is not None
+        async with self.state.sessions() as session:
+            rows = await service.list_tenant_adapters(session, tenant_id)
+        infos = [AdapterInfo.from_row(r) for r in rows]
+        for info in infos:
+            self.put(info)
+        return infos
+
+    # -- the engines ------------------------------------------------------------------------------
+    def lora_request(self, adapter_id: str, name: str, path: str) -> LoRARequest:
+        """The engine's request for the adapter row `adapter_id`; `path` (relative to the
+        adapter root) checked against the root again."""
+        int_id = self._int_ids.get(adapter_id)
+        if int_id is None:
+            int_id = self._int_ids[adapter_id] = next(self._next_int_id)
+        root = self.state.settings.adapter_root
+        assert root is not None
+        _, real = service.adapter_path(root, path)
+        return LoRARequest(name, int_id, str(real))
+
+    def forget_int_id(self, adapter_id: str) -> None:
+        self._int_ids.pop(adapter_id, None)
+
+    def is_current(self, engine: Any, name: str, adapter_id: str | None) -> bool:
+        """Whether `engine` serves `name` as the adapter row `adapter_id`."""
+        known = getattr(engine, "loras", {}).get(name)
+        return known is not None and known.lora_int_id == self._int_ids.get(adapter_id or "")
+
+    def remove_stale(self, engine: Any, name: str, adapter_id: str | None) -> None:
+        """Take `name` off `engine` unless it is the row `adapter_id` (LoRAError while
+        requests still use it)."""
+        if name in getattr(engine, "loras", {}) and not self.is_current(engine, name, adapter_id):
+            engine.remove_lora(name)
+
+    async def register(self, entry: ModelEntry, info: AdapterInfo) -> None:
+        """Have `entry`'s engine serve the adapter (read on a worker thread, once however
+        many requests ask at the same time). Raises LoRAError or Invalid (its path)."""
+        engine = entry.engine
+        if self.is_current(engine, info.name, info.id):
+            return
+        key = (entry.name, info.name)
+        fut = self._adding.get(key)
+        if fut is None:
+            self.remove_stale(engine, info.name, info.id)
+            fut = asyncio.ensure_future(engine.add_lora(self.lora_request(info.id, info.name, info.path)))
+            self._adding[key] = fut
+            fut.add_done_callback(lambda _: self._adding.pop(key, None))
+        await asyncio.shield(fut)
+
+    async def sweep(self) -> None:
+        """Take adapters whose row is gone (or replaced) off this replica's engines."""
+        served = {(m.name, name): req for m in self.state.models.values()
+                  for name, req in getattr(m.engine, "loras", {}).items()}
+        if not served:
+            return
+        assert self.state.sessions is not None
+        async with self.state.sessions() as session:
+            ids = await service.adapter_ids_by_name(session, {name for _, name in served})
+        for (model, name), req in served.items():
+            if self._int_ids.get(ids.get(name, "")) == req.lora_int_id:
+                continue
+            self.drop(name)
+            try:
+                self.state.models[model].engine.remove_lora(name)
+            except LoRAError:
+                pass                      # requests still use it: the next sweep tries again
+
+    async def watch(self) -> None:
+        while True:
+            await asyncio.sleep(self.ttl)
+            try:
+                await self.sweep()
+            except Exception:  # noqa: BLE001 - the next sweep tries again
+                logger.warning("adapter sweep failed", exc_info=True)
+
+
 class AppState:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
@@ -127,6 +307,7 @@ class AppState:
         self.usage: UsageWriter | None = None
         self.pepper: bytes = b""
         self.keys = KeyCache(settings.key_cache_ttl_s)
+        self.adapters = AdapterCatalog(self, settings.adapter_cache_ttl_s)
         self.metrics = Metrics(self.engine_stats)
         self.draining = False
         self.ready = False
@@ -147,6 +328,57 @@ class AppState:
         allowed = principal.models
         return [m for m in self.models.values()
                 if (m.name in allowed if allowed is not None else not m.private)]
+
+    # -- adapters ---------------------------------------------------------------------------
+    def adapter_visible(self, principal: Principal, info: AdapterInfo) -> bool:
+        """A tenant uses its own and the public adapters on a base model served here; a
+        tenant with a model list needs the adapter's or its base model's name in it, one
+        without sees public adapters of public base models and every adapter it owns."""
+        if info.owner_tenant_id not in (None, principal.tenant_id) or info.name in self.adapters.deleting:
+            return False
+        base = self.models.get(info.base_model)
+        if base is None:
+            return False
+        if principal.models is not None:
+            return info.name in principal.models or base.name in principal.models
+        return info.owner_tenant_id is not None or not base.private
+
+    def adapter_entry(self, info: AdapterInfo) -> ModelEntry:
+        base = self.models[info.base_model]
+        return ModelEntry(info.name, base.path, BoundEngine(base.engine, info.name),  # type: ignore[arg-type]
+                          private=info.owner_tenant_id is not None, created=info.created,
+                          parent=base.name)
+
+    async def visible_adapters(self, principal: Principal) -> list[ModelEntry]:
+        assert principal.tenant_id is not None
+        infos = await self.adapters.listing(principal.tenant_id)
+        return [self.adapter_entry(i) for i in infos if self.adapter_visible(principal, i)]
+
+    async def find_model(self, principal: Principal, name: str) -> ModelEntry | None:
+        """A served model or an adapter `principal` may use, by name; None otherwise."""
+        entry = self.models.get(name)
+        if entry is not None:
+            return entry if entry in self.visible_models(principal) else None
+        if principal.tenant_id is None:
+            return None
+        info = await self.adapters.lookup(name)
+        if info is None or not self.adapter_visible(principal, info):
+            return None
+        return self.adapter_entry(info)
+
+    async def use_adapter(self, entry: ModelEntry) -> None:
+        """Make sure the engine serves the adapter `entry` names (lazily, on first use)."""
+        info = await self.adapters.lookup(entry.name)
+        if info is None or entry.parent is None:
+            raise APIError(404, f"The model `{entry.name}` does not exist or you do not have "
+                           "access to it.", param="model", code="model_not_found")
+        try:
+            await self.adapters.register(self.models[entry.parent], info)
+        except (LoRAError, Invalid) as exc:
+            logger.error("adapter %s could not be served here: %s", entry.name, exc)
+            raise APIError(503, f"The adapter `{entry.name}` cannot be served by this replica "
+                           "right now.", code="adapter_unavailable",
+                           headers={"retry-after": "5"}) from None
 
     # -- keys -------------------------------------------------------------------------------
     async def _lookup_key(self, key: str) -> Principal:

@@ -50,6 +50,10 @@ def new_key_id() -> str:
     return "key_" + secrets.token_hex(8)
 
 
+def new_adapter_id() -> str:
+    return "ada_" + secrets.token_hex(8)
+
+
 class UTCDateTime(TypeDecorator[datetime]):
     """`DateTime(timezone=True)` that always stores UTC and always returns aware UTC values,
     also on SQLite (which keeps no zone). Naive input is taken to be UTC."""
@@ -131,6 +135,27 @@ class ApiKey(_QuotaColumns, Base):
 
     def __repr__(self) -> str:
         return f"ApiKey(id={self.id!r}, tenant_id={self.tenant_id!r}, name={self.name!r})"
+
+
+class Adapter(Base):
+    """A LoRA adapter an operator registered: served on top of `base_model` under `name`,
+    to its owner tenant only, or to every tenant when `owner_tenant_id` is NULL."""
+
+    __tablename__ = "adapters"
+
+    id: Mapped[str] = mapped_column(String(20), primary_key=True, default=new_adapter_id)
+    name: Mapped[str] = mapped_column(String(64), unique=True)
+    base_model: Mapped[str] = mapped_column(String(128))
+    owner_tenant_id: Mapped[str | None] = mapped_column(
+        String(20), ForeignKey("tenants.id"), nullable=True, index=True
+    )
+    path: Mapped[str] = mapped_column(String(1024))          # relative to the adapter root
+    rank: Mapped[int] = mapped_column(Integer)
+    targets: Mapped[list[str]] = mapped_column(JSON)         # module names, e.g. ["q_proj"]
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+    def __repr__(self) -> str:
+        return f"Adapter(id={self.id!r}, name={self.name!r}, base_model={self.base_model!r})"
 
 
 class UsageRecord(Base):

@@ -11,7 +11,7 @@ from alembic.runtime.migration import MigrationContext
 from tenancy import db as tdb
 from tenancy.models import Base
 
-TABLES = {"tenants", "api_keys", "usage_records", "audit_entries"}
+TABLES = {"tenants", "api_keys", "usage_records", "audit_entries", "adapters"}
 
 
 def diff(url: str, metadata: sa.MetaData) -> list:
