@@ -49,6 +49,7 @@ class EngineConfig:
     memory_budget: int | None = None      # bytes for all models together (CPU; CUDA: a share of the device)
     switch_overhead: float = 0.1          # a model's turn lasts until its switch-in cost is this share
     min_turn_s: float = 0.0               # shortest turn, whatever switching costs
+    max_drain_s: float = 2.0              # after its turn, how long a model may finish what runs
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", *DTYPES):
@@ -81,8 +82,9 @@ class EngineConfig:
             raise ValueError(f"memory_budget must be a positive byte count; got {self.memory_budget!r}")
         if not 0.0 < self.switch_overhead < 1.0:
             raise ValueError(f"switch_overhead must be in (0, 1); got {self.switch_overhead!r}")
-        if self.min_turn_s < 0:
-            raise ValueError(f"min_turn_s must be >= 0; got {self.min_turn_s!r}")
+        for name in ("min_turn_s", "max_drain_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0; got {getattr(self, name)!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2; got {self.max_model_len}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

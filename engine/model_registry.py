@@ -9,8 +9,11 @@ owns the budget and decides, step by step, which model runs:
   offline work, at once (that is what online means);
 - among models with work of that class, the current one keeps the device for a *turn*
   long enough that switching into it cost at most `switch_overhead` of the turn (the
-  measured cost of the last switch, over `switch_overhead`), then the one that has waited
-  longest since its last turn goes next (round robin, so no model starves);
+  measured cost of the last switch, over `switch_overhead`); then it *drains*: it starts
+  nothing new and finishes what runs (for at most `max_drain_s` or another turn's length,
+  whichever is longer, after which what still runs is preempted), so a switch throws away
+  no computed KV; then the model that has
+  waited longest since its last turn goes next (round robin, so no model starves);
 - bringing a model in reserves its whole footprint (weights + LoRA slots + KV cache) before
   loading it, offloading the least recently run resident models until it fits, so the
   budget is never exceeded. An offloaded model's running requests are preempted back to its
@@ -213,9 +216,17 @@ class ModelPool:
         cands = [n for n, u in urg.items() if u == top]
         cur = self.current
         if cur in cands:
-            if len(cands) == 1 or time.perf_counter() - self.turn_started < self.quantum_s():
+            elapsed, quantum = time.perf_counter() - self.turn_started, self.quantum_s()
+            if len(cands) == 1 or elapsed < quantum:
+                self.cores[cur].scheduler.admission_paused = False
+                return cur
+            sched = self.cores[cur].scheduler
+            if sched.running and elapsed < quantum + max(quantum, self.config.max_drain_s):
+                sched.admission_paused = True      # drain: finish what runs, start nothing
                 return cur
             cands = [n for n in cands if n != cur]
+        if cur is not None:
+            self.cores[cur].scheduler.admission_paused = False
         return min(cands, key=lambda n: (self.stats_by_model[n].last_run, n))
 
     # -- residency ------------------------------------------------------------------------------

@@ -150,6 +150,9 @@ class Scheduler:
         self.lora_ready: Callable[[int], bool] = lambda _aid: True
         self._running_loras: set[int] = set()
         self._lora_gate: int | None = None
+        # set by a model pool when this model's turn is over: running work finishes, nothing
+        # new starts (so switching away preempts, and later recomputes, nothing)
+        self.admission_paused = False
 
     def key(self, seq: Sequence) -> tuple:
         """Urgency, smallest first: under `priority` (class, tenant's counter, priority,
@@ -294,7 +297,7 @@ class Scheduler:
                 budget.take(num_new)
                 self._charge(seq, num_new, decode=False)
         elif self._admitting and seq not in preempted and self._room(seq, budget) > 0:
-            if not self._lora_admissible(seq):
+            if self.admission_paused or not self._lora_admissible(seq):
                 return
             admitted = self._try_admit(seq, budget, scheduled, preempted)
             if admitted is None:

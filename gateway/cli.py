@@ -270,6 +270,63 @@ def bench_prefix(
         raise typer.BadParameter(str(exc)) from None
 
 
+@bench_app.command("lora")
+def bench_lora(
+    model: Annotated[Path | None, typer.Option(help="base model directory (default: the small llama demo model)")] = None,
+    num_requests: Annotated[int, typer.Option(min=1)] = 64,
+    num_adapters: Annotated[int, typer.Option(min=1, help="distinct adapters mixed in the batch (max_loras)")] = 8,
+    rank: Annotated[int, typer.Option(min=1)] = 16,
+    targets: Annotated[str, typer.Option(help="projections the adapters adapt")] = "q,k,v,o,gate,up,down",
+    output_len: Annotated[int, typer.Option(min=1, help="output tokens per request (forced)")] = 64,
+    repeats: Annotated[int, typer.Option(min=1, help="runs of each side, alternating; the best counts")] = 2,
+    num_threads: Annotated[int, typer.Option(min=0, help="torch threads (0: torch's default)")] = 0,
+    seed: Annotated[int, typer.Option()] = 0,
+    json_out: Annotated[Path | None, typer.Option("--json", help="also write the results here")] = None,
+) -> None:
+    """Output tokens/s with many LoRA adapters mixed in the batch vs the base model alone."""
+    from engine.lora_demo import parse_targets
+    from loadtests.bench_lora import LoraSizes
+    from loadtests.bench_lora import bench_lora as run
+
+    try:
+        parse_targets(targets)
+        sizes = LoraSizes(num_requests=num_requests, num_adapters=num_adapters, rank=rank, targets=targets,
+                          output_len=output_len, repeats=repeats, num_threads=num_threads or None, seed=seed)
+        run(str(model) if model else None, sizes=sizes, json_out=str(json_out) if json_out else None,
+            echo=typer.echo)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+
+
+@bench_app.command("switch")
+def bench_switch(
+    model: Annotated[list[Path] | None, typer.Option(help="two model directories (default: two small demo models)")] = None,
+    num_online: Annotated[int, typer.Option(min=1, help="online requests for the cold model")] = 8,
+    online_gap_s: Annotated[float, typer.Option(min=0.0, help="seconds between them")] = 1.0,
+    offline_flood: Annotated[int, typer.Option(min=1, help="offline requests keeping the other model busy")] = 64,
+    mix_requests: Annotated[int, typer.Option(min=1, help="offline requests per model in the alternating mix")] = 48,
+    output_len: Annotated[int, typer.Option(min=1)] = 32,
+    switch_overhead: Annotated[float, typer.Option(min=0.001, max=0.999, help="the pool's target share of time spent switching")] = 0.1,
+    num_threads: Annotated[int, typer.Option(min=0, help="torch threads (0: torch's default)")] = 0,
+    seed: Annotated[int, typer.Option()] = 0,
+    json_out: Annotated[Path | None, typer.Option("--json", help="also write the results here")] = None,
+) -> None:
+    """Two base models on a budget that holds one: cold start, cold-model TTFT, switching's share."""
+    from loadtests.bench_switch import SwitchSizes
+    from loadtests.bench_switch import bench_switch as run
+
+    if model and len(model) != 2:
+        raise typer.BadParameter("give --model twice (two model directories), or not at all")
+    sizes = SwitchSizes(num_online=num_online, online_gap_s=online_gap_s, offline_flood=offline_flood,
+                        mix_requests=mix_requests, output_len=output_len, switch_overhead=switch_overhead,
+                        num_threads=num_threads or None, seed=seed)
+    try:
+        run((str(model[0]), str(model[1])) if model else None, sizes=sizes,
+            json_out=str(json_out) if json_out else None, echo=typer.echo)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+
+
 db_app = typer.Typer(no_args_is_help=True, help="The tenancy database (Alembic migrations).")
 app.add_typer(db_app, name="db")
 

@@ -7,8 +7,10 @@ i adapter i mod `num_adapters` (rank `rank`, all seven projections, written offl
 peft by `write_demo_adapter`) on an engine with `max_loras = num_adapters`, so every step
 mixes every adapter; the base side runs the same prompts on an engine without LoRA.
 Output tokens/s is the forced output tokens over the wall time from the first request in to
-the last one out. Each side runs in a fresh process; the adapters are read before the clock
-starts (the LoRA side pays their slot loads inside the run).
+the last one out. Each side runs in a fresh process, `repeats` times, the sides alternating
+(base, LoRA, base, LoRA, ...) so that a noisy neighbour on a shared machine hits both alike;
+each side's best run counts. The adapters are read before the clock starts (the LoRA side
+pays their slot loads inside the run).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ class LoraSizes:
     max_num_seqs: int = 256
     seed: int = 0
     num_threads: int | None = None
+    repeats: int = 2
 
 
 def run_lora_side(model_dir: str, adapter_dirs: list[str] | None, sizes: dict[str, Any]) -> dict[str, Any]:
@@ -115,11 +118,15 @@ def bench_lora(
         dirs = [str(write_demo_adapter(model_dir, Path(tmp) / f"a{i}", rank=s.rank, targets=s.targets,
                                        seed=s.seed + i)) for i in range(s.num_adapters)]
         echo(f"  wrote {s.num_adapters} adapters in {time.perf_counter() - t0:.1f} s")
-        sides = {
-            "base": (run_lora_side, (model_dir, None, asdict(s))),
-            f"{s.num_adapters} adapters": (run_lora_side, (model_dir, dirs, asdict(s))),
-        }
-        results = run_sides(sides, fresh_process, echo)
+        runs: dict[str, list[dict[str, Any]]] = {"base": [], f"{s.num_adapters} adapters": []}
+        for r in range(s.repeats):
+            sides = {
+                f"base #{r + 1}": (run_lora_side, (model_dir, None, asdict(s))),
+                f"{s.num_adapters} adapters #{r + 1}": (run_lora_side, (model_dir, dirs, asdict(s))),
+            }
+            for name, res in run_sides(sides, fresh_process, echo).items():
+                runs[name.rsplit(" #", 1)[0]].append(res)
+        results = {name: max(rs, key=lambda x: x["tok_per_s"]) for name, rs in runs.items()}
     base, lora = results["base"], results[f"{s.num_adapters} adapters"]
     echo("")
     echo(f"{'':<14}{'out tok/s':>11}{'seconds':>9}{'steps':>7}{'forward s':>11}{'prepare s':>11}")
@@ -133,7 +140,8 @@ def bench_lora(
     echo(f"adapters running at once, most: {lora['max_adapters_running']}")
     echo(f"output tok/s, {s.num_adapters} adapters / base: {ratio:.2f}x (target >= 0.7 on CPU): "
          f"{'holds' if holds else 'DOES NOT HOLD'}")
-    report = {"ratio": ratio, "targets": {"lora_0_7x_of_base": holds}}
+    report = {"ratio": ratio, "targets": {"lora_0_7x_of_base": holds},
+              "all_runs_tok_per_s": {n: [x["tok_per_s"] for x in rs] for n, rs in runs.items()}}
     if json_out:
         Path(json_out).write_text(json.dumps({"sizes": asdict(s), "results": results, **report}, indent=2))
     return {"results": results, **report}

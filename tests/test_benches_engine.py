@@ -89,3 +89,28 @@ def test_bench_priority_runs_four_ways_and_online_never_waits_past_the_next_step
     assert set(out["targets"]) >= {"ttft_p99_within_bound", "ttft_p99_10x_below_fcfs",
                                    "offline_throughput_85pct"}
     assert (tmp_path / "priority.json").is_file()
+
+
+def test_bench_lora_runs_both_sides_with_every_adapter_in_the_batch(tmp_path):
+    from loadtests.bench_lora import LoraSizes, bench_lora
+
+    sizes = LoraSizes(num_requests=8, num_adapters=3, rank=4, prompt=(8, 24), output_len=4, repeats=1)
+    out = bench_lora(demo_model("llama", "tiny", 0), sizes=sizes, fresh_process=False, echo=quiet,
+                     json_out=str(tmp_path / "lora.json"))
+    base, lora = out["results"]["base"], out["results"]["3 adapters"]
+    assert base["output_tokens"] == lora["output_tokens"] == 8 * 4
+    assert lora["max_adapters_running"] == 3 and lora["lora_stats"]["slot_loads"] == 3
+    assert base["lora_stats"] is None
+    assert out["ratio"] > 0 and (tmp_path / "lora.json").is_file()
+
+
+def test_bench_switch_switches_and_keeps_the_budget(tmp_path):
+    from loadtests.bench_switch import SwitchSizes, bench_switch
+
+    sizes = SwitchSizes(num_online=2, online_gap_s=0.05, offline_flood=6, mix_requests=4, prompt=(8, 24),
+                        output_len=4, num_kv_blocks=32)
+    out = bench_switch((demo_model("llama", "tiny", 0), demo_model("qwen2", "tiny", 1)), sizes=sizes,
+                       echo=quiet, json_out=str(tmp_path / "switch.json"))
+    assert out["switches"] >= 1 and out["cold_start_s"] > 0 and out["disk_load_s"] > 0
+    assert out["online_ttft_cold_p99_s"] > 0 and 0 <= out["switch_share"] < 1
+    assert (tmp_path / "switch.json").is_file()
