@@ -265,3 +265,26 @@ async def test_adapter_that_fails_to_load_later_fails_its_request_only(base, ada
         outs = [o async for o in engine.generate({"prompt_token_ids": prompt}, greedy(), "y")]
         assert outs[-1].outputs[0].token_ids == hf_greedy(base, prompt, NEW_TOKENS, ignore_eos=True)
         assert engine.core.lora.stats()["requests"] == {} and engine.core.kv.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("method", [["--method", "awq", "--group-size", "32"],
+                                    ["--method", "gptq", "--group-size", "32", "--asym", "--desc-act"]])
+def test_lora_on_a_quantized_base_matches_peft_on_the_dequantized_model(base, method, tmp_path):
+    """An adapter on an AWQ / GPTQ base (made by `lockgate quantize`) equals HF + peft on the
+    dequantized weights, in a batch that mixes it with the bare quantized base."""
+    from tests.test_quant import dequantize_checkpoint, run_quantize, write_hf_twin
+
+    quant_dir = tmp_path / "quant"
+    run_quantize(base, str(quant_dir), *method)
+    hf_dir = write_hf_twin(quant_dir, tmp_path / "hf", dequantize_checkpoint(quant_dir))
+    adapter = write_demo_adapter(hf_dir, tmp_path / "adapter", rank=8, targets="q,v,o,down", seed=21)
+    req = LoRARequest("on-quant", 50, str(adapter))
+    prompts = random_prompts(str(hf_dir), [6, 19, 40], seed=22)
+    llm = LLM(str(quant_dir), dtype="float32", enable_lora=True, num_kv_blocks=32)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(),
+                        lora_request=[req, None, req], use_progress_bar=False)
+    for i, (prompt, out) in enumerate(zip(prompts, outs)):
+        want = (peft_greedy(str(hf_dir), str(adapter), prompt, NEW_TOKENS) if i != 1
+                else hf_greedy(str(hf_dir), prompt, NEW_TOKENS, ignore_eos=True))
+        assert out.outputs[0].token_ids == want, i
+    assert outs[0].outputs[0].token_ids != hf_greedy(str(hf_dir), prompts[0], NEW_TOKENS, ignore_eos=True)
