@@ -312,7 +312,8 @@ def test_path_parameter_routes_refuse_another_tenants_objects(ctx, tenants, app_
     a, key_a, b, key_b = tenants
     b_keys = ctx.srv.admin.get(f"/tenants/{b['id']}/keys").json()["data"]
     b_key = next(k for k in b_keys if key_b.startswith(keymod.KEY_PREFIX + k["prefix"]))
-    values = {"tenant_id": b["id"], "key_id": b_key["id"], "model_id": "b-private"}
+    values = {"tenant_id": b["id"], "key_id": b_key["id"], "model_id": "b-private",
+              "adapter_id": "ada_0000000000000000"}
     b_data = {b["name"], b["id"], b_key["id"], b_key["prefix"], key_b,
               demo_model("llama", "tiny", 1)}
     before = ctx.srv.admin.get(f"/tenants/{b['id']}").json()
@@ -352,7 +353,7 @@ def test_every_admin_route_needs_an_admin_key(ctx, tenants, app_routes):
     assert {"POST", "GET", "PATCH", "PUT", "DELETE"} <= {m for _, m in pairs}
     a_key_id = ctx.srv.admin.get(f"/tenants/{a['id']}/keys").json()["data"][0]["id"]
     # a tenant's key aimed at its own tenant and key: the most plausible escalation
-    values = {"tenant_id": a["id"], "key_id": a_key_id}
+    values = {"tenant_id": a["id"], "key_id": a_key_id, "adapter_id": "ada_0000000000000000"}
     bogus = "lg-" + secrets.token_urlsafe(32)
     ctx.probed.append(bogus)
     invalid_bodies = [{"bogus": 1, "name": 7}, [1, 2], "text"]
@@ -403,7 +404,7 @@ def test_admin_auth_precedes_malformed_json(ctx, app_routes):
     """Admin routes authenticate before reading the body (gateway.admin.AdminRoute)."""
     posts = [p for p, m, _ in app_routes if p.startswith("/admin") and "POST" in m]
     for path in posts:
-        r = ctx.call("POST", fill(path, {"tenant_id": "x"}), content=b"{not json",
+        r = ctx.call("POST", fill(path, {"tenant_id": "x", "adapter_id": "x"}), content=b"{not json",
                      headers={"content-type": "application/json"})
         assert r.status_code == 401, f"POST {path}: {r.status_code} {r.text}"
 
