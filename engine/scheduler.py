@@ -453,8 +453,8 @@ class Scheduler:
     def check_invariants(self, out: SchedulerOutput | None = None) -> None:
         """Raise if block accounting or a budget is off: pool integrity, every held block
         referenced by exactly its holders, waiting sequences holding nothing, running ones no
-        more than their tokens need (one spare at most), the sequence cap and token budget
-        kept, and each scheduled sequence holding exactly the blocks for its tokens."""
+        more than their tokens need (one spare at most), the sequence cap, the adapter cap
+        and token budget kept, and each scheduled sequence holding exactly the blocks for its tokens."""
         kv, bs = self.kv, self.block_size
         kv.check_integrity()
         for seq in self.waiting:
@@ -466,6 +466,10 @@ class Scheduler:
                 raise AssertionError(f"{seq} holds {len(kv.blocks_of(seq))} blocks, needs {need}")
         if len(self.running) > self.max_num_seqs:
             raise AssertionError("more running sequences than max_num_seqs")
+        if self.max_loras:
+            adapters = {s.state.req.lora_id for s in self.running} - {0}
+            if len(adapters) > self.max_loras:
+                raise AssertionError(f"{len(adapters)} adapters running, max_loras {self.max_loras}")
         if out is None:
             return
         total = sum(n for _, n in out.scheduled)

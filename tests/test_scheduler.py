@@ -27,10 +27,10 @@ class FakeEngine:
         self.n = 0
 
     def add(self, prompt_len, max_tokens=4, *, cls="online", n=1, prompt=None, priority=0,
-            tenant="default", weight=None, share_group=None):
+            tenant="default", weight=None, share_group=None, lora=None):
         req = EngineRequest(f"r{self.n}", prompt or list(range(100 + self.n * 1000, 100 + self.n * 1000 + prompt_len)),
                             SamplingParams(max_tokens=max_tokens, n=n), service_class=cls, priority=priority,
-                            tenant=tenant, tenant_weight=weight, share_group=share_group)
+                            tenant=tenant, tenant_weight=weight, share_group=share_group, lora_request=lora)
         self.n += 1
         state = RequestState(req=req, class_rank=CLASSES.index(cls))
         for i in range(n):
@@ -227,3 +227,27 @@ def test_running_prefill_continues_while_an_earlier_waiting_sequence_cannot_fit(
     eng.add(20, 11)
     steps = eng.run(max_steps=500)
     assert sum(len(o.preempted) for o in steps) > 0
+
+
+def test_randomized_adapters_never_exceed_max_loras_and_all_get_served(tmp_path):
+    """3000 steps of random arrivals over six adapters and the base model, max_loras 2, one
+    adapter five times as popular as each other one: at every step at most two adapters
+    run (check_invariants), and at the end every request of every adapter has finished."""
+    from engine.lora import LoRARequest
+
+    rng = random.Random(99)
+    eng = FakeEngine(tmp_path, num_blocks=48, block_size=4, max_num_batched_tokens=24, max_num_seqs=6,
+                     enable_lora=True, max_loras=2)
+    adapters = [None] + [LoRARequest(f"a{i}", i, "/unused") for i in range(1, 7)]
+    weights = [2, 5, 1, 1, 1, 1, 1]
+    states = []
+    for _ in range(3000):
+        if rng.random() < 0.3:
+            lora = rng.choices(adapters, weights)[0]
+            states.append(eng.add(rng.randint(1, 30), rng.randint(1, 12), cls=rng.choice(CLASSES),
+                                  n=rng.choice([1, 1, 2]), lora=lora))
+        eng.step()
+    eng.run()
+    assert all(s.finished for s in states)
+    served = {s.req.lora_id for s in states}
+    assert served == set(range(7))
