@@ -280,6 +280,11 @@ def _lora_error(exc: LoRAError, body: AdapterCreate) -> APIError:
     return APIError(400, f"path: the adapter in {body.path!r} cannot be served: {msg}", param="path")
 
 
+def _in_use(name: str, exc: LoRAError) -> APIError:
+    return APIError(409, f"adapter {name!r} is in use by requests on this replica; retry when "
+                    f"they have finished ({exc})", code="adapter_in_use")
+
+
 @router.post("/adapters", status_code=201)
 async def create_adapter(body: AdapterCreate, request: Request) -> dict:
     """Check everything, then have the engine read the adapter, then insert the row; if
@@ -299,6 +304,9 @@ async def create_adapter(body: AdapterCreate, request: Request) -> dict:
         await service.check_new_adapter(s, name=body.name, owner_tenant_id=body.owner_tenant_id)
         try:
             catalog.remove_stale(base.engine, body.name, None)   # a deleted namesake, still served
+        except LoRAError as exc:
+            raise _in_use(body.name, exc) from None
+        try:
             await base.engine.add_lora(catalog.lora_request(adapter_id, body.name, rel))
         except LoRAError as exc:
             catalog.forget_int_id(adapter_id)
@@ -329,11 +337,6 @@ async def list_adapters(request: Request) -> dict:
 async def get_adapter(adapter_id: str, request: Request) -> dict:
     async with _session(request) as s:
         return adapter_json(await service.get_adapter(s, adapter_id), app_state(request))
-
-
-def _in_use(name: str, exc: LoRAError) -> APIError:
-    return APIError(409, f"adapter {name!r} is in use by requests on this replica; retry when "
-                    f"they have finished ({exc})", code="adapter_in_use")
 
 
 @router.post("/adapters/{adapter_id}/unload")
