@@ -9,6 +9,7 @@ streams cumulative outputs to the caller's event loop as tokens arrive.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 from collections import deque
@@ -146,6 +147,11 @@ class AsyncEngine:
         if lora is not None:
             lora.remove(req.lora_int_id)
         return True
+
+    def for_model(self, name: str) -> ModelView:
+        """A view of one of the engine's models (see ModelView)."""
+        self._core.core_for(name)   # UnknownModel if it is not served
+        return ModelView(self, name)
 
     @property
     def loras(self) -> dict[str, LoRARequest]:
@@ -311,6 +317,52 @@ class AsyncEngine:
             loop.call_soon_threadsafe(queue.put_nowait, item)
         except RuntimeError:  # the caller's loop is closed
             pass
+
+
+class ModelView:
+    """One model of an engine that serves several (`models=`): requests submitted through
+    it run on that model (or on one of its adapters, `model=<adapter>`), adapters added
+    through it belong to it, and its tokenizer and context are that model's. Everything
+    else is the engine's."""
+
+    def __init__(self, engine: AsyncEngine, name: str) -> None:
+        self.engine = engine
+        self.name = name
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.engine._core.core_for(self.name).tokenizer
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return self.engine._core.core_for(self.name).model_config
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine._core.core_for(self.name).max_model_len
+
+    def submit(self, *args: Any, model: str | None = None, **kwargs: Any) -> RequestStream:
+        return self.engine.submit(*args, model=model or self.name, **kwargs)
+
+    async def generate(self, *args: Any, model: str | None = None, **kwargs: Any):
+        async for out in self.engine.generate(*args, model=model or self.name, **kwargs):
+            yield out
+
+    async def add_lora(self, lora_request: LoRARequest) -> None:
+        await self.engine.add_lora(dataclasses.replace(lora_request, base_model_name=self.name))
+
+    def stats(self) -> dict:
+        """This model's engine stats, with its residency in the pool under "model_pool" and
+        the pool's memory and switch counts."""
+        s = self.engine.stats()
+        if "by_model" not in s:
+            return s
+        return {**s["by_model"].get(self.name, {}), "model_pool": s["models"].get(self.name, {}),
+                "pool": {"memory": s["memory"], "switches": s["switches"], "switch_s": s["switch_s"],
+                         "current_model": s["current_model"]}}
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.engine, name)
 
 
 class RequestStream:

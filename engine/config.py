@@ -18,6 +18,7 @@ class EngineConfig:
     """Everything `LLM` and `AsyncEngine` take besides the model directory."""
 
     model: str
+    served_model_name: str | None = None  # the model's name (default: its directory's name)
     dtype: str = "auto"
     device: str = "auto"
     block_size: int = 16

@@ -82,7 +82,7 @@ class EngineCore:
                  name: str | None = None) -> None:
         self.config = config
         self.stream_outputs = stream_outputs
-        self.name = name or Path(config.model).name
+        self.name = name or config.served_model_name or Path(config.model).name
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.device = config.resolve_device()

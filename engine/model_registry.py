@@ -64,11 +64,12 @@ class ModelStats:
 class ModelPool:
     def __init__(self, config: EngineConfig, *, stream_outputs: bool = False) -> None:
         self.config = config
-        specs = {Path(config.model).name: config.model, **config.models}
+        first = config.served_model_name or Path(config.model).name
+        specs = {first: config.model, **config.models}
         if len(specs) != 1 + len(config.models):
-            raise ValueError(f"models: the name {Path(config.model).name!r} is given twice")
+            raise ValueError(f"models: the name {first!r} is given twice")
         self.cores: dict[str, EngineCore] = {
-            name: EngineCore(dataclasses.replace(config, model=str(path), models={}),
+            name: EngineCore(dataclasses.replace(config, model=str(path), models={}, served_model_name=name),
                              stream_outputs=stream_outputs, pooled=True, name=name)
             for name, path in specs.items()
         }
@@ -283,6 +284,7 @@ class ModelPool:
                 _merge_sum(out["tenants"].setdefault(tenant, {}), by_class)
         out["memory"] = {**self.memory.summary(), "used_bytes": self.memory.used_bytes,
                          "peak_used_bytes": self.peak_used_bytes}
+        out["by_model"] = per
         out["switches"] = self.num_switches
         out["switch_s"] = self.switch_s_total
         out["current_model"] = self.current

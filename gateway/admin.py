@@ -419,10 +419,36 @@ async def engine(request: Request) -> dict:
 
 @router.get("/models")
 async def models(request: Request) -> dict:
+    """Every served variant: base models with their residency (on the device or offloaded),
+    memory, queue and switch counts, and the adapters each engine holds (in a device slot,
+    in host memory, or registered and on disk)."""
     state = app_state(request)
-    return {"object": "list", "data": [
-        {"id": m.name, "object": "model", "path": str(m.path), "private": m.private,
-         "max_model_len": m.engine.max_model_len} for m in state.models.values()]}
+    data = []
+    for m in state.models.values():
+        stats = m.engine.stats() if m.engine.core is not None else {}
+        pool = stats.get("model_pool")
+        lora = stats.get("lora") or {}
+        memory = stats.get("memory", {})
+        data.append({
+            "id": m.name, "object": "model", "path": str(m.path), "private": m.private,
+            "max_model_len": m.engine.max_model_len,
+            "resident": pool["resident"] if pool else m.engine.core is not None,
+            "memory_bytes": pool["memory_bytes"] if pool else sum(v for k, v in memory.items() if k != "total_bytes"),
+            "waiting": sum(stats.get("waiting_requests", {}).values()),
+            "running": sum(stats.get("running", {}).values()),
+            "loads": pool["loads"] if pool else 1, "offloads": pool["offloads"] if pool else 0,
+            "turns": pool["turns"] if pool else 0,
+            "pool": stats.get("pool"),
+        })
+        registered = getattr(m.engine, "loras", {})
+        for name, req in registered.items():
+            if (req.base_model_name or m.name) != m.name and req.base_model_name is not None:
+                continue
+            where = ("slot" if name in lora.get("in_slots", {}) else
+                     "host" if name in lora.get("in_cpu", []) else "disk")
+            data.append({"id": name, "object": "model", "parent": m.name, "residency": where,
+                         "requests": lora.get("requests", {}).get(name, 0)})
+    return {"object": "list", "data": data}
 
 
 @router.get("/audit")

@@ -150,9 +150,21 @@ async def load_models(state: AppState) -> None:
     unknown = private - set(specs)
     if unknown:
         raise ValueError(f"private_models: {sorted(unknown)} are not served models")
+    if s.shared_engine and len(specs) > 1:
+        # one engine, one memory budget: the models take turns on the device by demand
+        (first, first_path), *rest = specs.items()
+        pool = state.engine_factory(str(first_path), served_model_name=first,
+                                    models={n: str(p) for n, p in rest}, memory_budget=s.memory_budget,
+                                    **s.lora_engine_kwargs())
+        await pool.start()
+        engines = {name: pool.for_model(name) for name in specs}
+    else:
+        engines = {}
+        for name, path in specs.items():
+            engines[name] = state.engine_factory(str(path), **s.lora_engine_kwargs())
+            await engines[name].start()
     for name, path in specs.items():
-        engine = state.engine_factory(str(path), **s.lora_engine_kwargs())
-        await engine.start()
+        engine = engines[name]
         # load the chat template's renderer now, not on the first request
         await asyncio.to_thread(lambda e=engine: e.tokenizer.hf_tokenizer)
         state.models[name] = ModelEntry(name, Path(path), engine, private=name in private)

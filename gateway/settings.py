@@ -54,6 +54,10 @@ class Settings(BaseSettings):
 
     # engine
     engine_kwargs: dict[str, Any] = Field(default_factory=dict)   # wins over the LoRA fields below
+    # several models: one engine on one memory budget (engine.ModelPool), switching by demand;
+    # False: an engine per model
+    shared_engine: bool = True
+    memory_budget: int | None = None   # bytes for all models of the shared engine (None: all fit)
 
     # LoRA adapters
     adapter_root: Path | None = None         # None: data_dir / "adapters"; every adapter lives under it
