@@ -49,7 +49,7 @@ class EngineConfig:
     models: dict[str, str] = field(default_factory=dict)
     memory_budget: int | None = None      # bytes for all models together (CPU; CUDA: a share of the device)
     switch_overhead: float = 0.1          # a model's turn lasts until its switch-in cost is this share
-    min_turn_s: float = 0.0               # shortest turn, whatever switching costs
+    min_turn_s: float = 0.5               # shortest turn, whatever switching costs
     max_drain_s: float = 2.0              # after its turn, how long a model may finish what runs
 
     def __post_init__(self) -> None:

@@ -303,8 +303,9 @@ def bench_switch(
     model: Annotated[list[Path] | None, typer.Option(help="two model directories (default: two small demo models)")] = None,
     num_online: Annotated[int, typer.Option(min=1, help="online requests for the cold model")] = 8,
     online_gap_s: Annotated[float, typer.Option(min=0.0, help="seconds between them")] = 1.0,
-    offline_flood: Annotated[int, typer.Option(min=1, help="offline requests keeping the other model busy")] = 64,
-    mix_requests: Annotated[int, typer.Option(min=1, help="offline requests per model in the alternating mix")] = 48,
+    offline_flood: Annotated[int, typer.Option(min=1, help="offline requests kept outstanding on the other model")] = 64,
+    mix_outstanding: Annotated[int, typer.Option(min=1, help="offline requests kept outstanding per model in the mix")] = 32,
+    mix_duration: Annotated[float, typer.Option(min=0.5, help="seconds of the mix (each model alone: half)")] = 8.0,
     output_len: Annotated[int, typer.Option(min=1)] = 32,
     switch_overhead: Annotated[float, typer.Option(min=0.001, max=0.999, help="the pool's target share of time spent switching")] = 0.1,
     num_threads: Annotated[int, typer.Option(min=0, help="torch threads (0: torch's default)")] = 0,
@@ -318,7 +319,8 @@ def bench_switch(
     if model and len(model) != 2:
         raise typer.BadParameter("give --model twice (two model directories), or not at all")
     sizes = SwitchSizes(num_online=num_online, online_gap_s=online_gap_s, offline_flood=offline_flood,
-                        mix_requests=mix_requests, output_len=output_len, switch_overhead=switch_overhead,
+                        mix_outstanding=mix_outstanding, mix_duration_s=mix_duration, output_len=output_len,
+                        switch_overhead=switch_overhead,
                         num_threads=num_threads or None, seed=seed)
     try:
         run((str(model[0]), str(model[1])) if model else None, sizes=sizes,
