@@ -115,3 +115,30 @@ def test_llm_with_models_and_bad_configs(dirs):
         ModelPool(EngineConfig(model=dirs["a"], models={"b": dirs["b"]}, num_kv_blocks=16, memory_budget=1000))
     with pytest.raises(ValueError, match="is not a model directory"):
         EngineConfig(model=dirs["a"], models={"b": "/nonexistent"})
+
+
+def test_a_quantized_and_a_full_precision_model_share_the_budget(dirs, tmp_path):
+    """An AWQ model (made by `lockgate quantize`) and a float one on a one-model budget:
+    both answer as HF does (the AWQ one as HF on its dequantized weights), taking turns."""
+    from tests.test_quant import dequantize_checkpoint, run_quantize, write_hf_twin
+
+    quant = tmp_path / "awq"
+    run_quantize(dirs["a"], str(quant), "--method", "awq", "--group-size", "32")
+    twin = write_hf_twin(quant, tmp_path / "twin", dequantize_checkpoint(quant))
+    probe = ModelPool(EngineConfig(model=str(quant), models={"b": dirs["b"]}, dtype="float32", num_kv_blocks=32))
+    sizes = {n: m["memory_bytes"] for n, m in probe.stats()["models"].items()}
+    dense = one_model_budget(dirs)[1]
+    assert sizes["awq"] < dense[next(iter(dense))], "the packed model takes less of the budget than its float original"
+    pool = ModelPool(EngineConfig(model=str(quant), models={"b": dirs["b"]}, dtype="float32", num_kv_blocks=32,
+                                  memory_budget=max(sizes.values()) + min(sizes.values()) // 2))
+    prompts = random_prompts(dirs["a"], [11, 27, 5, 19], seed=6)
+    for i, p in enumerate(prompts):
+        pool.add_request(EngineRequest(f"r{i}", p, greedy(), model="b" if i % 2 else None))
+    done = {}
+    while pool.has_unfinished:
+        done.update({o.request_id: o.outputs[0].token_ids for o in pool.step() if o.finished})
+        assert pool.memory.used_bytes <= pool.memory.total_bytes
+    for i, p in enumerate(prompts):
+        oracle = dirs["b"] if i % 2 else str(twin)
+        assert done[f"r{i}"] == hf_greedy(oracle, p, NEW, ignore_eos=True), i
+    assert pool.stats()["models"]["b"]["loads"] >= 1 and pool.stats()["models"]["awq"]["offloads"] >= 1
