@@ -20,7 +20,6 @@ Three measurements, each with its baseline in the same run:
 from __future__ import annotations
 
 import json
-import math
 import random
 import time
 from dataclasses import asdict, dataclass
