@@ -105,8 +105,8 @@ class LLM:
                                 cache_salt=cache_salt, share_group=share_group, lora_request=lora)
             self.engine.validate(req)
             requests.append(req)
-        for lora in {r.lora_request for r in requests if r.lora_request is not None}:
-            self.engine.add_lora(lora)   # read from disk now, not inside the step loop
+        for lora in dict.fromkeys(r.lora_request for r in requests if r.lora_request is not None):
+            self.engine.add_lora(lora)   # read from disk now (in prompt order), not inside the step loop
         for req in requests:
             self.engine.add_request(req)
         return self._run(requests, use_progress_bar and len(requests) > 1)
@@ -121,6 +121,12 @@ class LLM:
                         done[out.request_id] = out
                         if bar:
                             bar.advance()
+                if self.engine.failed:   # an adapter that could not be read again
+                    _rid, exc = self.engine.failed.pop()
+                    for r in requests:
+                        self.engine.abort_request(r.request_id)
+                    self.engine.failed.clear()
+                    raise exc
         finally:
             if bar:
                 bar.close()

@@ -288,3 +288,25 @@ def test_lora_on_a_quantized_base_matches_peft_on_the_dequantized_model(base, me
                 else hf_greedy(str(hf_dir), prompt, NEW_TOKENS, ignore_eos=True))
         assert out.outputs[0].token_ids == want, i
     assert outs[0].outputs[0].token_ids != hf_greedy(str(hf_dir), prompts[0], NEW_TOKENS, ignore_eos=True)
+
+
+def test_llm_raises_when_an_evicted_adapter_cannot_be_read_again(base, adapters, tmp_path):
+    """max_cpu_loras 1: reading adapter qv evicts the fragile copy read before; the copy, now
+    corrupt on disk, is read again for its request and fails: generate raises LoRAError and
+    leaves nothing behind."""
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(adapters["all"].lora_path, copy)
+    fragile = LoRARequest("fragile", 60, str(copy))
+    llm = LLM(base, dtype="float32", enable_lora=True, max_loras=1, max_cpu_loras=1, num_kv_blocks=32)
+    llm.add_lora(fragile)
+    (copy / "adapter_model.safetensors").write_bytes(b"garbage")
+    prompt = {"prompt_token_ids": random_prompts(base, [10], seed=23)[0]}
+    with pytest.raises(LoRAError, match="cannot be read"):
+        # in prompt order: fragile is found in the cache, then reading qv evicts it
+        llm.generate([prompt, prompt], greedy(), lora_request=[fragile, adapters["qv"]])
+    assert not llm.engine.has_unfinished and llm.engine.kv.num_used_blocks == 0
+    assert llm.engine.stats()["lora"]["requests"] == {}
+    out = llm.generate(prompt, greedy(), lora_request=adapters["qv"])[0]
+    assert out.outputs[0].token_ids == peft_greedy(base, adapters["qv"].lora_path, prompt["prompt_token_ids"], NEW_TOKENS)
