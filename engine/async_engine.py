@@ -21,7 +21,7 @@ from engine.engine_core import EngineCore
 from engine.model_registry import ModelPool, make_core
 from engine.errors import EngineDead, EngineOverloaded
 from engine.llm import to_token_ids
-from engine.lora import LoRAError, LoRARequest
+from engine.lora import Adapter, LoRAError, LoRARequest
 from engine.outputs import RequestOutput
 from engine.request import EngineRequest
 from engine.sampling_params import SamplingParams
@@ -111,10 +111,11 @@ class AsyncEngine:
             self.core.set_tenant_weight(tenant, float(weight))
 
     # -- adapters ---------------------------------------------------------------------------
-    async def add_lora(self, lora_request: LoRARequest) -> None:
+    async def add_lora(self, lora_request: LoRARequest) -> Adapter:
         """Read and check an adapter (on a worker thread: the running batch goes on) and
-        serve it under its name: `submit(..., model=lora_request.lora_name)`. Raises
-        LoRAError naming the problem; nothing is registered then."""
+        serve it under its name: `submit(..., model=lora_request.lora_name)`. Returns the
+        checked adapter (its rank and targets as its tensors have them). Raises LoRAError
+        naming the problem; nothing is registered then."""
         core = self._core
         name = lora_request.lora_name
         known = self._variants.get(name)
@@ -122,8 +123,9 @@ class AsyncEngine:
             raise LoRAError(f"lora_name: {name!r} is already registered as adapter {known.lora_int_id}")
         if name in core.served_model_names:
             raise LoRAError(f"lora_name: {name!r} is the base model's name")
-        await asyncio.to_thread(core.add_lora, lora_request)
+        adapter = await asyncio.to_thread(core.add_lora, lora_request)
         self._variants[name] = lora_request
+        return adapter
 
     def remove_lora(self, name: str) -> bool:
         """Stop serving an adapter and free its memory; refused (LoRAError) while requests
@@ -348,8 +350,8 @@ class ModelView:
         async for out in self.engine.generate(*args, model=model or self.name, **kwargs):
             yield out
 
-    async def add_lora(self, lora_request: LoRARequest) -> None:
-        await self.engine.add_lora(dataclasses.replace(lora_request, base_model_name=self.name))
+    async def add_lora(self, lora_request: LoRARequest) -> Adapter:
+        return await self.engine.add_lora(dataclasses.replace(lora_request, base_model_name=self.name))
 
     def stats(self) -> dict:
         """This model's engine stats, with its residency in the pool under "model_pool" and

@@ -15,7 +15,7 @@ import torch
 from engine.config import DTYPES, EngineConfig, ModelConfig
 from engine.errors import PromptTooLong, UnknownModel
 from engine.kv_cache import KVCacheManager
-from engine.lora import LoRAManager
+from engine.lora import Adapter, LoRAManager
 from engine.memory import CPU_DEFAULT_KV_BYTES, MemoryBudget
 from engine.model_runner import ModelRunner, StepTimings
 from engine.platform import tune_cpu_allocator
@@ -261,12 +261,11 @@ class EngineCore:
         if state.req.lora_request is not None and self.lora is not None:
             self.lora.release(state.req.lora_request)
 
-    def add_lora(self, lora_request) -> bool:
-        """Read and check an adapter into host memory (blocking; vLLM's add_lora)."""
+    def add_lora(self, lora_request) -> Adapter:
+        """Read and check an adapter into host memory (blocking); the checked adapter."""
         if self.lora is None:
             raise ValueError("lora_request: LoRA is not enabled on this engine (enable_lora=True)")
-        self.lora.load(lora_request)
-        return True
+        return self.lora.load(lora_request)
 
     def _fail_adapter_requests(self) -> None:
         for aid, exc in self.lora.take_failures().items():

@@ -45,8 +45,9 @@ class LLM:
         return self.engine.tokenizer
 
     def add_lora(self, lora_request: LoRARequest) -> bool:
-        """Read and check an adapter now (it is read on first use otherwise)."""
-        return self.engine.add_lora(lora_request)
+        """Read and check an adapter now (it is read on first use otherwise), as vLLM's."""
+        self.engine.add_lora(lora_request)
+        return True
 
     def remove_lora(self, lora_int_id: int) -> bool:
         if self.engine.lora is None:

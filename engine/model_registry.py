@@ -160,7 +160,7 @@ class ModelPool:
         name = self.owner.pop(request_id, None)
         return None if name is None else self.cores[name].abort_request(request_id)
 
-    def add_lora(self, lora_request) -> bool:
+    def add_lora(self, lora_request):
         return self.core_for(getattr(lora_request, "base_model_name", None)).add_lora(lora_request)
 
     def set_tenant_weight(self, tenant: str, weight: float) -> None:

@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from engine import LoRAError
 from gateway.auth import admin_principal, app_state
 from gateway.errors import APIError
-from gateway.state import AdapterInfo, AppState, read_adapter_meta
+from gateway.state import AdapterInfo, AppState
 from gateway.usage_api import usage_response
 from tenancy import service
 from tenancy.errors import Conflict, Invalid, NotFound
@@ -300,22 +300,22 @@ async def create_adapter(body: AdapterCreate, request: Request) -> dict:
     adapter_id = new_adapter_id()
     catalog = state.adapters
     async with _session(request) as s:
-        rel, real = service.adapter_path(state.settings.adapter_root, body.path)
+        rel, _ = service.adapter_path(state.settings.adapter_root, body.path)
         await service.check_new_adapter(s, name=body.name, owner_tenant_id=body.owner_tenant_id)
         try:
             catalog.remove_stale(base.engine, body.name, None)   # a deleted namesake, still served
         except LoRAError as exc:
             raise _in_use(body.name, exc) from None
         try:
-            await base.engine.add_lora(catalog.lora_request(adapter_id, body.name, rel))
+            adapter = await base.engine.add_lora(catalog.lora_request(adapter_id, body.name, rel))
         except LoRAError as exc:
             catalog.forget_int_id(adapter_id)
             raise _lora_error(exc, body) from None
         try:
-            rank, targets = read_adapter_meta(real)
             row = await service.create_adapter(
                 s, adapter_id=adapter_id, name=body.name, base_model=body.base_model,
-                owner_tenant_id=body.owner_tenant_id, path=rel, rank=rank, targets=targets,
+                owner_tenant_id=body.owner_tenant_id, path=rel, rank=adapter.rank,
+                targets=list(adapter.targets),
                 actor=_actor(request))
         except BaseException:
             base.engine.remove_lora(body.name)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import itertools
-import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -156,14 +155,6 @@ class BoundEngine:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.engine, name)
-
-
-def read_adapter_meta(path: Path) -> tuple[int, list[str]]:
-    """(rank, target modules) from a PEFT adapter_config.json the engine has accepted."""
-    cfg = json.loads((path / "adapter_config.json").read_text())
-    ranks = [cfg.get("r") or 0, *(cfg.get("rank_pattern") or {}).values()]
-    targets = cfg.get("target_modules") or []
-    return int(max(ranks)), sorted([targets] if isinstance(targets, str) else targets)
 
 
 class AdapterCatalog:
