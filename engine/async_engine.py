@@ -130,12 +130,8 @@ class AsyncEngine:
     def remove_lora(self, name: str) -> bool:
         """Stop serving an adapter and free its memory; refused (LoRAError) while requests
         use it."""
-        req = self._variants.get(name)
-        if req is None:
+        if not self.unload_lora(name):
             return False
-        lora = self._core.core_for(req.base_model_name).lora
-        if lora is not None:
-            lora.remove(req.lora_int_id)
         del self._variants[name]
         return True
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 import threading
 from collections import OrderedDict, Counter
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -41,6 +42,8 @@ logger = logging.getLogger(__name__)
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
+# "<layer>.lora_A.weight" as peft saves it ("<layer>.lora_A.default.weight" from older saves)
+_LORA_TENSOR = re.compile(r"(?P<layer>.+)\.(?P<kind>lora_A|lora_B)(?:\.default)?\.weight")
 
 
 class LoRAError(ValueError):
@@ -81,7 +84,6 @@ class Adapter:
     # HF layer path ("layers.0.self_attn.q_proj") -> (A [r, in], B [out, r])
     weights: dict[str, tuple[torch.Tensor, torch.Tensor]]
     targets: tuple[str, ...]      # module names, e.g. ("q_proj", "v_proj")
-    nbytes: int
 
     def scaling(self, r: int) -> float:
         return self.scaling_alpha / (math.sqrt(r) if self.use_rslora else r)
@@ -133,18 +135,10 @@ def read_adapter(
     try:
         with safe_open(str(w_path), framework="pt") as f:
             for name in f.keys():
-                key = name.removeprefix("base_model.model.").removeprefix("model.")
-                for kind in ("lora_A", "lora_B"):
-                    for suffix in (f".{kind}.weight", f".{kind}.default.weight"):
-                        if key.endswith(suffix):
-                            layer = key[: -len(suffix)]
-                            pairs.setdefault(layer, {})[kind] = f.get_tensor(name)
-                            break
-                    else:
-                        continue
-                    break
-                else:
+                m = _LORA_TENSOR.fullmatch(name.removeprefix("base_model.model.").removeprefix("model."))
+                if m is None:
                     raise LoRAError(f"{ADAPTER_WEIGHTS}: tensor {name!r} is not a LoRA A/B weight this engine reads")
+                pairs.setdefault(m["layer"], {})[m["kind"]] = f.get_tensor(name)
     except LoRAError:
         raise
     except Exception as exc:   # safetensors raises its own error types on a corrupt file
@@ -179,8 +173,7 @@ def read_adapter(
         weights[layer] = (a.to(dtype).contiguous(), b.to(dtype).contiguous())
         max_r = max(max_r, r)
     targets = tuple(sorted({layer.rpartition(".")[2] for layer in weights}))
-    nbytes = sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in weights.values())
-    return Adapter(request, max_r, float(alpha), bool(cfg.get("use_rslora", False)), weights, targets, nbytes)
+    return Adapter(request, max_r, float(alpha), bool(cfg.get("use_rslora", False)), weights, targets)
 
 
 class LoRAManager:
@@ -323,9 +316,6 @@ class LoRAManager:
 
     def is_ready(self, adapter_id: int) -> bool:
         return adapter_id in self._cpu
-
-    def is_loaded(self, adapter_id: int) -> bool:
-        return adapter_id in self._cpu or adapter_id in self.slot_of
 
     def take_failures(self) -> dict[int, Exception]:
         with self._lock:
