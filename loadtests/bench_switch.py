@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from loadtests.bench_priority import allowed_token_ids, percentile
+from loadtests.bench_throughput import default_model_dir
 
 
 @dataclass(slots=True, frozen=True)
@@ -46,18 +47,7 @@ class SwitchSizes:
 
 def demo_pair() -> tuple[str, str]:
     """Two `small` demo models (llama seed 0, qwen2 seed 1) in the user's cache."""
-    import os
-
-    from engine.demo_model import write_demo_model
-
-    root = Path(os.environ.get("LOCKGATE_CACHE", Path.home() / ".cache" / "lockgate")) / "demo-models"
-    out = []
-    for family, seed in (("llama", 0), ("qwen2", 1)):
-        path = root / f"{family}-small-seed{seed}"
-        if not (path / "model.safetensors").is_file():
-            write_demo_model(path, family=family, size="small", seed=seed)
-        out.append(str(path))
-    return out[0], out[1]
+    return str(default_model_dir("llama", 0)), str(default_model_dir("qwen2", 1))
 
 
 def _pool(a: str, b: str, s: SwitchSizes, budget: int | None):

@@ -26,14 +26,14 @@ import torch
 from loadtests.workload import OfflineRequest, offline_workload
 
 
-def default_model_dir() -> Path:
-    """The `small` llama demo model, written once into the user's cache."""
+def default_model_dir(family: str = "llama", seed: int = 0) -> Path:
+    """A `small` demo model (the llama one by default), written once into the user's cache."""
     root = Path(os.environ.get("LOCKGATE_CACHE", Path.home() / ".cache" / "lockgate"))
-    path = root / "demo-models" / "llama-small-seed0"
+    path = root / "demo-models" / f"{family}-small-seed{seed}"
     if not (path / "model.safetensors").is_file():
         from engine.demo_model import write_demo_model
 
-        write_demo_model(path, family="llama", size="small", seed=0)
+        write_demo_model(path, family=family, size="small", seed=seed)
     return path
 
 
