@@ -450,20 +450,21 @@ class EngineCore:
         self.scheduler.check_invariants(sched)
 
     def kv_utilization(self) -> float:
-        """Tokens stored / (blocks held x block size), over the blocks sequences hold now."""
+        """Tokens stored / (blocks held x block size), over the blocks sequences hold now.
+
+        O(sequences), not O(blocks): only a sequence's trailing blocks can be partly filled
+        or empty, and those are never shared (prefix hits and siblings share full blocks
+        only), so stored = held x block size - the empty rows at each sequence's end. Every
+        held block belongs to a running sequence (waiting ones hold none)."""
         held = self.kv.num_used_blocks
         if held == 0:
             return 1.0
-        stored_blocks = set()
-        tokens = 0
         bs = self.config.block_size
+        empty_rows = 0
         for seq in self.scheduler.running:
-            for i, block in enumerate(self.kv.blocks_of(seq)):
-                if block.block_id in stored_blocks:
-                    continue
-                stored_blocks.add(block.block_id)
-                tokens += min(bs, max(0, seq.num_tokens - i * bs))
-        return tokens / (len(stored_blocks) * bs) if stored_blocks else 1.0
+            rows = len(self.kv.blocks_of(seq)) * bs
+            empty_rows += rows - min(rows, seq.num_tokens)
+        return (held * bs - empty_rows) / (held * bs)
 
     def stats(self) -> dict:
         sched = self.scheduler

@@ -46,8 +46,8 @@ def test_pool_refcounts_double_free_and_eviction_order():
     pool.check_integrity()
 
 
-def seq_of(tokens, salt=None, model=None):
-    req = EngineRequest("r", tokens, SamplingParams(), cache_salt=salt, model=model)
+def seq_of(tokens, salt=None, model=None, max_tokens=16):
+    req = EngineRequest("r", tokens, SamplingParams(max_tokens=max_tokens), cache_salt=salt, model=model)
     state = RequestState(req=req, class_rank=0)
     seq = Sequence(state, 0, list(tokens), len(tokens))
     state.seqs.append(seq)
@@ -86,3 +86,75 @@ def test_manager_allocates_exactly_what_tokens_need_and_shares_hits():
     kv.free(b)
     kv.check_integrity()
     assert kv.num_free_blocks == 8
+
+
+def seq_with(tokens, max_tokens):
+    return seq_of(tokens, max_tokens=max_tokens)
+
+
+def test_sequences_get_consecutive_blocks_and_room_to_grow():
+    """A new sequence starts a free run long enough for prompt + max_tokens and reserves
+    the rest, so another sequence placed meanwhile does not land in its way; it grows into
+    the reservation; freeing releases it."""
+    kv = KVCacheManager(32, 4)
+    a = seq_with(list(range(12)), max_tokens=4)        # 16 tokens: 4 blocks expected
+    assert kv.try_allocate(a, 6)                        # a first chunk of its prompt
+    assert kv.block_ids(a) == [0, 1]                    # blocks 2, 3 reserved for a
+    b = seq_with(list(range(100, 105)), max_tokens=3)  # 8 tokens: 2 blocks
+    assert kv.try_allocate(b, 5) and kv.block_ids(b) == [4, 5]
+    a.num_computed_tokens = 6
+    assert kv.try_allocate(a, 5) and kv.block_ids(a) == [0, 1, 2]    # grows in place
+    # a prefix hit on a's first block: block 1 after it is a's, so the hitter's own
+    # blocks start a run of their own
+    a.num_computed_tokens = 11
+    kv.cache_full_blocks(a)
+    c = seq_with(list(range(4)) + [7, 7, 7], max_tokens=8)
+    hits = kv.get_computed_blocks(c)
+    assert [x.block_id for x in hits] == [0]
+    c.num_computed_tokens = 4
+    assert kv.try_allocate(c, 3, hits)
+    assert kv.block_ids(c)[0] == 0 and kv.block_ids(c)[1] not in (1, 2, 3, 4, 5)
+    kv.check_integrity()
+    kv.free(a)
+    kv.free(b)
+    kv.free(c)
+    kv.check_integrity()
+    assert not kv.pool.extents and kv.num_free_blocks == 32
+
+
+def test_reservations_are_soft_and_fall_back_to_any_free_block():
+    """Reserved blocks count as free: when only they are left, a sequence takes them, and
+    its owner then grows wherever blocks are free. Nothing is refused for contiguity."""
+    kv = KVCacheManager(8, 4)
+    a = seq_with([1] * 4, max_tokens=28)            # 32 tokens: the whole pool reserved
+    assert kv.try_allocate(a, 4) and kv.block_ids(a) == [0]
+    assert kv.num_free_blocks == 7
+    b = seq_with([2] * 12, max_tokens=1)            # needs 3 blocks: no free run left
+    assert kv.try_allocate(b, 12) and len(kv.block_ids(b)) == 3
+    a.num_computed_tokens = 4
+    assert kv.try_allocate(a, 8) and len(kv.block_ids(a)) == 3
+    assert not set(kv.block_ids(a)) & set(kv.block_ids(b))
+    kv.check_integrity()
+    kv.free(b)
+    kv.free(a)
+    kv.check_integrity()
+    assert kv.num_free_blocks == 8
+
+
+def test_a_hit_on_a_cached_prefix_continues_right_after_it_when_the_next_block_is_clean():
+    kv = KVCacheManager(32, 4)
+    a = seq_with(list(range(9)), max_tokens=1)      # blocks 0, 1 full; 2 partly
+    assert kv.try_allocate(a, 9) and kv.block_ids(a) == [0, 1, 2]
+    a.num_computed_tokens = 9
+    kv.cache_full_blocks(a)
+    kv.free(a)                                      # 0, 1 stay cached; 2 is clean again
+    b = seq_with(list(range(8)) + [50, 51, 52], max_tokens=9)   # 20 tokens: 5 blocks
+    hits = kv.get_computed_blocks(b)
+    b.num_computed_tokens = 8
+    assert kv.try_allocate(b, 3, hits)
+    assert kv.block_ids(b) == [0, 1, 2]             # one run: attention reads it as a view
+    other = seq_with([9] * 4, max_tokens=1)
+    assert kv.try_allocate(other, 4) and kv.block_ids(other)[0] >= 5   # 3, 4 are b's room
+    b.num_computed_tokens = 11
+    assert kv.try_allocate(b, 9) and kv.block_ids(b) == [0, 1, 2, 3, 4]
+    kv.check_integrity()

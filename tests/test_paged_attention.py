@@ -1,5 +1,7 @@
 """The paged-attention reference against plain dense attention over each sequence's own
-contiguous K/V, with odd sizes, scattered block tables and garbage in unwritten slots."""
+contiguous K/V, with odd sizes, scattered block tables and garbage in unwritten slots.
+Sequences whose blocks are consecutive ids take the no-copy path (views of the cache), the
+others the gather path: both layouts, and a mix, are checked."""
 
 from __future__ import annotations
 
@@ -22,9 +24,10 @@ def dense(q, k, v, scale):
     return (torch.softmax(s, -1) @ v).transpose(0, 1)
 
 
+@pytest.mark.parametrize("layout", ["scattered", "consecutive", "mixed"])
 @pytest.mark.parametrize("block_size", [4, 16])
 @pytest.mark.parametrize("heads", [(4, 2), (3, 3), (8, 1)])
-def test_matches_dense_attention(block_size, heads):
+def test_matches_dense_attention(block_size, heads, layout):
     torch.manual_seed(0)
     num_heads, num_kv_heads = heads
     head_dim, num_blocks = 24, 300
@@ -32,11 +35,17 @@ def test_matches_dense_attention(block_size, heads):
     seqs = [(1, 1), (37, 1), (38, 1), (100, 1), (5, 5), (64, 17), (129, 1), (3, 2), (250, 1), (17, 17)]
     kc = torch.full((num_kv_heads, num_blocks, block_size, head_dim), float("nan"))
     vc = torch.full_like(kc, float("nan"))     # unwritten slots hold garbage
-    perm = torch.randperm(num_blocks).tolist()
+    # scattered tables draw from the lower half, consecutive runs go downwards from the top
+    perm = torch.randperm(num_blocks if layout == "scattered" else num_blocks // 2).tolist()
+    next_run = num_blocks
     tables, ks, vs, qs = [], [], [], []
-    for ctx, _ in seqs:
+    for i, (ctx, _) in enumerate(seqs):
         n = -(-ctx // block_size)
-        tables.append([perm.pop() for _ in range(n)])
+        if layout == "consecutive" or (layout == "mixed" and i % 2):
+            next_run -= n + 1                  # a gap of one unwritten (NaN) block after each
+            tables.append(list(range(next_run, next_run + n)))
+        else:
+            tables.append([perm.pop() for _ in range(n)])
         ks.append(torch.randn(ctx, num_kv_heads, head_dim))
         vs.append(torch.randn(ctx, num_kv_heads, head_dim))
     width = max(len(t) for t in tables)

@@ -7,6 +7,16 @@ first; blocks that hold nothing reusable go to the head of tier 0 so they are re
 any cached one. Allocation drains tier 0 first: the engine frees the blocks of less urgent
 service classes into lower tiers, so cached blocks of offline work are evicted before those
 of online work. No torch here: block ids only.
+
+Contiguity. Attention on CPU reads a sequence whose blocks are consecutive ids as one view of
+the cache, and must copy (gather) the blocks of any other (kernels/paged_attention): the copy
+was most of the decode step. So a sequence's first blocks are placed at the start of a free
+run long enough for its expected length (prompt + max_tokens), the rest of that run is
+reserved for it, and it grows into the next block when that block is free. Reservations are
+soft: they hold no memory and count as free, and plain `allocate` still takes reserved blocks
+when nothing else is free (the owner then grows elsewhere, and its attention gathers).
+`clean` marks the blocks a placement may use without evicting anything: free, uncached,
+unreserved; `bytearray.find` looks for a run of them in C.
 """
 
 from __future__ import annotations
@@ -94,6 +104,9 @@ class BlockPool:
         self.free_queue = self.free_queues[0]      # tier 0: evicted first
         self.cached: dict[BlockHash, KVBlock] = {}
         self.num_evictions = 0
+        self.clean = bytearray(b"\x01") * num_blocks    # free, uncached and reserved for no one
+        self.reserved_by = [0] * num_blocks              # the owner of a block's soft reservation
+        self.extents: dict[int, tuple[int, int]] = {}    # owner -> its reserved [start, end)
 
     @property
     def num_free_blocks(self) -> int:
@@ -119,14 +132,92 @@ class BlockPool:
             block = queue.popleft()
             self._evict(block)
             block.ref_cnt = 1
+            self.clean[block.block_id] = 0
             out.append(block)
         return out
+
+    # -- contiguous placement ----------------------------------------------------------------
+    def allocate_run(self, num_blocks: int, want: int, owner: int) -> list[KVBlock]:
+        """The first `num_blocks` of a free run of `want` consecutive blocks, the rest of the
+        run reserved for `owner`; [] when there is no such run. Runs of clean blocks first;
+        else a run that starts at one of the next blocks to evict (its neighbours were mostly
+        freed with it, so this evicts about what `allocate` would)."""
+        start = self.clean.find(b"\x01" * want)
+        if start < 0:
+            start = self._run_at_eviction_head(want)
+            if start is None:
+                return []
+        out = [self._take(self.blocks[i]) for i in range(start, start + num_blocks)]
+        if want > num_blocks:
+            self.extents[owner] = (start + num_blocks, start + want)
+            for i in range(start + num_blocks, start + want):
+                self.reserved_by[i] = owner
+                self.clean[i] = 0
+        return out
+
+    def allocate_next(self, last_id: int, num_blocks: int, owner: int, want: int = 0) -> list[KVBlock]:
+        """Up to `num_blocks` blocks right after block `last_id`, each free and either
+        reserved for `owner` or clean (an unreserved cached block is left to the LRU). An
+        owner without a reservation yet (its first blocks were a shared prefix) reserves
+        the clean blocks that follow, up to `want` blocks in all."""
+        out = []
+        i = last_id + 1
+        while len(out) < num_blocks and i < self.num_blocks:
+            block = self.blocks[i]
+            if block.ref_cnt or (self.reserved_by[i] != owner and not self.clean[i]):
+                break
+            out.append(self._take(block))
+            i += 1
+        if len(out) == num_blocks and want > num_blocks and owner not in self.extents:
+            end = i
+            while end < min(self.num_blocks, i + want - num_blocks) and self.clean[end]:
+                self.reserved_by[end] = owner
+                self.clean[end] = 0
+                end += 1
+            if end > i:
+                self.extents[owner] = (i, end)
+        return out
+
+    def unreserve(self, owner: int) -> None:
+        """Drop `owner`'s reservation (it finished or was preempted)."""
+        extent = self.extents.pop(owner, None)
+        if extent is None:
+            return
+        for i in range(*extent):
+            if self.reserved_by[i] == owner:
+                self.reserved_by[i] = 0
+                block = self.blocks[i]
+                self.clean[i] = block.ref_cnt == 0 and block.block_hash is None
+
+    def _run_at_eviction_head(self, want: int, tries: int = 4) -> int | None:
+        queue = next((q for q in self.free_queues if q.num_free), None)
+        if queue is None:
+            return None
+        for n, head in enumerate(queue):
+            if n == tries:
+                break
+            start = head.block_id
+            if start + want > self.num_blocks:
+                continue
+            if all(self.blocks[i].ref_cnt == 0 and not self.reserved_by[i]
+                   and self.blocks[i].tier <= head.tier for i in range(start, start + want)):
+                return start
+        return None
+
+    def _take(self, block: KVBlock) -> KVBlock:
+        """A specific free block, out of its queue (its cached prefix, if any, evicted)."""
+        self.free_queues[block.tier].remove(block)
+        self._evict(block)
+        block.ref_cnt = 1
+        self.clean[block.block_id] = 0
+        return block
 
     def touch(self, blocks: Iterable[KVBlock]) -> None:
         """Share already-filled blocks (a prefix hit or a sibling's prompt): one more reference."""
         for block in blocks:
             if block.ref_cnt == 0:
                 self.free_queues[block.tier].remove(block)
+                self.clean[block.block_id] = 0
             block.ref_cnt += 1
 
     def free(self, blocks: Iterable[KVBlock], tier: int = 0) -> None:
@@ -148,6 +239,7 @@ class BlockPool:
                 else:
                     block.tier = 0
                     self.free_queue.appendleft(block)
+                    self.clean[block.block_id] = not self.reserved_by[block.block_id]
 
     def cache_block(self, block: KVBlock, block_hash: BlockHash) -> None:
         """Record that `block` now holds the full block identified by `block_hash`."""
@@ -181,6 +273,15 @@ class BlockPool:
                 raise AssertionError(f"{block}: ref count and free-queue membership disagree")
             if block.ref_cnt < 0:
                 raise AssertionError(f"{block}: negative ref count")
+        for block in self.blocks:
+            i = block.block_id
+            clean = block.ref_cnt == 0 and block.block_hash is None and not self.reserved_by[i]
+            if self.clean[i] != clean:
+                raise AssertionError(f"{block}: clean map says {self.clean[i]}, should be {clean}")
+            if self.reserved_by[i]:
+                start, end = self.extents.get(self.reserved_by[i], (0, 0))
+                if not start <= i < end:
+                    raise AssertionError(f"{block}: reserved outside its owner's extent")
         for h, block in self.cached.items():
             if block.block_hash != h:
                 raise AssertionError(f"{block}: cache map points at a block with another hash")

@@ -39,6 +39,8 @@ class KVCacheManager:
         self.num_registered: dict[int, int] = {}     # id(sequence) -> its leading blocks already cached
         self.num_cache_queries = 0
         self.num_cache_hits = 0   # in tokens
+        # a new sequence reserves room to grow by at most this many blocks past its prompt
+        self.max_reserve_blocks = max(16, num_blocks // 32)
 
     def reset(self) -> None:
         """The cache's memory is gone (the model was offloaded): every block free, no cached
@@ -120,10 +122,30 @@ class KVCacheManager:
             self.pool.touch(shared)
             table.extend(shared)
         if num_new_blocks:
-            new = self.pool.allocate(num_new_blocks)
-            assert new is not None
-            table.extend(new)
+            table.extend(self._allocate_contiguous(seq, table, num_new_blocks))
         return True
+
+    def _allocate_contiguous(self, seq: Sequence, table: list[KVBlock], num: int) -> list[KVBlock]:
+        """`num` fresh blocks, consecutive with `table` where the pool allows (see
+        block_pool's docstring for why); the caller has checked that `num` are free."""
+        pool, owner = self.pool, id(seq)
+        max_tokens = seq.params.max_tokens
+        if max_tokens is None:       # to the end of the context: reserve the most we may
+            want = num + self.max_reserve_blocks
+        else:                        # the blocks it still expects to fill, this step's included
+            expected = cdiv(seq.num_prompt_tokens + max_tokens, self.block_size) - len(table)
+            want = min(max(num, expected), num + self.max_reserve_blocks)
+        new = pool.allocate_next(table[-1].block_id, num, owner, want) if table else []
+        if len(new) < num:           # no room after its last block: a run of its own
+            pool.unreserve(owner)
+            rest, room = num - len(new), want - len(new)
+            more = pool.allocate_run(rest, room, owner)
+            new += more or (pool.allocate_run(rest, rest, owner) if room > rest else [])
+        if len(new) < num:           # no free run: any free blocks (attention gathers them)
+            rest = pool.allocate(num - len(new))
+            assert rest is not None
+            new += rest
+        return new
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Register every block of `seq` that is full of computed tokens in the prefix cache."""
@@ -148,6 +170,7 @@ class KVCacheManager:
         if table:
             tier = len(self.pool.free_queues) - 1 - seq.state.class_rank
             self.pool.free(reversed(table), tier)
+        self.pool.unreserve(id(seq))
 
     # -- accounting ------------------------------------------------------------------------
     @property
@@ -164,6 +187,8 @@ class KVCacheManager:
         for table in self.tables.values():
             for block in table:
                 refs[block.block_id] = refs.get(block.block_id, 0) + 1
+        if not set(self.pool.extents) <= set(self.tables):
+            raise AssertionError("a reservation outlived its sequence")
         for block in self.pool.blocks:
             if refs.get(block.block_id, 0) != block.ref_cnt:
                 raise AssertionError(

@@ -114,10 +114,14 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, linear: LinearFactory = DenseLinear) -> None:
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # built on the meta device and filled from the checkpoint: `_weight` / skip_init spare
+        # the random init, which on meta tensors imports torch._dynamo (3 s of start-up)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg, linear) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.utils.skip_init(
+            nn.Linear, cfg.hidden_size, cfg.vocab_size, bias=False, device=torch.empty(0).device)
         self.rope = rope
 
     def forward(

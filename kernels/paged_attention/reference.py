@@ -9,9 +9,13 @@ A sequence's token at position p lives in block `block_tables[b, p // block_size
 is `seq_lens[b]` tokens, so query i of b sits at position seq_lens[b] - q_len + i and sees
 keys [0, that position]. GQA: query head h reads KV head h // (num_heads // num_kv_heads).
 
-On CPU the cost is in the number of small ops, not in arithmetic, so decodes (one query)
-are batched: sorted by length and cut into groups whose padding stays small, one gather
-and two matmuls per group. Prefill chunks go one sequence at a time through SDPA.
+On CPU, attention is bound by memory traffic: copying a context out of its blocks costs
+more than reading it once. A sequence whose blocks are consecutive ids (the block pool
+places them so where it can) is a view of the cache, [num_kv_heads, len, head_dim] with no
+copy, and goes through SDPA on its own: about 2.5x faster than gathering (measured on the
+bench's shapes). The others are gathered: decodes (one query) sorted by length and cut into
+groups whose padding stays small, one gather and two matmuls per group; prefill chunks one
+sequence at a time through SDPA.
 """
 
 from __future__ import annotations
@@ -49,14 +53,31 @@ def paged_attention(
     out = torch.empty_like(query)
     lens = seq_lens.tolist()
     starts = query_start_loc.tolist()
+    first_slots = _contiguous_first_slots(block_tables, seq_lens, key_cache.shape[2])
+    num_kv_heads, head_dim = key_cache.shape[0], key_cache.shape[3]
+    key_slots = key_cache.view(1, num_kv_heads, -1, head_dim)      # [1, kv_heads, slots, D]
+    value_slots = value_cache.view(1, num_kv_heads, -1, head_dim)
+    # one query attends to its whole context, so the query heads that share a KV head can
+    # be that head's query rows: SDPA without GQA's expansion (about 20% less time)
+    per_kv = query.shape[1] // num_kv_heads
+    query_rows = query.view(-1, num_kv_heads, per_kv, head_dim)
+    out_rows = out.view(-1, num_kv_heads, per_kv, head_dim)
     decodes = []
     for b, ctx_len in enumerate(lens):
-        q_len = starts[b + 1] - starts[b]
-        if q_len == 1:
+        start, end = starts[b], starts[b + 1]
+        first = first_slots[b]
+        if first >= 0 and end - start == 1:
+            out_rows[start] = F.scaled_dot_product_attention(
+                query_rows[start:end], key_slots[:, :, first:first + ctx_len],
+                value_slots[:, :, first:first + ctx_len], scale=scale)[0]
+        elif first >= 0 and end > start:
+            _sdpa(query[start:end], key_slots[0, :, first:first + ctx_len],
+                  value_slots[0, :, first:first + ctx_len], ctx_len, scale, out[start:end])
+        elif end - start == 1:
             decodes.append(b)
-        elif q_len > 1:
+        elif end > start:
             _prefill_one(query, key_cache, value_cache, block_tables[b], ctx_len,
-                         starts[b], starts[b + 1], scale, out)
+                         start, end, scale, out)
     if decodes:
         for group in _decode_groups(decodes, lens):
             _decode_group(query, key_cache, value_cache, block_tables, lens, starts, group, scale, out)
@@ -74,24 +95,43 @@ def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     return flat.index_select(0, rows).view(num_kv_heads, -1, cache.shape[3])
 
 
+def _contiguous_first_slots(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int) -> list[int]:
+    """Per sequence: the cache slot of its first token if its blocks are consecutive ids
+    (its context is then one slice of the cache), else -1. A few ops over the whole table."""
+    if block_tables.shape[1] == 0:
+        return [-1] * block_tables.shape[0]
+    num_blocks = (seq_lens + block_size - 1) // block_size
+    first = block_tables[:, 0]
+    col = torch.arange(block_tables.shape[1], device=block_tables.device)
+    consecutive = (block_tables == first[:, None] + col) | (col >= num_blocks[:, None])
+    return torch.where(consecutive.all(1), first * block_size, -1).tolist()
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx_len: int, scale: float,
+          out: torch.Tensor) -> None:
+    """One sequence: q [q_len, heads, D] over its whole context k, v [kv_heads, ctx_len, D]."""
+    q_len = q.shape[0]
+    q = q.transpose(0, 1)
+    mask = None
+    if 1 < q_len < ctx_len:   # a later chunk: query i sits at ctx_len - q_len + i
+        pos = torch.arange(ctx_len - q_len, ctx_len, device=q.device)
+        mask = torch.arange(ctx_len, device=q.device)[None, :] <= pos[:, None]
+    # 4-D (batch of one): CPU SDPA takes its flash kernel only with a batch dimension; one
+    # query sees the whole context (no mask); a whole prompt is plain causal
+    o = F.scaled_dot_product_attention(
+        q[None], k[None], v[None], attn_mask=mask, is_causal=q_len > 1 and mask is None,
+        scale=scale, enable_gqa=q.shape[0] != k.shape[0],
+    )
+    out.copy_(o[0].transpose(0, 1))
+
+
 def _prefill_one(query, key_cache, value_cache, table, ctx_len, start, end, scale, out) -> None:
     block_size = key_cache.shape[2]
-    q_len = end - start
     blocks = table[: -(-ctx_len // block_size)]
     # gathers only this sequence's real context: no padding to the batch's longest
     k = _gather(key_cache, blocks)[:, :ctx_len]
     v = _gather(value_cache, blocks)[:, :ctx_len]
-    q = query[start:end].transpose(0, 1)
-    mask = None
-    if q_len < ctx_len:   # a later chunk: query i sits at ctx_len - q_len + i
-        pos = torch.arange(ctx_len - q_len, ctx_len, device=query.device)
-        mask = torch.arange(ctx_len, device=query.device)[None, :] <= pos[:, None]
-    # 4-D (batch of one): CPU SDPA takes its flash kernel only with a batch dimension
-    o = F.scaled_dot_product_attention(
-        q[None], k[None], v[None], attn_mask=mask, is_causal=mask is None, scale=scale,
-        enable_gqa=q.shape[0] != k.shape[0],
-    )
-    out[start:end] = o[0].transpose(0, 1)
+    _sdpa(query[start:end], k, v, ctx_len, scale, out[start:end])
 
 
 def _decode_groups(decodes: list[int], lens: list[int]) -> list[list[int]]:
