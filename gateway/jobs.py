@@ -18,6 +18,8 @@ import secrets
 import time
 from datetime import UTC, datetime
 
+from redis.exceptions import RedisError
+
 from engine import EngineDead, EngineOverloaded, PromptTooLong, RequestOutput, SamplingParams
 from engine.async_engine import RequestStream
 from gateway.errors import APIError
@@ -103,7 +105,12 @@ class Job:
         scopes = [Scope(f"tenant:{p.tenant_id}", p.tenant_quota), Scope(f"key:{p.key_id}", p.key_quota)]
         limiter = self.state.limiter
         assert limiter is not None
-        d = await limiter.acquire(self.id, scopes, self.reserve_tokens)
+        try:
+            d = await limiter.acquire(self.id, scopes, self.reserve_tokens)
+        except RedisError as exc:   # the shared limiter is unreachable: refuse, don't guess
+            logger.warning("rate limiter unavailable for %s: %s", self.id, exc)
+            raise APIError(503, "The rate limiter is unavailable; retry shortly.",
+                           code="limiter_unavailable", headers={"retry-after": "1"}) from None
         self.decision = d
         if not d.allowed:
             self.state.metrics.rejections.labels(p.tenant_name, d.limit or "unknown").inc()

@@ -936,7 +936,7 @@ class RedisLimiter(Limiter):
     """The limiter shared by all gateway replicas, on one Redis (see the module docstring)."""
 
     def __init__(self, url: str, *, prefix: str = "lockgate:", lease_ttl: float = 30.0) -> None:
-        import redis.asyncio as aioredis
+        from tenancy.redis_pipe import RedisPipe, RedisScript
 
         if not isinstance(lease_ttl, (int, float)) or isinstance(lease_ttl, bool) or lease_ttl <= 0:
             raise ValueError(f"lease_ttl: must be a positive number of seconds, got {lease_ttl!r}")
@@ -944,9 +944,9 @@ class RedisLimiter(Limiter):
             raise ValueError(f"prefix: must be a string, got {prefix!r}")
         self.lease_ttl = float(lease_ttl)
         self.prefix = prefix
-        self._redis = aioredis.Redis.from_url(url)
-        # EVALSHA, loading the script again on NOSCRIPT (e.g. after a Redis restart).
-        self._script = self._redis.register_script(_LUA)
+        self._redis = RedisPipe(url)
+        # EVALSHA, sending the script again on NOSCRIPT (e.g. after a Redis restart).
+        self._script = RedisScript(self._redis, _LUA)
         self._skew = 0.0  # Redis's clock minus ours, as last seen: to guess the UTC day
 
     def _scope_keys(self, scope: Scope, day: str, month: str) -> list[str]:
