@@ -95,7 +95,7 @@ def bench_throughput(
     max_num_seqs: Annotated[int, typer.Option(min=1)] = 256,
     block_size: Annotated[int, typer.Option(min=1)] = 16,
     skip_hf: Annotated[bool, typer.Option(help="skip the HF static-batching side")] = False,
-    repeats: Annotated[int, typer.Option(min=1, help="runs of each side; the fastest counts")] = 2,
+    repeats: Annotated[int, typer.Option(min=1, help="runs of each side; the fastest counts")] = 3,
     json_out: Annotated[Path | None, typer.Option("--json", help="also write the results here")] = None,
 ) -> None:
     """Offline throughput: the engine vs HF static batching vs the ideal-batching bound."""

@@ -36,6 +36,7 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, enable_caching, num_tiers)
         self.enable_caching = enable_caching
         self.tables: dict[int, list[KVBlock]] = {}   # id(sequence) -> its blocks
+        self.ids: dict[int, list[int]] = {}          # the same, as block ids (built each step)
         self.num_registered: dict[int, int] = {}     # id(sequence) -> its leading blocks already cached
         self.num_cache_queries = 0
         self.num_cache_hits = 0   # in tokens
@@ -55,7 +56,8 @@ class KVCacheManager:
         return self.tables.get(id(seq), [])
 
     def block_ids(self, seq: Sequence) -> list[int]:
-        return [b.block_id for b in self.tables.get(id(seq), [])]
+        """The block ids of `seq` (the manager's own list: read it, do not change it)."""
+        return self.ids.get(id(seq), [])
 
     def _extra_key(self, seq: Sequence) -> bytes:
         req = seq.state.req
@@ -118,11 +120,15 @@ class KVCacheManager:
         if num_new_blocks + num_revived + reserve > self.pool.num_free_blocks:
             return False
         table = self.tables.setdefault(id(seq), [])
+        ids = self.ids.setdefault(id(seq), [])
         if shared:
             self.pool.touch(shared)
             table.extend(shared)
+            ids.extend(b.block_id for b in shared)
         if num_new_blocks:
-            table.extend(self._allocate_contiguous(seq, table, num_new_blocks))
+            new = self._allocate_contiguous(seq, table, num_new_blocks)
+            table.extend(new)
+            ids.extend(b.block_id for b in new)
         return True
 
     def _allocate_contiguous(self, seq: Sequence, table: list[KVBlock], num: int) -> list[KVBlock]:
@@ -167,6 +173,7 @@ class KVCacheManager:
         its class (the least urgent class is evicted first)."""
         self.num_registered.pop(id(seq), None)
         table = self.tables.pop(id(seq), None)
+        self.ids.pop(id(seq), None)
         if table:
             tier = len(self.pool.free_queues) - 1 - seq.state.class_rank
             self.pool.free(reversed(table), tier)
@@ -184,7 +191,9 @@ class KVCacheManager:
     def check_integrity(self) -> None:
         self.pool.check_integrity()
         refs: dict[int, int] = {}
-        for table in self.tables.values():
+        for key, table in self.tables.items():
+            if self.ids.get(key) != [b.block_id for b in table]:
+                raise AssertionError("a sequence's block ids disagree with its blocks")
             for block in table:
                 refs[block.block_id] = refs.get(block.block_id, 0) + 1
         if not set(self.pool.extents) <= set(self.tables):
