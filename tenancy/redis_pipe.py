@@ -84,7 +84,8 @@ class RedisPipe:
     async def execute(self, *args: Any) -> Any:
         """Send one command, wait for its reply. A Redis error reply raises ResponseError."""
         pipe = self._pipe
-        if pipe is None or pipe.lost is not None or self._loop is not asyncio.get_running_loop():
+        if (pipe is None or pipe.lost is not None or self._loop is not asyncio.get_running_loop()
+                or pipe.transport is None or pipe.transport.is_closing()):
             pipe = await self._connect()
         return await self._send(pipe, args)
 

@@ -36,7 +36,7 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, enable_caching, num_tiers)
         self.enable_caching = enable_caching
         self.tables: dict[int, list[KVBlock]] = {}   # id(sequence) -> its blocks
-        self.ids: dict[int, list[int]] = {}          # the same, as block ids (built each step)
+        self.ids: dict[int, list[int]] = {}          # the same as block ids, kept in step (read every step)
         self.num_registered: dict[int, int] = {}     # id(sequence) -> its leading blocks already cached
         self.num_cache_queries = 0
         self.num_cache_hits = 0   # in tokens
