@@ -158,3 +158,29 @@ def test_a_hit_on_a_cached_prefix_continues_right_after_it_when_the_next_block_i
     b.num_computed_tokens = 11
     assert kv.try_allocate(b, 9) and kv.block_ids(b) == [0, 1, 2, 3, 4]
     kv.check_integrity()
+
+
+def test_once_every_free_block_holds_a_cached_prefix_runs_start_at_the_eviction_head():
+    """No clean run is left: a new sequence's run starts at the next block to evict, its
+    cached prefixes are evicted, and the rest of the pool's cache stays."""
+    kv = KVCacheManager(8, 4)
+    seqs = []
+    for i in range(2):                                  # two prompts of 4 full blocks each
+        s = seq_with([i * 100 + t for t in range(16)], max_tokens=1)
+        assert kv.try_allocate(s, 16)
+        s.num_computed_tokens = 16
+        kv.cache_full_blocks(s)
+        seqs.append(s)
+    first_ids = kv.block_ids(seqs[0])
+    for s in seqs:
+        kv.free(s)
+    assert not kv.pool.clean.count(1)                   # every free block is cached
+    new = seq_with([7] * 8, max_tokens=8)               # 16 tokens: a run of 4 blocks
+    assert kv.try_allocate(new, 8)
+    ids = kv.block_ids(new)
+    assert ids == first_ids[:2]                         # the oldest request's run, evicted
+    assert kv.pool.extents[id(new)] == (first_ids[2], first_ids[3] + 1)
+    assert kv.get_computed_blocks(seq_with([100 + t for t in range(16)] + [1], 1))  # 2nd prompt still cached
+    kv.check_integrity()
+    kv.free(new)
+    kv.check_integrity()

@@ -190,18 +190,21 @@ class BlockPool:
                 self.clean[i] = block.ref_cnt == 0 and block.block_hash is None
 
     def _run_at_eviction_head(self, want: int, tries: int = 4) -> int | None:
+        """The start of a free, unreserved run of `want` blocks that ends or starts at one
+        of the next `tries` blocks to evict. A request's blocks are freed tail first, so the
+        eviction head is usually the last block of the oldest request: the run ending there
+        is that request's own."""
         queue = next((q for q in self.free_queues if q.num_free), None)
         if queue is None:
             return None
         for n, head in enumerate(queue):
             if n == tries:
                 break
-            start = head.block_id
-            if start + want > self.num_blocks:
-                continue
-            if all(self.blocks[i].ref_cnt == 0 and not self.reserved_by[i]
-                   and self.blocks[i].tier <= head.tier for i in range(start, start + want)):
-                return start
+            for start in (head.block_id - want + 1, head.block_id):
+                if 0 <= start and start + want <= self.num_blocks and all(
+                        self.blocks[i].ref_cnt == 0 and not self.reserved_by[i]
+                        and self.blocks[i].tier <= head.tier for i in range(start, start + want)):
+                    return start
         return None
 
     def _take(self, block: KVBlock) -> KVBlock:
