@@ -140,8 +140,8 @@ class BlockPool:
     def allocate_run(self, num_blocks: int, want: int, owner: int) -> list[KVBlock]:
         """The first `num_blocks` of a free run of `want` consecutive blocks, the rest of the
         run reserved for `owner`; [] when there is no such run. Runs of clean blocks first;
-        else a run that starts at one of the next blocks to evict (its neighbours were mostly
-        freed with it, so this evicts about what `allocate` would)."""
+        else a run that ends or starts at one of the next blocks to evict (its neighbours
+        were mostly freed with it, so this evicts about what `allocate` would)."""
         start = self.clean.find(b"\x01" * want)
         if start < 0:
             start = self._run_at_eviction_head(want)
