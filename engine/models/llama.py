@@ -17,7 +17,7 @@ from torch import nn
 from engine.config import ModelConfig
 from engine.models.linear import DenseLinear, LinearBase, LinearFactory
 from engine.models.rope import RopeAt, RotaryEmbedding
-from kernels.paged_attention import paged_attention, write_kv_cache
+from kernels.paged_attention import contiguous_first_slots, paged_attention, write_kv_cache
 
 
 @dataclass(slots=True)
@@ -26,6 +26,9 @@ class AttentionMetadata:
     block_tables: torch.Tensor      # [num_seqs, max_blocks]
     seq_lens: torch.Tensor          # [num_seqs] context length after this step
     query_start_loc: torch.Tensor   # [num_seqs + 1]
+    # per sequence, the cache slot of its first token when its blocks are consecutive ids,
+    # else -1: worked out once per forward (by the model) for every layer's attention
+    first_slots: list[int] | None = None
 
 
 class RMSNorm(nn.Module):
@@ -71,7 +74,7 @@ class Attention(nn.Module):
         write_kv_cache(k, v, key_cache, value_cache, meta.slot_mapping)
         o = paged_attention(
             q, key_cache, value_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-            self.scale,
+            self.scale, meta.first_slots,
         )
         return self.o_proj(o.reshape(-1, self.q_size))
 
@@ -134,6 +137,9 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states after the final norm, one row per input token."""
         x = self.embed_tokens(input_ids)
         rope = self.rope.at(positions)      # cos/sin gathered once, used by every layer
+        if kv_caches and meta.first_slots is None:     # likewise the contiguity of each table
+            meta.first_slots = contiguous_first_slots(meta.block_tables, meta.seq_lens,
+                                                      kv_caches[0][0].shape[2])
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = layer(x, rope, kv_cache, meta)
         return self.norm(x)

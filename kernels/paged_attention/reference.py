@@ -48,12 +48,16 @@ def paged_attention(
     seq_lens: torch.Tensor,         # [num_seqs] context length after this step
     query_start_loc: torch.Tensor,  # [num_seqs + 1] cumulative query lengths
     scale: float,
+    first_slots: list[int] | None = None,
 ) -> torch.Tensor:
-    """Causal attention of each sequence's new queries over its whole paged context."""
+    """Causal attention of each sequence's new queries over its whole paged context.
+    `first_slots`: `contiguous_first_slots` of these tables, when the caller computed it once
+    for every layer of a step; worked out here when None."""
     out = torch.empty_like(query)
     lens = seq_lens.tolist()
     starts = query_start_loc.tolist()
-    first_slots = _contiguous_first_slots(block_tables, seq_lens, key_cache.shape[2])
+    if first_slots is None:
+        first_slots = contiguous_first_slots(block_tables, seq_lens, key_cache.shape[2])
     num_kv_heads, head_dim = key_cache.shape[0], key_cache.shape[3]
     key_slots = key_cache.view(1, num_kv_heads, -1, head_dim)      # [1, kv_heads, slots, D]
     value_slots = value_cache.view(1, num_kv_heads, -1, head_dim)
@@ -95,7 +99,7 @@ def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     return flat.index_select(0, rows).view(num_kv_heads, -1, cache.shape[3])
 
 
-def _contiguous_first_slots(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int) -> list[int]:
+def contiguous_first_slots(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int) -> list[int]:
     """Per sequence: the cache slot of its first token if its blocks are consecutive ids
     (its context is then one slice of the cache), else -1. A few ops over the whole table."""
     if block_tables.shape[1] == 0:
