@@ -63,6 +63,7 @@ from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from functools import lru_cache
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -262,8 +263,10 @@ def _check_lease(lease: object) -> Lease:
     return lease
 
 
+@lru_cache(maxsize=4096)
 def _limits(q: Quota) -> tuple[int, int, int, int, int]:
-    """The quota's limits in field order, -1 for unlimited (the Lua script's encoding)."""
+    """The quota's limits in field order, -1 for unlimited (the Lua script's encoding).
+    Cached: a quota is frozen, and the same few go with every request of a tenant."""
     values = [getattr(q, f) for f in QUOTA_FIELDS]
     rpm, tpm, conc, day, month = (-1 if v is None else v for v in values)
     return rpm, tpm, conc, day, month
@@ -282,6 +285,15 @@ class _Periods:
 
     @classmethod
     def at(cls, ts: float) -> _Periods:
+        last = _last_periods[0]
+        if last is not None and last.day_start <= ts < last.day_end:
+            return last       # the same UTC day (hence month) as the last call: most calls
+        p = cls._compute(ts)
+        _last_periods[0] = p
+        return p
+
+    @classmethod
+    def _compute(cls, ts: float) -> _Periods:
         dt = datetime.fromtimestamp(ts, UTC)
         d0 = datetime(dt.year, dt.month, dt.day, tzinfo=UTC)
         m0 = datetime(dt.year, dt.month, 1, tzinfo=UTC)
@@ -294,6 +306,9 @@ class _Periods:
             month_start=m0.timestamp(),
             month_end=m1.timestamp(),
         )
+
+
+_last_periods: list[_Periods | None] = [None]
 
 
 def _period_end(period: str) -> float:
