@@ -16,6 +16,7 @@ import asyncio
 import logging
 import secrets
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 
 from redis.exceptions import RedisError
@@ -151,8 +152,9 @@ class Job:
             param = str(exc).split(":", 1)[0].split(" ", 1)[0]
             raise APIError(400, str(exc), param=param or None) from None
         self._open = len(self.streams)
-        for i, stream in enumerate(self.streams):
-            self._pumps.append(asyncio.get_running_loop().create_task(self._pump(i, stream)))
+        if len(self.streams) > 1:     # one prompt (most requests) is read straight from its stream
+            for i, stream in enumerate(self.streams):
+                self._pumps.append(asyncio.get_running_loop().create_task(self._pump(i, stream)))
 
     async def _pump(self, i: int, stream: RequestStream) -> None:
         try:
@@ -168,6 +170,16 @@ class Job:
 
     async def events(self):
         """(prompt index, cumulative output) as they arrive, until every prompt finished."""
+        if not self._pumps and self._open == 1:
+            try:
+                async for out in self.streams[0]:
+                    self.finals[0] = out
+                    yield 0, out
+            except EngineDead as exc:
+                raise APIError(503, f"The engine stopped: {exc}", code="engine_unavailable",
+                               headers={"retry-after": "5"}) from None
+            self._open = 0
+            return
         while self._open > 0:
             kind, i, item = await self._queue.get()
             if kind == "out":
@@ -200,10 +212,12 @@ class Job:
                 "total_tokens": prompt + completion,
                 "prompt_tokens_details": {"cached_tokens": cached}}
 
-    async def finish(self, status: str) -> dict:
+    async def finish(self, status: str, while_committing: Callable[[], None] | None = None) -> dict:
         """Settle and record, once; later calls wait for the first and return its usage.
         Raises APIError(503) when the usage row could not be committed (the caller must not
-        then show the client a completion)."""
+        then show the client a completion). `while_committing()` (first call only) runs while
+        the usage row is being written, with `self.usage` already set: the caller's own work
+        on the response, off the path the response waits on."""
         if self._finished is not None:
             await asyncio.shield(self._finished)
             return self.usage or {}
@@ -233,37 +247,49 @@ class Job:
                 total_ms=(now - self.t0) * 1000,
                 created_at=datetime.now(UTC),
             )
-            # the usage commit and the lease settlement go in parallel: one wait, not two
+            # The usage commit and the lease settlement go out together (one wait, not two),
+            # and the CPU work below (metrics, the caller's `while_committing`) is done while
+            # they are in flight rather than after.
             settle = None
             if self.lease is not None:
                 self.state.inflight.pop(self.id, None)
                 assert self.state.limiter is not None
                 settle = asyncio.ensure_future(self.state.limiter.settle(self.lease, used))
                 self.lease = None
+            committed = None
             try:
                 assert self.state.usage is not None
-                await self.state.usage.record(row)
+                committed = self.state.usage.submit(row)
             except Exception as exc:  # noqa: BLE001
                 logger.error("usage row for request %s not committed: %r", self.id, exc)
                 error = exc
+            await asyncio.sleep(0)      # the writer and the settlement send their commands
+            m = self.state.metrics
+            tenant = self.principal.tenant_name
+            m.child(m.requests, tenant, self.entry.name, self.tier, status).inc()
+            m.child(m.tokens, tenant, "prompt").inc(prompt)
+            m.child(m.tokens, tenant, "cached").inc(cached)
+            m.child(m.tokens, tenant, "completion").inc(completion)
+            m.child(m.e2e, self.tier).observe(now - self.t0)
+            if first_tok:
+                m.child(m.ttft, self.tier).observe(min(first_tok) - self.t0)
+                ends = [mm.finished_time for mm in metrics if mm.finished_time]
+                if completion > len(self.finals) and ends:
+                    m.child(m.tpot, self.tier).observe(
+                        (max(ends) - min(first_tok)) / (completion - len(self.finals)))
+            if while_committing is not None and error is None:
+                while_committing()
+            if committed is not None:
+                try:
+                    await committed
+                except Exception as exc:  # noqa: BLE001
+                    logger.error("usage row for request %s not committed: %r", self.id, exc)
+                    error = exc
             if settle is not None:
                 try:
                     await settle
                 except Exception:  # noqa: BLE001 - leases expire on their own
                     logger.warning("could not settle the lease of %s", self.id, exc_info=True)
-            m = self.state.metrics
-            tenant = self.principal.tenant_name
-            m.requests.labels(tenant, self.entry.name, self.tier, status).inc()
-            m.tokens.labels(tenant, "prompt").inc(prompt)
-            m.tokens.labels(tenant, "cached").inc(cached)
-            m.tokens.labels(tenant, "completion").inc(completion)
-            m.e2e.labels(self.tier).observe(now - self.t0)
-            if first_tok:
-                m.ttft.labels(self.tier).observe(min(first_tok) - self.t0)
-                ends = [mm.finished_time for mm in metrics if mm.finished_time]
-                if completion > len(self.finals) and ends:
-                    m.tpot.labels(self.tier).observe(
-                        (max(ends) - min(first_tok)) / (completion - len(self.finals)))
         finally:
             if self.lease is not None:
                 self.state.inflight.pop(self.id, None)

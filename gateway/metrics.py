@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -61,3 +62,13 @@ class Metrics:
         self.http_errors = Counter("lockgate_http_errors", "Error responses by status and code",
                                    ["status", "code"], registry=r)
         r.register(_EngineCollector(engine_stats))
+        self._children: dict[tuple[str, tuple[str, ...]], Any] = {}
+
+    def child(self, metric: Any, *labels: str) -> Any:
+        """`metric.labels(*labels)`, looked up once per label set (prometheus-client's own
+        `labels` validates and locks on every call: a few µs, seven times a request)."""
+        key = (metric._name, labels)
+        c = self._children.get(key)
+        if c is None:
+            c = self._children[key] = metric.labels(*labels)
+        return c

@@ -173,6 +173,12 @@ def completion_logprobs(c: CompletionOutput, start: int, top: int, text_offset: 
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
 
 
+def render_json(data: dict) -> bytes:
+    """A JSON body as Starlette's JSONResponse renders it."""
+    return json.dumps(data, ensure_ascii=False, allow_nan=False, indent=None,
+                      separators=(",", ":")).encode("utf-8")
+
+
 def sse(data: dict) -> bytes:
     return b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
 
@@ -185,20 +191,30 @@ async def wait_disconnect(request: Request) -> None:
 
 
 async def run_or_disconnect(request: Request, job: Job, coro) -> Any:
-    """Run `coro`; if the client goes away first, abort the job (engine requests, lease)."""
-    task = asyncio.ensure_future(coro)
+    """Run `coro` in this task; if the client goes away first, abort the job (engine
+    requests, lease) and answer 499. A watcher task reads the connection and cancels this
+    task on a disconnect (one task a request, not two and an `asyncio.wait`)."""
+    task = asyncio.current_task()
+    assert task is not None
+    state = {"active": True, "gone": False}
+
+    def on_watcher_done(w: asyncio.Future) -> None:
+        if state["active"] and not w.cancelled() and w.exception() is None:
+            state["gone"] = True
+            task.cancel()
+
     watcher = asyncio.ensure_future(wait_disconnect(request))
+    watcher.add_done_callback(on_watcher_done)
     try:
-        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        return await coro
     except asyncio.CancelledError:
-        task.cancel()
+        if not state["gone"]:           # cancelled from outside (shutdown): finish, pass it on
+            await asyncio.shield(job.finish("cancelled"))
+            raise
+        task.uncancel()
+    finally:
+        state["active"] = False
         watcher.cancel()
-        await asyncio.shield(job.finish("cancelled"))
-        raise
-    if task in done:
-        watcher.cancel()
-        return task.result()
-    task.cancel()
     await job.finish("cancelled")
     raise APIError(499, "client closed the request", code="client_closed_request")
 
@@ -237,11 +253,17 @@ async def respond(request: Request, job: Job, req: Any, tier: str, id_prefix: st
         return StreamingResponse(stream(job, base, include_usage), media_type="text/event-stream",
                                  headers=headers)
 
-    async def collect() -> dict:
+    async def collect() -> bytes:
         async for _ in job.events():
             pass
-        usage = await job.finish("ok")
-        return {**base, "object": obj, "choices": choices(), "usage": usage}
+        rendered: list[bytes] = []
+
+        def render() -> None:       # while the usage row is being committed
+            rendered.append(render_json(
+                {**base, "object": obj, "choices": choices(), "usage": job.usage}))
+
+        await job.finish("ok", render)
+        return rendered[0]
 
     try:
         body = await run_or_disconnect(request, job, collect())
@@ -250,7 +272,7 @@ async def respond(request: Request, job: Job, req: Any, tier: str, id_prefix: st
     except Exception:
         await asyncio.shield(job.finish("error"))
         raise
-    return JSONResponse(body, headers=headers)
+    return Response(body, media_type="application/json", headers=headers)
 
 
 # -- chat ------------------------------------------------------------------------------------------

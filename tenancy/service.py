@@ -785,6 +785,12 @@ class UsageWriter:
 
     async def record(self, row: UsageRow) -> None:
         """Queue `row`; return once it is committed (raise if its commit failed)."""
+        await self.submit(row)
+
+    def submit(self, row: UsageRow) -> asyncio.Future[None]:
+        """Queue `row` now; the future resolves once it is committed (or fails with the
+        commit's error). The writer starts on it at the caller's next `await`, so a caller
+        can yield once and then do other work while the row is being written."""
         if not isinstance(row, UsageRow):
             raise Invalid("row", f"must be a UsageRow, got {type(row).__name__}")
         if self._queue is None or self._task is None:
@@ -793,7 +799,7 @@ class UsageWriter:
             raise RuntimeError("UsageWriter is closed")
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._queue.put_nowait((row.values(), fut))
-        await fut
+        return fut
 
     async def close(self) -> None:
         """Write everything queued so far, then stop."""
