@@ -25,6 +25,7 @@ same client, at the reference rate: the floor of HTTP alone.
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import math
 import multiprocessing as mp
@@ -187,6 +188,14 @@ class Server:
 
 
 # -- the open-loop generator -----------------------------------------------------------------------
+def _freeze_heap() -> None:
+    """Before a timed step: what exists now (the imports: torch, transformers) is frozen, so
+    the cyclic GC's full collections, each ~0.2 s over that heap, do not stall the schedule."""
+    gc.collect()
+    gc.freeze()
+
+
+
 def _new_loop() -> asyncio.AbstractEventLoop:
     try:
         import uvloop
@@ -283,6 +292,7 @@ async def _http_step(url: str, key: str, rate: float, n: int, start_wall: float 
         # open `prime` connections before the clock starts (they are not measured)
         primed = await asyncio.gather(*(call() for _ in range(prime)), return_exceptions=True)
         prime_ok = sum(1 for p in primed if p is None)
+        _freeze_heap()
         if start_wall is None:
             t0 = time.perf_counter() + 0.05
         else:
@@ -390,6 +400,7 @@ async def _direct_steps(model_dir: str, rates: list[float], duration: float) -> 
     try:
         for _ in range(200):                    # warm-up
             await call()
+        _freeze_heap()
         for rate in rates:
             t0 = time.perf_counter() + 0.05
             res = await open_loop(call, rate, max(1, round(rate * duration)), t0)
