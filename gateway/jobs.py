@@ -19,13 +19,11 @@ import time
 from collections.abc import Callable
 from datetime import UTC, datetime
 
-from redis.exceptions import RedisError
-
 from engine import EngineDead, EngineOverloaded, PromptTooLong, RequestOutput, SamplingParams
 from engine.async_engine import RequestStream
 from gateway.errors import APIError
 from gateway.state import AppState, ModelEntry
-from tenancy.limiter import Decision, Lease, Scope
+from tenancy.limiter import Decision, Lease, LimiterUnavailable, Scope
 from tenancy.service import Principal, UsageRow
 
 logger = logging.getLogger(__name__)
@@ -108,7 +106,7 @@ class Job:
         assert limiter is not None
         try:
             d = await limiter.acquire(self.id, scopes, self.reserve_tokens)
-        except RedisError as exc:   # the shared limiter is unreachable: refuse, don't guess
+        except LimiterUnavailable as exc:   # the shared limiter is unreachable: refuse, don't guess
             logger.warning("rate limiter unavailable for %s: %s", self.id, exc)
             raise APIError(503, "The rate limiter is unavailable; retry shortly.",
                            code="limiter_unavailable", headers={"retry-after": "1"}) from None

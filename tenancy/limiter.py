@@ -77,6 +77,7 @@ __all__ = [
     "InProcessLimiter",
     "Lease",
     "Limiter",
+    "LimiterUnavailable",
     "RedisLimiter",
     "Scope",
     "make_limiter",
@@ -184,6 +185,11 @@ class Decision:
     limit_tokens: int | None
     remaining_tokens: int | None
     reset_tokens: float | None
+
+
+class LimiterUnavailable(RuntimeError):
+    """The limiter's shared store cannot be reached or refused the call: nothing was decided
+    (callers refuse the request rather than guess)."""
 
 
 class Limiter(ABC):
@@ -964,6 +970,15 @@ class RedisLimiter(Limiter):
         self._script = RedisScript(self._redis, _LUA)
         self._skew = 0.0  # Redis's clock minus ours, as last seen: to guess the UTC day
 
+    async def _call(self, keys: list[str], args: list[Any]) -> Any:
+        """One run of the script; any Redis failure is a LimiterUnavailable naming Redis."""
+        from redis.exceptions import RedisError
+
+        try:
+            return await self._script(keys=keys, args=args)
+        except RedisError as exc:
+            raise LimiterUnavailable(f"Redis at {self._redis.where}: {exc}") from exc
+
     def _scope_keys(self, scope: Scope, day: str, month: str) -> list[str]:
         base = f"{self.prefix}{{{scope.key}}}"
         return [f"{base}:win", f"{base}:tok", f"{base}:lease", f"{base}:day:{day}",
@@ -999,7 +1014,7 @@ class RedisLimiter(Limiter):
             for s in limited:
                 keys += self._scope_keys(s, p.day, p.month)
                 args += _limits(s.quota)
-            reply = await self._script(keys=keys, args=args)
+            reply = await self._call(keys, args)
             status, now = reply[0], int(reply[1]) / _US
             if status == b"clock":  # Redis's clock is in another UTC day or month than ours
                 self._skew = now - time.time()
@@ -1032,7 +1047,7 @@ class RedisLimiter(Limiter):
         for s in limited:
             keys += self._scope_keys(s, lease.day, lease.month)
             args += _limits(s.quota)
-        await self._script(keys=keys, args=args)
+        await self._call(keys, args)
 
     async def heartbeat(self, leases: Iterable[Lease]) -> None:
         keys: list[str] = []
@@ -1049,8 +1064,8 @@ class RedisLimiter(Limiter):
             args += [lease.request_id, len(lease_keys)]
             n += 1
         if n:
-            await self._script(keys=keys, args=["heartbeat", _us(self.lease_ttl),
-                                                int(PENDING_TTL * 1000), n, *args])
+            await self._call(keys, ["heartbeat", _us(self.lease_ttl), int(PENDING_TTL * 1000),
+                                    n, *args])
 
     async def usage(self, scope: Scope) -> dict[str, int]:
         if not isinstance(scope, Scope):
@@ -1058,8 +1073,8 @@ class RedisLimiter(Limiter):
         guess = time.time() + self._skew
         for _ in range(4):
             p = _Periods.at(guess)
-            reply = await self._script(keys=self._scope_keys(scope, p.day, p.month),
-                                       args=["usage", _us(WINDOW), *self._period_args(p)])
+            reply = await self._call(self._scope_keys(scope, p.day, p.month),
+                                     ["usage", _us(WINDOW), *self._period_args(p)])
             if reply[0] == b"clock":
                 guess = int(reply[1]) / _US
                 self._skew = guess - time.time()

@@ -18,7 +18,9 @@ import pytest
 from tenancy.limiter import (
     CONCURRENCY_RETRY_HINT,
     InProcessLimiter,
+    Lease,
     Limiter,
+    LimiterUnavailable,
     RedisLimiter,
     Scope,
     make_limiter,
@@ -659,5 +661,28 @@ async def test_make_limiter_redis(redis_url, redis_prefix):
     try:
         assert (await lim.acquire("r1", [scope(requests_per_minute=1)], 1)).allowed
         assert not (await lim.acquire("r2", [scope(requests_per_minute=1)], 1)).allowed
+    finally:
+        await lim.close()
+
+
+async def test_redis_unreachable_is_limiter_unavailable():
+    """No Redis at the address: acquire, settle and usage raise LimiterUnavailable naming it
+    (the gateway answers 503), nothing else."""
+    import socket
+
+    with socket.socket() as s:          # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    lim = RedisLimiter(f"redis://127.0.0.1:{port}/0", prefix="none:")
+    sc = scope(requests_per_minute=5)
+    try:
+        with pytest.raises(LimiterUnavailable, match=f"127.0.0.1:{port}"):
+            await lim.acquire("r1", [sc], 1)
+        lease = Lease(request_id="r1", scopes=(sc,), reserved_tokens=1, day="2026-11-29",
+                      month="2026-11", acquired_at=0.0)
+        with pytest.raises(LimiterUnavailable):
+            await lim.settle(lease, 1)
+        with pytest.raises(LimiterUnavailable):
+            await lim.usage(sc)
     finally:
         await lim.close()
