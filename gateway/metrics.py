@@ -62,12 +62,12 @@ class Metrics:
         self.http_errors = Counter("lockgate_http_errors", "Error responses by status and code",
                                    ["status", "code"], registry=r)
         r.register(_EngineCollector(engine_stats))
-        self._children: dict[tuple[str, tuple[str, ...]], Any] = {}
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
 
     def child(self, metric: Any, *labels: str) -> Any:
         """`metric.labels(*labels)`, looked up once per label set (prometheus-client's own
         `labels` validates and locks on every call: a few µs, seven times a request)."""
-        key = (metric._name, labels)
+        key = (id(metric), labels)     # the metrics above live as long as this object
         c = self._children.get(key)
         if c is None:
             c = self._children[key] = metric.labels(*labels)
