@@ -2,13 +2,14 @@
 and asking for completions, on the online (`default`) and flex tiers, with small, bounded
 requests.
 
-Needs `pip install -e '.[load]'` (locust). Configure with environment variables:
+Needs locust: scripts/setup.sh installs it (the `test` extra), or `pip install -e '.[load]'`. Configure with environment variables:
 
     LOCKGATE_KEY          a tenant's inference key (required), e.g. from
                           `POST /admin/v1/tenants/{id}/keys`
     LOCKGATE_MODEL        the model to call (default: the first of GET /v1/models)
     LOCKGATE_MAX_TOKENS   max_tokens of every request (default 16, capped at 64)
-    LOCKGATE_REQUESTS_PER_USER   stop each user after this many requests (default: no cap)
+    LOCKGATE_REQUESTS_PER_USER   stop each user after this many requests (default: no cap);
+                          a single-process run then ends when every user has stopped
 
 Headless against a gateway on loopback, with a time limit (20 users, 5 started a second,
 30 seconds, then locust prints its statistics and exits):
@@ -32,6 +33,7 @@ import time
 
 from locust import FastHttpUser, between, events, task
 from locust.exception import StopUser
+from locust.runners import LocalRunner
 
 KEY = os.environ.get("LOCKGATE_KEY", "")
 MAX_TOKENS = max(1, min(64, int(os.environ.get("LOCKGATE_MAX_TOKENS", "16"))))
@@ -43,6 +45,9 @@ PROMPTS = [
     "Say hello in French.",
     "Name a prime number greater than ten.",
 ]
+
+
+_finished_users: list[object] = []   # users that spent LOCKGATE_REQUESTS_PER_USER
 
 
 @events.test_start.add_listener
@@ -73,6 +78,11 @@ class TenantUser(FastHttpUser):
     def _count(self) -> None:
         self.sent += 1
         if REQUESTS_PER_USER and self.sent > REQUESTS_PER_USER:
+            _finished_users.append(self)
+            runner = self.environment.runner
+            # a single-process run ends once every user has spent its budget, not at -t
+            if isinstance(runner, LocalRunner) and len(_finished_users) >= runner.target_user_count:
+                runner.quit()
             raise StopUser()
 
     def _prompt(self) -> str:
