@@ -2,7 +2,8 @@
 and asking for completions, on the online (`default`) and flex tiers, with small, bounded
 requests.
 
-Needs locust: scripts/setup.sh installs it (the `test` extra), or `pip install -e '.[load]'`. Configure with environment variables:
+Needs locust: scripts/setup.sh installs it (the `test` extra), or `pip install -e '.[load]'`.
+Configure with environment variables:
 
     LOCKGATE_KEY          a tenant's inference key (required), e.g. from
                           `POST /admin/v1/tenants/{id}/keys`
