@@ -159,17 +159,19 @@ class BoundEngine:
 
 class AdapterCatalog:
     """The adapters as this replica knows them. Rows are read from the database by name
-    and kept `ttl` seconds (a miss 1 s), so an adapter registered on another replica is
+    and kept `ttl` seconds (a miss 1 s, at most `MAX_MISSES` of them), so an adapter registered on another replica is
     found on first use and a deleted one stops resolving everywhere within `ttl`. The
     engine reads an adapter (`add_lora`) on its first use here; `sweep()` drops those whose
     row is gone. LoRARequest ids are this process's own: one per adapter row."""
 
     MISS_TTL = 1.0
+    MAX_MISSES = 10_000   # names that resolved to nothing, remembered (any tenant can send any)
 
     def __init__(self, state: AppState, ttl: float) -> None:
         self.state = state
         self.ttl = ttl
-        self._entries: dict[str, tuple[float, AdapterInfo | None]] = {}
+        self._entries: dict[str, tuple[float, AdapterInfo]] = {}
+        self._missing: dict[str, float] = {}
         self._lookups: dict[str, asyncio.Future] = {}
         self._adding: dict[tuple[str, str], asyncio.Future] = {}
         self._int_ids: dict[str, int] = {}
@@ -179,22 +181,30 @@ class AdapterCatalog:
     # -- rows ---------------------------------------------------------------------------------
     def put(self, info: AdapterInfo) -> None:
         self._entries[info.name] = (time.monotonic(), info)
+        self._missing.pop(info.name, None)
 
     def drop(self, name: str) -> None:
         self._entries.pop(name, None)
+        self._missing.pop(name, None)
 
     def mark_missing(self, name: str) -> None:
-        """Deleted here: a miss until the next lookup."""
-        self._entries[name] = (time.monotonic(), None)
+        """Deleted here, or not found: a miss for `MISS_TTL`. The misses are bounded: past
+        `MAX_MISSES` (a client sending made-up model names) they are forgotten at once."""
+        self._entries.pop(name, None)
+        if len(self._missing) >= self.MAX_MISSES:
+            self._missing.clear()
+        self._missing[name] = time.monotonic()
 
     async def lookup(self, name: str) -> AdapterInfo | None:
         """The adapter named `name`, from the cache while fresh, else from the database
         (concurrent lookups of one name share one query)."""
+        now = time.monotonic()
         hit = self._entries.get(name)
-        if hit is not None:
-            age = time.monotonic() - hit[0]
-            if age <= (self.ttl if hit[1] is not None else min(self.MISS_TTL, self.ttl)):
-                return hit[1]
+        if hit is not None and now - hit[0] <= self.ttl:
+            return hit[1]
+        missed = self._missing.get(name)
+        if missed is not None and now - missed <= min(self.MISS_TTL, self.ttl):
+            return None
         fut = self._lookups.get(name)
         if fut is None:
             fut = asyncio.ensure_future(self._read(name))
@@ -206,8 +216,11 @@ class AdapterCatalog:
         assert self.state.sessions is not None
         async with self.state.sessions() as session:
             row = await service.find_adapter(session, name)
-        info = AdapterInfo.from_row(row) if row is not None else None
-        self._entries[name] = (time.monotonic(), info)
+        if row is None:
+            self.mark_missing(name)
+            return None
+        info = AdapterInfo.from_row(row)
+        self.put(info)
         return info
 
     async def listing(self, tenant_id: str) -> list[AdapterInfo]:

@@ -63,3 +63,37 @@ async def test_expired_entry_is_looked_up_before_use():
     with pytest.raises(AuthError):
         await cache.resolve("k", lookup, lambda c: None)
     assert lookup.calls == 2
+
+
+async def test_adapter_misses_are_cached_briefly_and_bounded(tmp_path, monkeypatch):
+    """Model names that resolve to no adapter: one database read per name per second, and
+    made-up names by the thousand cannot grow the cache without bound."""
+    from types import SimpleNamespace
+
+    from gateway.state import AdapterCatalog
+    from tenancy import db, service
+    from tenancy.models import Base
+
+    engine = db.make_engine(f"sqlite+aiosqlite:///{tmp_path / 'a.db'}")
+    async with engine.begin() as conn:
+        await conn.run_sync(Base.metadata.create_all)
+    reads = []
+    real_find = service.find_adapter
+
+    async def counting_find(session, name):
+        reads.append(name)
+        return await real_find(session, name)
+
+    monkeypatch.setattr(service, "find_adapter", counting_find)
+    monkeypatch.setattr(AdapterCatalog, "MAX_MISSES", 50)
+    catalog = AdapterCatalog(SimpleNamespace(sessions=db.make_sessionmaker(engine)), ttl=30.0)
+    try:
+        assert await catalog.lookup("nope") is None
+        assert await catalog.lookup("nope") is None
+        assert reads == ["nope"]                      # the second answered from the cache
+        for i in range(500):
+            assert await catalog.lookup(f"made-up-{i}") is None
+        assert len(catalog._missing) <= 50            # bounded, not 501
+        assert len(reads) == 501
+    finally:
+        await engine.dispose()
