@@ -6,6 +6,7 @@ be left open: no key is 401, a tenant's key is 403.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime
@@ -26,6 +27,9 @@ from tenancy.errors import Conflict, Invalid, NotFound
 from tenancy.models import Tenant, new_adapter_id
 from tenancy.quota import Quota
 from tenancy.service import Principal
+
+logger = logging.getLogger(__name__)
+
 
 class AdminRoute(APIRoute):
     """Authenticates before FastAPI reads the body: a caller without an admin key learns
@@ -197,9 +201,16 @@ async def patch_tenant(tenant_id: str, body: TenantPatch, request: Request) -> d
 
 @router.delete("/tenants/{tenant_id}")
 async def delete_tenant(tenant_id: str, request: Request) -> dict:
+    """Soft delete: keys revoked, private adapters deleted (off this replica's engines now,
+    unless a request still uses one: then at the next sweep, as on other replicas)."""
+    state = app_state(request)
     async with _session(request) as s:
         await service.delete_tenant(s, tenant_id, actor=_actor(request))
-    app_state(request).keys.invalidate_tenant(tenant_id)
+    state.keys.invalidate_tenant(tenant_id)
+    try:
+        await state.adapters.sweep()
+    except Exception:  # noqa: BLE001 - the periodic sweep tries again; the rows are gone
+        logger.warning("adapter sweep after deleting tenant %s failed", tenant_id, exc_info=True)
     return {"id": tenant_id, "object": "tenant", "deleted": True}
 
 

@@ -341,7 +341,8 @@ async def update_tenant(session: AsyncSession, tenant_id: str, *, actor: str,
 
 
 async def delete_tenant(session: AsyncSession, tenant_id: str, *, actor: str) -> Tenant:
-    """Soft-delete a tenant and revoke its keys; its usage records stay."""
+    """Soft-delete a tenant, revoke its keys and delete its private adapters' rows (nobody
+    else may use them; their names become free); its usage records stay. One transaction."""
     _check_actor(actor)
 
     async def work() -> Tenant:
@@ -355,8 +356,17 @@ async def delete_tenant(session: AsyncSession, tenant_id: str, *, actor: str) ->
             .values(revoked_at=now)
             .execution_options(synchronize_session="fetch")
         )
+        owned = list((await session.scalars(
+            select(Adapter).where(Adapter.owner_tenant_id == tenant.id).order_by(Adapter.name)
+        )).all())
+        for a in owned:
+            _audit(session, actor, "adapter.delete", "adapter", a.id,
+                   {"name": a.name, "base_model": a.base_model, "owner_tenant_id": a.owner_tenant_id,
+                    "path": a.path, "with": "tenant.delete"})
+            await session.delete(a)
         _audit(session, actor, "tenant.delete", "tenant", tenant.id,
-               {"name": tenant.name, "revoked_keys": revoked.rowcount})
+               {"name": tenant.name, "revoked_keys": revoked.rowcount,
+                "deleted_adapters": [a.name for a in owned]})
         await session.flush()
         return tenant
 

@@ -333,3 +333,30 @@ def test_second_replica_learns_and_forgets_adapters(server, tenants, tmp_path):
         assert chat(b, key_a, "tiny") == expected_text(None)
     finally:
         b.stop()
+
+
+def test_deleting_a_tenant_deletes_its_adapters(server):
+    """A deleted tenant's private adapter: its row goes in the same transaction (audited),
+    this replica's engine drops it, and its name is free again."""
+    c, key_c = server.tenant()
+    r = server.admin.post("/adapters", json={"name": "ada-gone", "base_model": "tiny",
+                                             "owner_tenant_id": c["id"],
+                                             "path": install(server.adapter_root, "own", "gone")})
+    assert r.status_code == 201, r.text
+    gone = r.json()
+    assert chat(server, key_c, "ada-gone") == expected_text("own")     # loaded, in use before
+    assert "ada-gone" in lora_stats(server)["in_cpu"]
+    assert server.admin.delete(f"/tenants/{c['id']}").status_code == 200
+    assert "ada-gone" not in names(server)
+    assert server.admin.get(f"/adapters/{gone['id']}").status_code == 404
+    wait_for(lambda: "ada-gone" not in lora_stats(server)["in_cpu"], what="the weights to go")
+    audit = server.admin.get("/audit", params={"limit": 10}).json()["data"]
+    deleted = next(e for e in audit if e["action"] == "tenant.delete" and e["target_id"] == c["id"])
+    assert deleted["detail"]["deleted_adapters"] == ["ada-gone"]
+    assert any(e["action"] == "adapter.delete" and e["target_id"] == gone["id"] for e in audit)
+    # the name is free: another tenant's adapter may take it
+    a, _ = server.tenant()
+    r = server.admin.post("/adapters", json={"name": "ada-gone", "base_model": "tiny",
+                                             "owner_tenant_id": a["id"], "path": "gone"})
+    assert r.status_code == 201, r.text
+    assert server.admin.delete(f"/adapters/{r.json()['id']}").status_code == 200
