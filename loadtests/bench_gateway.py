@@ -195,7 +195,6 @@ def _freeze_heap() -> None:
     gc.freeze()
 
 
-
 def _new_loop() -> asyncio.AbstractEventLoop:
     try:
         import uvloop
