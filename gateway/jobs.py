@@ -64,6 +64,11 @@ def ratelimit_headers(d: Decision) -> dict[str, str]:
     return h
 
 
+def _engine_stopped(exc: EngineDead) -> APIError:
+    return APIError(503, f"The engine stopped: {exc}", code="engine_unavailable",
+                    headers={"retry-after": "5"})
+
+
 class Job:
     def __init__(
         self,
@@ -174,8 +179,7 @@ class Job:
                     self.finals[0] = out
                     yield 0, out
             except EngineDead as exc:
-                raise APIError(503, f"The engine stopped: {exc}", code="engine_unavailable",
-                               headers={"retry-after": "5"}) from None
+                raise _engine_stopped(exc) from None
             self._open = 0
             return
         while self._open > 0:
@@ -187,8 +191,7 @@ class Job:
                 self._open -= 1
             else:
                 if isinstance(item, EngineDead):
-                    raise APIError(503, f"The engine stopped: {item}", code="engine_unavailable",
-                                   headers={"retry-after": "5"})
+                    raise _engine_stopped(item)
                 raise item
 
     def _close_streams(self) -> None:

@@ -173,12 +173,6 @@ def completion_logprobs(c: CompletionOutput, start: int, top: int, text_offset: 
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
 
 
-def render_json(data: dict) -> bytes:
-    """A JSON body as Starlette's JSONResponse renders it."""
-    return json.dumps(data, ensure_ascii=False, allow_nan=False, indent=None,
-                      separators=(",", ":")).encode("utf-8")
-
-
 def sse(data: dict) -> bytes:
     return b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
 
@@ -253,26 +247,25 @@ async def respond(request: Request, job: Job, req: Any, tier: str, id_prefix: st
         return StreamingResponse(stream(job, base, include_usage), media_type="text/event-stream",
                                  headers=headers)
 
-    async def collect() -> bytes:
+    async def collect() -> JSONResponse:
         async for _ in job.events():
             pass
-        rendered: list[bytes] = []
+        built: list[JSONResponse] = []
 
-        def render() -> None:       # while the usage row is being committed
-            rendered.append(render_json(
-                {**base, "object": obj, "choices": choices(), "usage": job.usage}))
+        def build() -> None:        # while the usage row is being committed
+            built.append(JSONResponse({**base, "object": obj, "choices": choices(),
+                                       "usage": job.usage}, headers=headers))
 
-        await job.finish("ok", render)
-        return rendered[0]
+        await job.finish("ok", build)
+        return built[0]
 
     try:
-        body = await run_or_disconnect(request, job, collect())
+        return await run_or_disconnect(request, job, collect())
     except APIError:
         raise
     except Exception:
         await asyncio.shield(job.finish("error"))
         raise
-    return Response(body, media_type="application/json", headers=headers)
 
 
 # -- chat ------------------------------------------------------------------------------------------

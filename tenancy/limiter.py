@@ -957,6 +957,8 @@ class RedisLimiter(Limiter):
     """The limiter shared by all gateway replicas, on one Redis (see the module docstring)."""
 
     def __init__(self, url: str, *, prefix: str = "lockgate:", lease_ttl: float = 30.0) -> None:
+        from redis.exceptions import RedisError
+
         from tenancy.redis_pipe import RedisPipe, RedisScript
 
         if not isinstance(lease_ttl, (int, float)) or isinstance(lease_ttl, bool) or lease_ttl <= 0:
@@ -966,17 +968,16 @@ class RedisLimiter(Limiter):
         self.lease_ttl = float(lease_ttl)
         self.prefix = prefix
         self._redis = RedisPipe(url)
+        self._redis_error = RedisError
         # EVALSHA, sending the script again on NOSCRIPT (e.g. after a Redis restart).
         self._script = RedisScript(self._redis, _LUA)
         self._skew = 0.0  # Redis's clock minus ours, as last seen: to guess the UTC day
 
     async def _call(self, keys: list[str], args: list[Any]) -> Any:
         """One run of the script; any Redis failure is a LimiterUnavailable naming Redis."""
-        from redis.exceptions import RedisError
-
         try:
             return await self._script(keys=keys, args=args)
-        except RedisError as exc:
+        except self._redis_error as exc:
             raise LimiterUnavailable(f"Redis at {self._redis.where}: {exc}") from exc
 
     def _scope_keys(self, scope: Scope, day: str, month: str) -> list[str]:

@@ -361,8 +361,7 @@ async def delete_tenant(session: AsyncSession, tenant_id: str, *, actor: str) ->
         )).all())
         for a in owned:
             _audit(session, actor, "adapter.delete", "adapter", a.id,
-                   {"name": a.name, "base_model": a.base_model, "owner_tenant_id": a.owner_tenant_id,
-                    "path": a.path, "with": "tenant.delete"})
+                   {**_adapter_detail(a), "with": "tenant.delete"})
             await session.delete(a)
         _audit(session, actor, "tenant.delete", "tenant", tenant.id,
                {"name": tenant.name, "revoked_keys": revoked.rowcount,
@@ -1208,15 +1207,19 @@ async def adapter_ids_by_name(session: AsyncSession, names: Iterable[str]) -> di
     return {name: aid for name, aid in rows}
 
 
+def _adapter_detail(a: Adapter) -> dict[str, Any]:
+    """What the audit log keeps of a deleted adapter."""
+    return {"name": a.name, "base_model": a.base_model, "owner_tenant_id": a.owner_tenant_id,
+            "path": a.path}
+
+
 async def delete_adapter(session: AsyncSession, adapter_id: str, *, actor: str) -> Adapter:
     """Delete an adapter's row (usage rows keep its name as their model)."""
     _check_actor(actor)
 
     async def work() -> Adapter:
         adapter = await get_adapter(session, adapter_id)
-        _audit(session, actor, "adapter.delete", "adapter", adapter.id,
-               {"name": adapter.name, "base_model": adapter.base_model,
-                "owner_tenant_id": adapter.owner_tenant_id, "path": adapter.path})
+        _audit(session, actor, "adapter.delete", "adapter", adapter.id, _adapter_detail(adapter))
         await session.delete(adapter)
         await session.flush()
         return adapter
