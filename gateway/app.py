@@ -244,9 +244,9 @@ async def lifespan(app: FastAPI):
         await bootstrap_keys(state)
         beat = asyncio.get_running_loop().create_task(heartbeat(state))
         sweep = asyncio.get_running_loop().create_task(state.adapters.watch())
-        # Everything made so far (torch, transformers, the models' tables: ~400k objects)
-        # lives as long as the server. Frozen, the cyclic GC stops walking it: otherwise each
-        # full collection takes ~170 ms with every request and engine step stalled behind it.
+        # Everything made so far (torch, transformers, the models' tables: hundreds of
+        # thousands of objects) lives as long as the server. Frozen, the cyclic GC stops
+        # walking it: otherwise each full collection stalls every request and engine step.
         gc.collect()
         gc.freeze()
         state.ready = True

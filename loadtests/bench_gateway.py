@@ -190,7 +190,8 @@ class Server:
 # -- the open-loop generator -----------------------------------------------------------------------
 def _freeze_heap() -> None:
     """Before a timed step: what exists now (the imports: torch, transformers) is frozen, so
-    the cyclic GC's full collections, each ~0.2 s over that heap, do not stall the schedule."""
+    the cyclic GC's full collections over that heap (a large pause each) do not stall the
+    schedule."""
     gc.collect()
     gc.freeze()
 
@@ -273,10 +274,10 @@ def _gateway_call(session: Any, key: str):
     return call
 
 
-# The client is aiohttp: its C parser and lean connection pool cost the generator about a
-# quarter of httpx's CPU per request (207 vs 742 µs here) and a third of its latency against
-# a bare uvicorn (p50 0.22 vs 0.74 ms at 300 req/s): what the client spends is not the
-# gateway's latency, and on a small machine the client's CPU is taken from the gateway.
+# The client is aiohttp: its C parser and lean connection pool make the HTTP floor and the
+# generator's CPU a fraction of httpx's (this bench at 300 req/s: floor p50 0.28 vs 0.69 ms,
+# generator 8-11% vs 24-26% of a core): what the client spends is not the gateway's latency,
+# and on a small machine the client's CPU is taken from the gateway.
 MAX_CONNECTIONS = 256
 
 
