@@ -18,6 +18,12 @@ them refuses, nothing changes anywhere. The limits (see `tenancy.quota.Quota`):
   day and month the reservation was made in (recorded in the `Lease`), even after the period
   rolled over. Counters expire a day after their period ends.
 
+A request the engine refused before doing any work (overloaded, shed from its queue) is
+cancelled rather than settled: `Limiter.cancel` takes it back out of every window, lease and
+budget as if it had never been admitted. Only an unsettled admission can be cancelled, and a
+cancelled one can no longer be settled: cancel and settle both consume the admission's pending
+marker, whichever comes first wins, and the other is a no-op.
+
 Why this is written here rather than taken from the ``limits`` library: ``limits`` checks one
 rate limit per call (``hit``/``test`` of one item), so checking the tenant's and the key's
 quotas means several round trips with a window between them in which other replicas get in,
@@ -25,32 +31,35 @@ and a refusal by the second limit cannot undo the hit already taken by the first
 notion of a reservation that is later settled to a different amount (tokens: prompt +
 max_tokens reserved up front, rewritten to the tokens used), of concurrency leases that expire
 without heartbeats, or of token budgets per calendar period adjusted after the fact. Lockgate
-needs all of these decided together: one Lua script per admission (and one per settlement)
-that reads and writes every limit of every scope atomically, on Redis's own clock.
+needs all of these decided together: one Lua script per admission (and one per settlement or
+cancellation) that reads and writes every limit of every scope atomically, on Redis's own clock.
 
 Backends:
 
 - `InProcessLimiter`: plain dicts and deques, for a single gateway process. Each operation runs
   without an ``await`` inside its critical section (and under a `threading.Lock`, so calls
   from several threads or event loops are safe too). Its clock is injectable for tests.
-- `RedisLimiter`: shared by all replicas. One ``EVALSHA`` per acquire / settle / heartbeat,
-  all keys passed in ``KEYS`` (each scope's keys share a hash tag ``{scope}``), the time taken
-  from ``redis.call('TIME')``, never from the caller. Per scope and prefix ``P``:
+- `RedisLimiter`: shared by all replicas. One ``EVALSHA`` per acquire / settle / cancel /
+  heartbeat, all keys passed in ``KEYS`` (each scope's keys share a hash tag ``{scope}``), the
+  time taken from ``redis.call('TIME')``, never from the caller. Per scope and prefix ``P``:
 
   - ``P{S}:win``   sorted set, member = request id, score = admission time (µs): the window log.
   - ``P{S}:tok``   hash, request id -> tokens of that window entry; field ``""`` holds the sum.
   - ``P{S}:lease`` sorted set, member = request id, score = lease expiry (µs).
   - ``P{S}:day:2026-11-29`` / ``P{S}:month:2026-11``  token counters.
-  - ``Preq:<request id>``  marker of an unsettled admission (makes settlement idempotent).
+  - ``Preq:<request id>``  ``1``: marker of an unsettled admission (makes settlement and
+    cancellation idempotent). ``0``: tombstone of a cancelled one, so that its id stays taken
+    for as long as its window entry would have been in the window (as a settled one's is).
 
   Window keys expire 61 s after the last admission, lease sets ``lease_ttl`` + 1 s after the
   last write, counters a day after their period ends, markers `PENDING_TTL` after the last
-  admission or heartbeat. The Lua source lives in this module (not in a separate ``.lua``
-  file) so that it ships with the package without any package-data configuration.
+  admission or heartbeat, tombstones when the cancelled request's window entry would have.
+  The Lua source lives in this module (not in a separate ``.lua`` file) so that it ships with
+  the package without any package-data configuration.
 
-A settlement whose marker is gone (already settled, or abandoned for longer than
-`PENDING_TTL` without heartbeats) only drops the concurrency lease; the reservation then stays
-charged to the budgets, the conservative choice.
+A settlement or cancellation whose marker is gone (already settled or cancelled, or abandoned
+for longer than `PENDING_TTL` without heartbeats) only drops the concurrency lease; the
+reservation then stays charged to the budgets, the conservative choice.
 """
 
 from __future__ import annotations
@@ -208,7 +217,17 @@ class Limiter(ABC):
     @abstractmethod
     async def settle(self, lease: Lease, used_tokens: int) -> None:
         """End the request: release its concurrency lease, rewrite its tokens-per-minute entry
-        (if still in the window) and its budget counters to ``used_tokens``. Idempotent."""
+        (if still in the window) and its budget counters to ``used_tokens``. Idempotent, and a
+        no-op after `cancel`."""
+
+    @abstractmethod
+    async def cancel(self, lease: Lease) -> None:
+        """Undo the admission of a request the engine refused before it did any work: remove it
+        from every scope's requests-per-minute window and tokens-per-minute sum, release its
+        concurrency lease, and take its whole reservation back off the day/month budgets (of
+        the periods it was charged to). Idempotent, and a no-op after `settle` (a settled
+        request did work and stays counted). The request id stays unusable for a new acquire
+        for as long as a settled one would be (ids are unique)."""
 
     @abstractmethod
     async def heartbeat(self, leases: Iterable[Lease]) -> None:
@@ -504,6 +523,7 @@ class InProcessLimiter(Limiter):
         self._scopes: dict[str, _ScopeState] = {}
         self._budgets: dict[tuple[str, str], int] = {}   # (scope key, day or month) -> tokens
         self._pending: dict[str, float] = {}             # request id -> marker expiry
+        self._cancelled: dict[str, float] = {}           # request id -> end of its window
         self._last_gc = -math.inf
 
     def _state(self, key: str) -> _ScopeState:
@@ -518,6 +538,7 @@ class InProcessLimiter(Limiter):
             return
         self._last_gc = now
         self._pending = {r: exp for r, exp in self._pending.items() if exp > now}
+        self._cancelled = {r: end for r, end in self._cancelled.items() if end > now}
         for key in list(self._scopes):
             st = self._scopes[key]
             st.trim(now)
@@ -541,6 +562,8 @@ class InProcessLimiter(Limiter):
             self._gc(now)
             exp = self._pending.get(request_id)
             if exp is not None and exp > now:
+                raise ValueError(_duplicate(request_id))
+            if self._cancelled.get(request_id, -math.inf) > now:
                 raise ValueError(_duplicate(request_id))
 
             refusals: list[_Refusal] = []
@@ -642,6 +665,39 @@ class InProcessLimiter(Limiter):
                     if budget >= 0 and k in self._budgets:
                         self._budgets[k] += delta
 
+    async def cancel(self, lease: Lease) -> None:
+        lease = _check_lease(lease)
+        reserved = _check_count("lease.reserved_tokens", lease.reserved_tokens)
+        with self._lock:
+            now = float(self._clock())
+            limited = [s for s in lease.scopes if not s.quota.unlimited]
+            if not limited:
+                return
+            rid = lease.request_id
+            exp = self._pending.pop(rid, None)
+            for s in limited:
+                st = self._scopes.get(s.key)
+                if st is not None:
+                    st.leases.pop(rid, None)
+            if exp is None or exp <= now:
+                return
+            for s in limited:
+                _, _, _, dayb, monthb = _limits(s.quota)
+                st = self._scopes.get(s.key)
+                if st is not None:
+                    st.trim(now)
+                    old = st.tokens.pop(rid, None)
+                    if old is not None:  # still in the window: take it out, keep its id taken
+                        st.token_sum -= old
+                        entry = next(e for e in st.log if e[1] == rid)
+                        st.log.remove(entry)
+                        end = max(self._cancelled.get(rid, -math.inf), entry[0] + WINDOW)
+                        self._cancelled[rid] = end
+                for budget, period in ((dayb, lease.day), (monthb, lease.month)):
+                    k = (s.key, period)
+                    if budget >= 0 and k in self._budgets:
+                        self._budgets[k] -= reserved
+
     async def heartbeat(self, leases: Iterable[Lease]) -> None:
         leases = [_check_lease(x) for x in leases]
         with self._lock:
@@ -677,13 +733,15 @@ class InProcessLimiter(Limiter):
             self._scopes.clear()
             self._budgets.clear()
             self._pending.clear()
+            self._cancelled.clear()
 
 
 # --------------------------------------------------------------------------------------------
 # Redis backend
 # --------------------------------------------------------------------------------------------
 
-# KEYS layout for acquire/settle: [marker, then per limited scope: win, tok, lease, day, month].
+# KEYS layout for acquire, settle and cancel: [marker, then per limited scope: win, tok, lease,
+# day, month].
 # Per-scope limits in ARGV: rpm, tpm, conc, day, month (-1 = unlimited). Times are integer
 # microseconds (TIME), passed to Redis commands through fmt() so large numbers are never
 # written in exponent notation.
@@ -741,6 +799,18 @@ end
 local function limits(base)
   return tonumber(ARGV[base + 1]), tonumber(ARGV[base + 2]), tonumber(ARGV[base + 3]),
          tonumber(ARGV[base + 4]), tonumber(ARGV[base + 5])
+end
+
+-- The start of settle and cancel: consume rid's marker and drop its concurrency leases. True
+-- when the admission was still unsettled (the marker was there, not gone nor a tombstone).
+local function finish(rid, n, base)
+  local live = redis.call('GET', KEYS[1]) == '1'
+  if live then redis.call('DEL', KEYS[1]) end
+  for i = 1, n do
+    local _, _, conc = limits(base + (i - 1) * 5)
+    if conc >= 0 then redis.call('ZREM', KEYS[1 + (i - 1) * 5 + 3], rid) end
+  end
+  return live
 end
 
 if op == 'acquire' then
@@ -872,12 +942,7 @@ elseif op == 'settle' then
   local window = tonumber(ARGV[5])
   local n = tonumber(ARGV[6])
   local now = clock()
-  local live = redis.call('DEL', KEYS[1])
-  for i = 1, n do
-    local _, _, conc = limits(6 + (i - 1) * 5)
-    if conc >= 0 then redis.call('ZREM', KEYS[1 + (i - 1) * 5 + 3], rid) end
-  end
-  if live == 0 then return 0 end
+  if not finish(rid, n, 6) then return 0 end
   for i = 1, n do
     local k = 1 + (i - 1) * 5
     local rpm, tpm, conc, dayb, monthb = limits(6 + (i - 1) * 5)
@@ -900,6 +965,42 @@ elseif op == 'settle' then
   end
   return 1
 
+elseif op == 'cancel' then
+  -- ARGV: rid, reserved tokens, window, n, then the limits of each scope.
+  local rid = ARGV[2]
+  local reserved = ARGV[3]
+  local window = tonumber(ARGV[4])
+  local n = tonumber(ARGV[5])
+  local now = clock()
+  if not finish(rid, n, 5) then return 0 end
+  local admitted = nil
+  for i = 1, n do
+    local k = 1 + (i - 1) * 5
+    local rpm, tpm, conc, dayb, monthb = limits(5 + (i - 1) * 5)
+    if rpm >= 0 or tpm >= 0 then
+      trim_window(KEYS[k + 1], KEYS[k + 2], now - window)
+      local t = redis.call('ZSCORE', KEYS[k + 1], rid)
+      if t then
+        admitted = tonumber(t)
+        local old = tonumber(redis.call('HGET', KEYS[k + 2], rid)) or 0
+        redis.call('ZREM', KEYS[k + 1], rid)
+        redis.call('HDEL', KEYS[k + 2], rid)
+        redis.call('HINCRBY', KEYS[k + 2], '', fmt(-old))
+      end
+    end
+    if dayb >= 0 and redis.call('EXISTS', KEYS[k + 4]) == 1 then
+      redis.call('DECRBY', KEYS[k + 4], reserved)
+    end
+    if monthb >= 0 and redis.call('EXISTS', KEYS[k + 5]) == 1 then
+      redis.call('DECRBY', KEYS[k + 5], reserved)
+    end
+  end
+  -- It was in a window: its id stays taken until that entry would have left it.
+  if admitted then
+    redis.call('SET', KEYS[1], '0', 'PX', fmt(math.ceil((admitted + window - now) / 1000)))
+  end
+  return 1
+
 elseif op == 'heartbeat' then
   -- KEYS: per lease: marker, then its lease sets. ARGV: ttl, pending_ms, n, then per lease:
   -- request id, number of lease sets.
@@ -911,7 +1012,7 @@ elseif op == 'heartbeat' then
   local k, a, extended = 1, 5, 0
   for _ = 1, n do
     local rid, m = ARGV[a], tonumber(ARGV[a + 1])
-    redis.call('PEXPIRE', KEYS[k], pending_ms)
+    if redis.call('GET', KEYS[k]) == '1' then redis.call('PEXPIRE', KEYS[k], pending_ms) end
     for j = 1, m do
       local key = KEYS[k + j]
       local exp = tonumber(redis.call('ZSCORE', key, rid))
@@ -1036,19 +1137,29 @@ class RedisLimiter(Limiter):
                            tokens=tokens, now=now, periods=p, refusals=refusals, headers=headers)
         raise RuntimeError("could not agree with Redis on the current UTC day")
 
-    async def settle(self, lease: Lease, used_tokens: int) -> None:
-        lease = _check_lease(lease)
-        used = _check_count("used_tokens", used_tokens)
+    async def _finish(self, lease: Lease, args: list[Any]) -> None:
+        """Run settle or cancel (``args``: the op and its arguments before the scope count) on
+        the lease's limited scopes, in the periods it was charged to."""
         limited = [s for s in lease.scopes if not s.quota.unlimited]
         if not limited:
             return
         keys = [self._marker(lease.request_id)]
-        args: list[Any] = ["settle", lease.request_id, used, lease.reserved_tokens, _us(WINDOW),
-                           len(limited)]
+        args = [*args, len(limited)]
         for s in limited:
             keys += self._scope_keys(s, lease.day, lease.month)
             args += _limits(s.quota)
         await self._call(keys, args)
+
+    async def settle(self, lease: Lease, used_tokens: int) -> None:
+        lease = _check_lease(lease)
+        used = _check_count("used_tokens", used_tokens)
+        await self._finish(lease, ["settle", lease.request_id, used, lease.reserved_tokens,
+                                   _us(WINDOW)])
+
+    async def cancel(self, lease: Lease) -> None:
+        lease = _check_lease(lease)
+        reserved = _check_count("lease.reserved_tokens", lease.reserved_tokens)
+        await self._finish(lease, ["cancel", lease.request_id, reserved, _us(WINDOW)])
 
     async def heartbeat(self, leases: Iterable[Lease]) -> None:
         keys: list[str] = []

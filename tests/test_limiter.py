@@ -9,6 +9,7 @@ counts, atomicity, short lease expiry and exactness across OS processes.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import multiprocessing as mp
 import time
 from datetime import UTC, datetime
@@ -415,6 +416,162 @@ async def test_budgets_on_redis(redis_url, redis_prefix):
 
 
 # --------------------------------------------------------------------------------------------
+# cancellation (the engine refused an admitted request)
+# --------------------------------------------------------------------------------------------
+
+ZERO = {"requests_in_window": 0, "tokens_in_window": 0, "concurrent": 0, "day_tokens": 0,
+        "month_tokens": 0}
+
+
+def full(key: str = "tenant:t1") -> Scope:
+    return scope(key, requests_per_minute=10, tokens_per_minute=10_000,
+                 max_concurrent_requests=5, daily_token_budget=100_000,
+                 monthly_token_budget=1_000_000)
+
+
+async def test_cancel_undoes_the_admission(backend):
+    """Another request (300 tokens, settled at 200) is counted before and after; r1 reserves
+    500 in both scopes and its cancellation takes all of it back out, everywhere."""
+    lim = backend()
+    tenant, key = full("tenant:t1"), scope("key:k1", requests_per_minute=5)
+    other = await lim.acquire("other", [tenant], 300)
+    await lim.settle(other.lease, 200)
+    before = await lim.usage(tenant), await lim.usage(key)
+    assert before == ({"requests_in_window": 1, "tokens_in_window": 200, "concurrent": 0,
+                       "day_tokens": 200, "month_tokens": 200},
+                      ZERO)
+    d = await lim.acquire("r1", [tenant, key], 500)
+    assert d.allowed
+    assert await lim.usage(tenant) == {"requests_in_window": 2, "tokens_in_window": 700,
+                                       "concurrent": 1, "day_tokens": 700, "month_tokens": 700}
+    assert (await lim.usage(key))["requests_in_window"] == 1
+    await lim.cancel(d.lease)
+    assert (await lim.usage(tenant), await lim.usage(key)) == before
+
+
+async def test_cancel_frees_the_rpm_slot_settle_does_not(backend):
+    lim = backend()
+    s = scope(requests_per_minute=1)
+    d1 = await lim.acquire("r1", [s], 10)
+    assert not (await lim.acquire("r2", [s], 10)).allowed
+    await lim.cancel(d1.lease)       # never counted: the slot is free again
+    d2 = await lim.acquire("r2", [s], 10)
+    assert d2.allowed
+    await lim.settle(d2.lease, 10)   # did work: stays in the window
+    d3 = await lim.acquire("r3", [s], 10)
+    assert not d3.allowed and d3.limit == "requests_per_minute"
+    # the cancelled id is still taken (ids are unique), though it counts nowhere
+    with pytest.raises(ValueError, match="request_id"):
+        await lim.acquire("r1", [s], 10)
+
+
+async def test_cancel_is_idempotent_and_exclusive_with_settle(backend):
+    lim = backend()
+    s = full()
+    d1 = await lim.acquire("r1", [s], 1000)
+    await lim.cancel(d1.lease)
+    await lim.cancel(d1.lease)
+    await lim.settle(d1.lease, 400)  # settle after cancel resurrects nothing
+    await lim.cancel(d1.lease)
+    assert await lim.usage(s) == ZERO
+
+    d2 = await lim.acquire("r2", [s], 1000)
+    await lim.settle(d2.lease, 400)
+    settled = await lim.usage(s)
+    assert settled == {"requests_in_window": 1, "tokens_in_window": 400, "concurrent": 0,
+                       "day_tokens": 400, "month_tokens": 400}
+    await lim.cancel(d2.lease)       # cancel after settle: the request did work
+    await lim.settle(d2.lease, 900)
+    assert await lim.usage(s) == settled
+
+
+async def test_cancel_and_settle_racing_one_wins(backend):
+    """50 requests, each settled (at 100 of its 1000 tokens) and cancelled at the same time,
+    in either order: each ends either counted at 100 or not counted at all, never both nor
+    half of each."""
+    lim = backend()
+    s = scope(requests_per_minute=100, tokens_per_minute=100_000, max_concurrent_requests=100,
+              daily_token_budget=100_000)
+    ds = [await lim.acquire(f"r{i}", [s], 1000) for i in range(50)]
+    ops = []
+    for i, d in enumerate(ds):  # settle first for even i, cancel first for odd i
+        pair = [lim.settle(d.lease, 100), lim.cancel(d.lease)]
+        ops += pair if i % 2 == 0 else pair[::-1]
+    await asyncio.gather(*ops)
+    u = await lim.usage(s)
+    n = u["requests_in_window"]
+    if backend.kind == "memory":  # no await inside an operation: the first one started wins
+        assert n == 25
+    assert u == {"requests_in_window": n, "tokens_in_window": 100 * n, "concurrent": 0,
+                 "day_tokens": 100 * n, "month_tokens": 0}
+
+
+@pytest.mark.parametrize("end", ["settle", "cancel"])
+async def test_ended_id_stays_taken_for_its_window(mem, end):
+    """r1 is admitted at T0 and ended at T0+10 (a heartbeat arrives late, at T0+20): its id is
+    refused until T0+60, when its window entry leaves the window, cancelled or not."""
+    lim = mem()
+    s = scope(requests_per_minute=5)
+    d = await lim.acquire("r1", [s], 0)
+    mem.clock.advance(10)
+    await (lim.settle(d.lease, 0) if end == "settle" else lim.cancel(d.lease))
+    mem.clock.advance(10)
+    await lim.heartbeat([d.lease])
+    mem.clock.now = T0 + 59.9
+    with pytest.raises(ValueError, match="request_id"):
+        await lim.acquire("r1", [s], 0)
+    mem.clock.now = T0 + 60
+    assert (await lim.acquire("r1", [s], 0)).allowed
+    # without a window (concurrency only), an ended id is free at once
+    c = scope("tenant:c", max_concurrent_requests=1)
+    d = await lim.acquire("r2", [c], 0)
+    await (lim.settle(d.lease, 0) if end == "settle" else lim.cancel(d.lease))
+    assert (await lim.acquire("r2", [c], 0)).allowed
+
+
+async def test_cancel_refunds_the_day_of_the_reservation(mem):
+    lim = mem()
+    s = scope(daily_token_budget=1000, monthly_token_budget=10_000, tokens_per_minute=5000)
+    mem.clock.now = datetime(2026, 11, 30, 23, 59, 50, tzinfo=UTC).timestamp()
+    d1 = await lim.acquire("r1", [s], 800)
+    mem.clock.now = datetime(2026, 12, 1, 0, 0, 10, tzinfo=UTC).timestamp()  # new day and month
+    d2 = await lim.acquire("r2", [s], 500)
+    assert d2.allowed
+    await lim.cancel(d1.lease)
+    assert await lim.usage(s) == {"requests_in_window": 1, "tokens_in_window": 500,
+                                  "concurrent": 0, "day_tokens": 500, "month_tokens": 500}
+    mem.clock.now = datetime(2026, 11, 30, 23, 59, 55, tzinfo=UTC).timestamp()  # look back
+    u = await lim.usage(s)
+    assert (u["day_tokens"], u["month_tokens"]) == (0, 0)
+
+
+async def test_redis_cancel_leaves_a_tombstone_for_the_window(redis_url, redis_prefix):
+    """The marker becomes a tombstone ("0") that expires with the window entry it replaces;
+    neither a heartbeat nor a settlement extends or removes it."""
+    import redis.asyncio as aioredis
+
+    lim = RedisLimiter(redis_url, prefix=redis_prefix)
+    client = aioredis.Redis.from_url(redis_url)
+    marker = redis_prefix + "req:r1"
+    try:
+        s = full()
+        d = await lim.acquire("r1", [s], 100)
+        assert await client.get(marker) == b"1"
+        await lim.cancel(d.lease)
+        await lim.heartbeat([d.lease])
+        await lim.settle(d.lease, 100)
+        assert await client.get(marker) == b"0"
+        assert 55_000 < await client.pttl(marker) <= 60_000
+        assert await lim.usage(s) == ZERO
+        base = f"{redis_prefix}{{tenant:t1}}"
+        assert await client.zcard(base + ":win") == 0
+        assert await client.hgetall(base + ":tok") == {b"": b"0"}
+    finally:
+        await lim.close()
+        await client.aclose()
+
+
+# --------------------------------------------------------------------------------------------
 # Redis specifics: keys, TTLs, unlimited scopes
 # --------------------------------------------------------------------------------------------
 
@@ -644,6 +801,10 @@ async def test_bad_input(backend):
         await lim.acquire("r1", [s], 1)  # still unsettled
     with pytest.raises(ValueError, match="used_tokens"):
         await lim.settle(d.lease, -5)
+    with pytest.raises(ValueError, match="lease"):
+        await lim.cancel("r1")
+    with pytest.raises(ValueError, match="reserved_tokens"):
+        await lim.cancel(dataclasses.replace(d.lease, reserved_tokens=1.5))
     assert (await lim.usage(s))["requests_in_window"] == 1  # bad calls counted nothing
 
 
@@ -666,8 +827,8 @@ async def test_make_limiter_redis(redis_url, redis_prefix):
 
 
 async def test_redis_unreachable_is_limiter_unavailable():
-    """No Redis at the address: acquire, settle and usage raise LimiterUnavailable naming it
-    (the gateway answers 503), nothing else."""
+    """No Redis at the address: acquire, settle, cancel and usage raise LimiterUnavailable
+    naming it (the gateway answers 503), nothing else."""
     import socket
 
     with socket.socket() as s:          # a port nobody listens on
@@ -682,6 +843,8 @@ async def test_redis_unreachable_is_limiter_unavailable():
                       month="2026-11", acquired_at=0.0)
         with pytest.raises(LimiterUnavailable):
             await lim.settle(lease, 1)
+        with pytest.raises(LimiterUnavailable, match=f"127.0.0.1:{port}"):
+            await lim.cancel(lease)
         with pytest.raises(LimiterUnavailable):
             await lim.usage(sc)
     finally:
