@@ -16,7 +16,9 @@ from collections import deque
 from collections.abc import AsyncIterator
 from typing import Any
 
+from engine.admission import Admission, Queued
 from engine.config import EngineConfig, ModelConfig
+from engine.cost_model import StepShape
 from engine.engine_core import EngineCore
 from engine.model_registry import ModelPool, make_core
 from engine.errors import EngineDead, EngineOverloaded
@@ -40,11 +42,15 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._lock = threading.Lock()
-        self._pending_by_class: dict[str, int] = {}
+        c = self.config
+        self._admission = Admission(c.service_classes, max_num_seqs=c.max_num_seqs,
+                                    max_waiting_per_class=c.max_waiting_per_class,
+                                    max_waiting_tokens=c.max_waiting_tokens)
         self._stats: dict = {}
         self._error: BaseException | None = None
         self._tenant_weights: dict[str, float] = {}
         self._variants: dict[str, LoRARequest] = {}   # adapter name -> its request
+        self._steps_since_sizing = 0
 
     # -- life cycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -53,6 +59,7 @@ class AsyncEngine:
             for tenant, weight in self._tenant_weights.items():
                 self.core.set_tenant_weight(tenant, weight)
             self._stats = self.core.stats()
+            self._size_queue(self.core)
         if self._thread is None:
             self._stop.clear()
             self._thread = threading.Thread(target=self._loop, name="lockgate-engine", daemon=True)
@@ -162,8 +169,11 @@ class AsyncEngine:
         return self.core
 
     def stats(self) -> dict:
-        """A snapshot taken after the latest step (safe to read from any thread)."""
-        return dict(self._stats)
+        """A snapshot taken after the latest step (safe to read from any thread), with the
+        queue's bounds, refusals and sheds under "overload"."""
+        with self._lock:
+            overload = self._admission.stats()
+        return {**self._stats, "overload": overload}
 
     # -- requests ---------------------------------------------------------------------------
     async def generate(
@@ -197,11 +207,14 @@ class AsyncEngine:
         share_group: str | None = None,
         tenant_weight: float | None = None,
         lora_request: LoRARequest | None = None,
+        sheddable: bool = True,
     ) -> RequestStream:
         """Queue a request now (raising ValueError, PromptTooLong or EngineOverloaded at once,
         before anything is queued) and return its stream of outputs. Must be called from
         the caller's event loop; `close()` the stream when done with it (it aborts the
-        request if it has not finished)."""
+        request if it has not finished). A `sheddable` request may later be shed to make
+        room for more urgent work while it has sent nothing: its stream then raises
+        EngineOverloaded(shed=True) before any output (engine/admission.py)."""
         core = self._core
         if model is not None and model in self._variants:
             if lora_request is not None and lora_request != self._variants[model]:
@@ -223,13 +236,13 @@ class AsyncEngine:
                 raise EngineDead("engine is not running; call `await engine.start()` first")
             if request_id in self._streams:
                 raise ValueError(f"request_id: {request_id!r} is already in the engine")
-            waiting = self._stats.get("waiting_requests", {}).get(service_class, 0)
-            if waiting + self._pending_by_class.get(service_class, 0) >= self.config.max_waiting_per_class:
-                raise EngineOverloaded(
-                    f"service_class {service_class!r}: {self.config.max_waiting_per_class} requests "
-                    "already waiting"
-                )
-            self._pending_by_class[service_class] = self._pending_by_class.get(service_class, 0) + 1
+            sp = sampling_params
+            max_tokens = sp.max_tokens if sp.max_tokens is not None else core.max_model_len - len(ids)
+            shed = self._admission.admit(Queued(
+                request_id, service_class, self._admission.rank[service_class], tenant,
+                len(ids) + max(0, max_tokens) * sp.n, sheddable))
+            for victim in shed:
+                self._inbox.append(("shed", victim))
             self._streams[request_id] = (loop, queue)
             self._inbox.append(("add", req))
         self._wake.set()
@@ -238,6 +251,7 @@ class AsyncEngine:
     def _forget(self, request_id: str) -> None:
         with self._lock:
             self._streams.pop(request_id, None)
+            self._admission.forget(request_id)
 
     async def abort(self, request_id: str) -> None:
         """Stop a request and free its KV blocks at the next turn of the loop."""
@@ -260,7 +274,11 @@ class AsyncEngine:
                     self._wake.clear()
                     continue
                 outputs = core.step()
+                self._steps_since_sizing += 1
                 self._publish_stats(core, drained)
+                with self._lock:
+                    for out in outputs:     # it sent something: no longer queued
+                        self._admission.forget(out.request_id)
                 for out in outputs:
                     self._deliver(out.request_id, out)
                 while core.failed:   # e.g. an adapter that could not be read again
@@ -275,31 +293,59 @@ class AsyncEngine:
                     self._deliver(rid, EngineDead(f"engine step failed: {exc!r}"))
                 return
 
-    def _publish_stats(self, core: EngineCore, drained: dict[str, int]) -> None:
-        """New stats first, then forget the requests they now count: an admitted request is
-        always in one of the two counts the overload check adds up."""
+    def _publish_stats(self, core: EngineCore, drained: int) -> None:
         stats = core.stats()
         with self._lock:
             self._stats = stats
-            for cls, num in drained.items():
-                self._pending_by_class[cls] -= num
+        if drained or self._steps_since_sizing >= 64:
+            self._size_queue(core)
 
-    def _drain_inbox(self, core: EngineCore) -> dict[str, int]:
-        drained: dict[str, int] = {}
+    def _size_queue(self, core: EngineCore | ModelPool) -> None:
+        """The queue's token bound from the KV cache and the cost model's full-step rate."""
+        self._steps_since_sizing = 0
+        cores = core.cores.values() if isinstance(core, ModelPool) else [core]
+        kv_tokens = sum(c.num_kv_blocks * c.config.block_size for c in cores)
+        rates = []
+        for c in cores:
+            n = c.config.max_num_batched_tokens
+            t = c.scheduler.cost.predict(StepShape(prefill_tokens=n, num_seqs=1,
+                                                   prefill_attention=n * n, sampled=1))
+            if t:
+                rates.append(n / t)
+        with self._lock:
+            self._admission.size(kv_tokens, min(rates) if rates else None)
+
+    def _shed(self, core: EngineCore, victim: Queued) -> None:
+        """Shed a queued request that has sent nothing; one that got going in the meantime
+        (it was in the step that ran while the arrival was admitted) goes on."""
+        rid = victim.request_id
+        state = core.requests.get(rid)
+        if state is not None and state.first_token_time is not None:
+            return
+        if state is not None:
+            core.abort_request(rid)
+        self._deliver(rid, EngineOverloaded(
+            f"service_class {victim.service_class!r}: shed from the queue to make room for more "
+            "urgent work", service_class=victim.service_class,
+            retry_after=self._admission.retry_after(), shed=True))
+
+    def _drain_inbox(self, core: EngineCore) -> int:
+        drained = 0
         while True:
             with self._lock:
                 if not self._inbox:
                     return drained
                 kind, payload = self._inbox.popleft()
             if kind == "add":
-                cls = payload.service_class
-                drained[cls] = drained.get(cls, 0) + 1
+                drained += 1
                 if payload.request_id not in self._streams:
                     continue    # the caller went away before the request got in
                 try:
                     core.add_request(payload)
                 except Exception as exc:  # validated already; a race on request ids at most
                     self._deliver(payload.request_id, exc)
+            elif kind == "shed":
+                self._shed(core, payload)
             else:
                 final = core.abort_request(payload)
                 if final is not None:   # a caller still reading gets its last output

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -32,8 +33,22 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     scheduling_policy: Literal["priority", "fcfs"] = "priority"
     seed: int = 0
-    service_classes: tuple[str, ...] = ("online", "offline")
-    max_waiting_per_class: int = 100_000
+    # most urgent first; the gateway's tiers map onto them: priority, default -> online,
+    # flex -> offline (gateway/jobs.py TIERS)
+    service_classes: tuple[str, ...] = ("priority", "online", "offline")
+    # bounded queues (engine/admission.py): requests of a class waiting to start, and the
+    # tokens (prompt + max_tokens) of every waiting request; None: sized from the KV cache
+    # and the cost model
+    max_waiting_per_class: int | None = None
+    max_waiting_tokens: int | None = None
+    # step sizing (engine/scheduler.py): while a more urgent class has work in sight (running,
+    # waiting, or arrived within `urgent_window_s`), less urgent prefill fills a step only up
+    # to that class's step-time target: `slo[class]` ({"ttft_ms": .., "tpot_ms": ..}) when
+    # set, else `step_time_multiple` x the predicted time of the step's urgent part (its
+    # decodes and the urgent class's prefill)
+    slo: dict[str, dict[str, float]] = field(default_factory=dict)
+    step_time_multiple: float = 1.25
+    urgent_window_s: float = 60.0
     # share of the KV blocks that less urgent classes may not take, e.g. {"online": 0.2}
     reserved_kv_fraction: dict[str, float] = field(default_factory=dict)
     # most prefill tokens a class may compute per step, e.g. {"offline": 256}: bounds the
@@ -59,9 +74,21 @@ class EngineConfig:
             raise ValueError(f"device must be auto, cpu or cuda[:N]; got {self.device!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two >= 1; got {self.block_size}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting_per_class"):
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1; got {getattr(self, name)}")
+        for name in ("max_waiting_per_class", "max_waiting_tokens"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be an integer >= 1 or None; got {value!r}")
+        for name in ("step_time_multiple", "urgent_window_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"{name} must be a number; got {value!r}")
+        if self.step_time_multiple < 1.0:
+            raise ValueError(f"step_time_multiple must be >= 1; got {self.step_time_multiple!r}")
+        if self.urgent_window_s < 0:
+            raise ValueError(f"urgent_window_s must be >= 0; got {self.urgent_window_s!r}")
         for name in ("max_loras", "max_lora_rank"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -115,10 +142,28 @@ class EngineConfig:
                 raise ValueError(f"prefill_token_budget: {cls!r} is not one of {list(self.service_classes)}")
             if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1:
                 raise ValueError(f"prefill_token_budget[{cls!r}] must be an integer >= 1; got {cap!r}")
+        self.slo = {str(k): dict(v) for k, v in dict(self.slo or {}).items()}
+        for cls, targets in self.slo.items():
+            if cls not in self.service_classes:
+                raise ValueError(f"slo: {cls!r} is not one of {list(self.service_classes)}")
+            for key, value in targets.items():
+                if key not in ("ttft_ms", "tpot_ms"):
+                    raise ValueError(f"slo[{cls!r}]: unknown target {key!r}; known: ttft_ms, tpot_ms")
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+                    raise ValueError(f"slo[{cls!r}][{key!r}] must be a number of milliseconds > 0; got {value!r}")
         if sum(self.reserved_kv_fraction.values()) >= 1.0:
             raise ValueError("reserved_kv_fraction: the shares must add up to less than 1")
         if not Path(self.model).is_dir():
             raise ValueError(f"model must be a model directory; {self.model!r} is not one")
+
+    def step_target_s(self, cls: str) -> float | None:
+        """The step-time target `slo` sets for class `cls` (a first token takes about two
+        steps: the one in flight and its own), None when it sets none."""
+        targets = self.slo.get(cls) or {}
+        bounds = [targets["tpot_ms"] / 1000.0] if "tpot_ms" in targets else []
+        if "ttft_ms" in targets:
+            bounds.append(targets["ttft_ms"] / 2000.0)
+        return min(bounds) if bounds else None
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":

@@ -156,6 +156,9 @@ class EngineCore:
         self.check_invariants = os.environ.get("LOCKGATE_CHECK_INVARIANTS") == "1"
         self.num_generated_tokens = 0
         self.track_kv_utilization = False   # the benchmark turns it on (it walks every table)
+        self.last_step = None                # the latest SchedulerOutput run, and its times
+        self.last_step_predicted_s: float | None = None
+        self.last_step_s: float | None = None
         self.kv_util_sum = 0.0
         logger.info(
             "engine ready: %s on %s (%s), %d KV blocks of %d tokens",
@@ -315,6 +318,9 @@ class EngineCore:
         self.timings.num_steps += 1
         if self.track_kv_utilization:
             self.kv_util_sum += self.kv_utilization()
+        cost = self.scheduler.cost
+        predicted = cost.predict(sched.shape)   # before the step runs: what sizing relied on
+        self.last_step = sched
         sampled_seqs, out = self.runner.execute(sched, self.kv, self.timings)
         t2 = time.perf_counter()
         for seq, num_new in sched.scheduled:
@@ -331,7 +337,10 @@ class EngineCore:
                 outputs.append(self._output(state))
             elif self.stream_outputs:
                 outputs.append(self._output(state))
-        self.timings.detokenize += time.perf_counter() - t2
+        t3 = time.perf_counter()
+        self.timings.detokenize += t3 - t2
+        cost.observe(sched.shape, t3 - t0, predicted)
+        self.last_step_predicted_s, self.last_step_s = predicted, t3 - t0
         return outputs
 
     def _append_tokens(
@@ -510,5 +519,6 @@ class EngineCore:
             "num_generated_tokens": self.num_generated_tokens,
             "num_steps": self.timings.num_steps,
             "memory": self.memory.summary() if self.memory is not None else self.footprint(),
+            "cost_model": {**sched.cost.summary(), "device": str(self.device)},
             **({"lora": self.lora.stats()} if self.lora is not None else {}),
         }

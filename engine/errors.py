@@ -16,7 +16,16 @@ class PromptTooLong(EngineError, ValueError):
 
 
 class EngineOverloaded(EngineError):
-    """A service class's waiting queue is full; retry later."""
+    """The queue is full (engine/admission.py); retry after `retry_after` seconds. `shed`:
+    the request had been queued and was shed, before it sent anything, to make room for
+    more urgent work; otherwise it was refused on arrival."""
+
+    def __init__(self, message: str, *, service_class: str | None = None,
+                 retry_after: float = 1.0, shed: bool = False) -> None:
+        super().__init__(message)
+        self.service_class = service_class
+        self.retry_after = retry_after
+        self.shed = shed
 
 
 class UnknownModel(EngineError, ValueError):

@@ -277,7 +277,8 @@ class ModelPool:
         per = {n: c.stats() for n, c in self.cores.items()}
         out: dict[str, Any] = {}
         for s in per.values():
-            _merge_sum(out, {k: v for k, v in s.items() if k not in ("memory", "lora", "tenants")})
+            _merge_sum(out, {k: v for k, v in s.items()
+                             if k not in ("memory", "lora", "tenants", "cost_model")})
         out["tenants"] = {}
         for s in per.values():
             for tenant, by_class in s.get("tenants", {}).items():
@@ -285,6 +286,7 @@ class ModelPool:
         out["memory"] = {**self.memory.summary(), "used_bytes": self.memory.used_bytes,
                          "peak_used_bytes": self.peak_used_bytes}
         out["by_model"] = per
+        out["cost_model"] = {n: s["cost_model"] for n, s in per.items()}   # one fit per model
         out["switches"] = self.num_switches
         out["switch_s"] = self.switch_s_total
         out["current_model"] = self.current

@@ -12,6 +12,16 @@ its cached prefix kept for its return, recomputed later, its place in line kept)
 sequence may preempt running ones only of a less urgent class. `reserved_kv_fraction`
 keeps a share of the blocks out of reach of less urgent classes. With LoRA on, at most
 `max_loras` adapters run at once, and adapters take turns (`_lora_admissible`).
+
+Step sizing (under `priority`, with chunked prefill): the step's *urgent* class is the most
+urgent one with work in sight (sequences running or waiting, or an arrival within
+`urgent_window_s`). Every running decode runs and the urgent classes' prefill takes what the
+token budget allows; less urgent prefill then fills the step only while the step-cost model
+(engine/cost_model.py) predicts it within the urgent class's step-time target: its `slo`
+when set, else `step_time_multiple` x the predicted time of the step's urgent part. So an
+arrival waits at most for one short step in flight and then shares a short step; with no
+urgent work in sight, steps use the whole budget. An explicit `prefill_token_budget` for a
+class replaces its sizing with that fixed cap.
 """
 
 from __future__ import annotations
@@ -23,6 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
+from engine.cost_model import StepCostModel, StepShape
 from engine.kv_cache import KVBlock, KVCacheManager
 from engine.request import RequestState, Sequence, SeqStatus
 
@@ -50,6 +61,9 @@ class SchedulerOutput:
     scheduled: list[tuple[Sequence, int]]
     preempted: list[Sequence] = field(default_factory=list)
     num_batched_tokens: int = 0
+    shape: StepShape = field(default_factory=StepShape)   # what the cost model predicts from
+    urgent_class: int | None = None      # rank of the class the step was sized for
+    step_target_s: float | None = None   # its step-time target, when less urgent prefill was sized
 
     @property
     def is_empty(self) -> bool:
@@ -58,6 +72,8 @@ class SchedulerOutput:
 
 PREFILL_COST = 1   # service per uncached prompt token computed
 DECODE_COST = 2    # service per output token (VTC's w_q)
+# less urgent prefill per step while the cost model has not yet seen enough steps to predict
+FALLBACK_BACKGROUND_PREFILL = 256
 
 
 class Fairness:
@@ -141,6 +157,17 @@ class Scheduler:
         ]
         self._prefill_left: list[int | None] = list(self.prefill_cap_by_rank)
         self._min_prefill_rank = len(self.classes)
+        # step sizing from the measured cost model (see the module docstring)
+        self.cost = StepCostModel()
+        self.sizing = self.policy == "priority" and self.chunked_prefill
+        self.step_time_multiple = config.step_time_multiple
+        self.urgent_window_s = config.urgent_window_s
+        self.step_target_by_rank = [config.step_target_s(c) for c in self.classes]
+        self.last_arrival = [-float("inf")] * len(self.classes)   # time.monotonic()
+        self._shape = StepShape()
+        self._urgent_rank = len(self.classes)
+        self._target: float | None = None
+        self._background_tokens = 0
         self.tenant_stats: dict[tuple[int, str], TenantStats] = defaultdict(TenantStats)
         self._step_charges: dict[Sequence, list[tuple[int, bool]]] = {}
         self._admitting = True
@@ -175,6 +202,7 @@ class Scheduler:
         if req.tenant_weight is not None:
             self.fair.weights[req.tenant] = float(req.tenant_weight)
         self.fair.activate(state.class_rank, req.tenant, len(state.seqs))
+        self.last_arrival[state.class_rank] = time.monotonic()
         self.waiting.extend(state.seqs)
 
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
@@ -190,16 +218,62 @@ class Scheduler:
         seq.finish_reason, seq.stop_reason = reason, stop_reason
 
     def _room(self, seq: Sequence, budget: StepBudget) -> int:
-        """Prefill tokens `seq` may take this step: the budget, within its class's cap. A
-        capped (background) class computes no prefill in a step where a more urgent class
-        does: that step gives an arriving request its first token, and is kept short."""
+        """Prefill tokens `seq` may take this step: the budget, within its class's cap or, for
+        a class less urgent than the step's urgent one, within the step-time target. A class
+        with an explicit cap computes no prefill in a step where a more urgent class does:
+        that step gives an arriving request its first token, and is kept short."""
         rank = seq.state.class_rank
         left = self._prefill_left[rank]
-        if left is None:
+        if left is not None:
+            if rank > self._min_prefill_rank:
+                return 0
+            return min(left, budget.tokens_left)
+        if rank <= self._urgent_rank or not self.sizing:
             return budget.tokens_left
-        if rank > self._min_prefill_rank:
+        return min(budget.tokens_left, self._background_room(seq))
+
+    def _background_room(self, seq: Sequence) -> int:
+        """Prefill tokens a sequence of a class less urgent than the step's urgent one may
+        take: none in a step where a more urgent class prefills (that step gives an arrival
+        its first token), else what the cost model predicts fits the step-time target."""
+        if self._min_prefill_rank < seq.state.class_rank:
             return 0
-        return min(left, budget.tokens_left)
+        cost = self.cost
+        if not cost.ready:
+            return max(0, FALLBACK_BACKGROUND_PREFILL - self._background_tokens)
+        if self._target is None:   # fixed at the first less urgent chunk: the urgent part is known
+            explicit = self.step_target_by_rank[self._urgent_rank]
+            self._target = explicit if explicit is not None else (
+                self.step_time_multiple * cost.predict(self._shape))
+        room = cost.prefill_room(self._target - cost.predict(self._shape), seq.num_computed_tokens)
+        if self._background_tokens == 0:   # background work always moves, a block at least
+            room = max(room, self.block_size)
+        return room
+
+    def _urgent_class(self) -> int:
+        """The most urgent class with work in sight: sequences running or waiting, or an
+        arrival within `urgent_window_s`."""
+        now = time.monotonic()
+        for rank in range(len(self.classes)):
+            if self.fair.active[rank] or now - self.last_arrival[rank] <= self.urgent_window_s:
+                return rank
+        return len(self.classes)
+
+    def _add_to_shape(self, seq: Sequence, num_tokens: int, sign: int = 1) -> None:
+        if seq.is_decode and num_tokens == 1:
+            self._shape.add_decode(seq.num_tokens, sign)
+        else:
+            done = seq.num_computed_tokens + num_tokens >= seq.num_tokens
+            self._shape.add_prefill(num_tokens, seq.num_computed_tokens, done, sign)
+            if seq.state.class_rank > self._urgent_rank:
+                self._background_tokens += sign * num_tokens
+
+    def _take(self, seq: Sequence, num_tokens: int, budget: StepBudget,
+              scheduled: dict[Sequence, int], decode: bool) -> None:
+        scheduled[seq] = num_tokens
+        budget.take(num_tokens)
+        self._add_to_shape(seq, num_tokens)
+        self._charge(seq, num_tokens, decode=decode)
 
     def _charge(self, seq: Sequence, num_tokens: int, decode: bool, record: bool = True) -> None:
         """Count `num_tokens` of service to `seq`'s tenant (negative: a refund)."""
@@ -231,13 +305,19 @@ class Scheduler:
         self._admitting = True
         self._prefill_left = list(self.prefill_cap_by_rank)
         self._min_prefill_rank = len(self.classes)   # the most urgent class prefilling this step
+        self._shape = StepShape()
+        self._urgent_rank = self._urgent_class() if self.sizing else len(self.classes)
+        self._target = None
+        self._background_tokens = 0
         self._running_loras = {s.state.req.lora_id for s in self.running} - {0}
         self._lora_gate = None
         self.running.sort(key=self.key)
         self._schedule_decodes(budget, scheduled, preempted)
         self._schedule_prefills(budget, scheduled, preempted)
         items = list(scheduled.items())  # insertion order: decodes, then prefill chunks
-        return SchedulerOutput(items, preempted, budget.num_tokens)
+        return SchedulerOutput(items, preempted, budget.num_tokens, self._shape,
+                               self._urgent_rank if self._urgent_rank < len(self.classes) else None,
+                               self._target)
 
     def _schedule_decodes(
         self, budget: StepBudget, scheduled: dict[Sequence, int], preempted: list[Sequence]
@@ -248,9 +328,7 @@ class Scheduler:
             if budget.tokens_left < 1:
                 return
             if self._allocate_or_preempt(seq, 1, budget, scheduled, preempted):
-                scheduled[seq] = 1
-                budget.take(1)
-                self._charge(seq, 1, decode=True)
+                self._take(seq, 1, budget, scheduled, decode=True)
 
     def _schedule_prefills(
         self, budget: StepBudget, scheduled: dict[Sequence, int], preempted: list[Sequence]
@@ -293,9 +371,7 @@ class Scheduler:
             if num_new < 1:
                 return
             if self._allocate_or_preempt(seq, num_new, budget, scheduled, preempted):
-                scheduled[seq] = num_new
-                budget.take(num_new)
-                self._charge(seq, num_new, decode=False)
+                self._take(seq, num_new, budget, scheduled, decode=False)
         elif self._admitting and seq not in preempted and self._room(seq, budget) > 0:
             if self.admission_paused or not self._lora_admissible(seq):
                 return
@@ -303,9 +379,7 @@ class Scheduler:
             if admitted is None:
                 self._admitting = False   # keep the order: nothing later jumps the queue
             elif admitted:
-                scheduled[seq] = admitted
-                budget.take(admitted)
-                self._charge(seq, admitted, decode=False)
+                self._take(seq, admitted, budget, scheduled, decode=False)
                 if seq.state.req.lora_id:
                     self._running_loras.add(seq.state.req.lora_id)
 
@@ -366,8 +440,11 @@ class Scheduler:
         num_new = seq.num_tokens - num_cached
         if not self.chunked_prefill and seq.num_output_tokens == 0 and num_new > budget.tokens_left:
             return None
+        seq.num_computed_tokens = num_cached   # what the room is sized from
         num_new = min(num_new, self._room(seq, budget))
-        seq.num_computed_tokens = num_cached
+        if num_new < 1:
+            seq.num_computed_tokens = 0
+            return None
         reserve = self.reserve_for(seq)
         while not self.kv.try_allocate(seq, num_new, shared, reserve=reserve):
             if not self._preempt_less_urgent(seq, budget, scheduled, preempted):
@@ -429,6 +506,7 @@ class Scheduler:
         self.running.remove(victim)
         self.kv.free(victim)
         if victim in scheduled:
+            self._add_to_shape(victim, scheduled[victim], -1)
             budget.give_back(scheduled.pop(victim))
             for num, decode in self._step_charges.pop(victim, []):   # it will not run
                 self._charge(victim, -num, decode, record=False)

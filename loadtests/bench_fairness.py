@@ -107,8 +107,10 @@ def run_fairness_side(model_dir: str, policy: str, sizes: dict[str, Any]) -> dic
                                        tenant_weight=weights[tenant]))
         counts[tenant] += 1
 
+    online = core.class_rank["online"]
+
     def service(tenant: str) -> float:
-        ts = sched.tenant_stats.get((0, tenant))
+        ts = sched.tenant_stats.get((online, tenant))
         if ts is None:
             return 0.0
         return (ts.prefill_tokens * 1 + ts.decode_tokens * 2) / weights[tenant]
@@ -127,8 +129,8 @@ def run_fairness_side(model_dir: str, policy: str, sizes: dict[str, Any]) -> dic
         waiting = {HEAVY: 0, LIGHT: 0}
         for seq in sched.waiting:
             waiting[seq.state.req.tenant] = waiting.get(seq.state.req.tenant, 0) + 1
-        rows.append((service(HEAVY), service(LIGHT), sched.fair.counter(0, HEAVY),
-                     sched.fair.counter(0, LIGHT), waiting[HEAVY] > 0 and waiting[LIGHT] > 0,
+        rows.append((service(HEAVY), service(LIGHT), sched.fair.counter(online, HEAVY),
+                     sched.fair.counter(online, LIGHT), waiting[HEAVY] > 0 and waiting[LIGHT] > 0,
                      time.perf_counter() - t0))
 
     for _ in range(s.num_steps):

@@ -111,7 +111,7 @@ def drop_all(core) -> None:
 
 def capture_schedules(core) -> dict:
     """After each `core.step()`, the returned dict holds under "tokens" what its schedule
-    held: {(class rank, "prefill" | "decode"): tokens} (the bench wraps the instance's bound
+    held: {(class name, "prefill" | "decode"): tokens} (the bench wraps the instance's bound
     method; the engine's code is untouched)."""
     last: dict = {}
     orig = core.scheduler.schedule
@@ -120,7 +120,7 @@ def capture_schedules(core) -> dict:
         out = orig()
         tokens: dict = {}
         for seq, n in out.scheduled:   # classified now: computing them moves the sequences on
-            key = (seq.state.class_rank, "decode" if seq.is_decode else "prefill")
+            key = (seq.state.req.service_class, "decode" if seq.is_decode else "prefill")
             tokens[key] = tokens.get(key, 0) + n
         last["tokens"] = tokens
         return out
@@ -205,6 +205,7 @@ def run_priority_side(model_dir: str, mode: str, sizes: dict[str, Any]) -> dict[
     # per step: (t, seconds, online, offline, prefill, decode tokens, running, waiting)
     trace: list[tuple] = []
     snap_start = snap_end = None
+    errors: list[float] = []     # |predicted - measured| / measured of each step in the window
     next_on = 0
     while True:
         now = time.time()
@@ -232,10 +233,12 @@ def run_priority_side(model_dir: str, mode: str, sizes: dict[str, Any]) -> dict[
         outs = core.step()
         end = time.time()
         tok = last.pop("tokens", {})
-        n_on = tok.get((0, "prefill"), 0) + tok.get((0, "decode"), 0)
+        n_on = tok.get(("online", "prefill"), 0) + tok.get(("online", "decode"), 0)
         n_off = sum(tok.values()) - n_on
-        n_dec = tok.get((0, "decode"), 0) + tok.get((1, "decode"), 0)
+        n_dec = tok.get(("online", "decode"), 0) + tok.get(("offline", "decode"), 0)
         steps.append((now, end, n_on, n_off, sum(tok.values()) - n_dec, n_dec))
+        if window_start <= now < window_end and core.last_step_predicted_s is not None:
+            errors.append(abs(core.last_step_predicted_s - core.last_step_s) / core.last_step_s)
         trace.append((round(now - t0, 3), round(end - now, 4), n_on, n_off, sum(tok.values()) - n_dec,
                       n_dec, len(core.scheduler.running), len(core.scheduler.waiting)))
         for o in outs:
@@ -314,6 +317,9 @@ def run_priority_side(model_dir: str, mode: str, sizes: dict[str, Any]) -> dict[
             "online_and_offline_median_s": percentile(both_classes, 50),
         },
         "preemptions": {c: row["preemptions"] for c, row in stats["classes"].items()},
+        "cost_model": {"prediction_error_median": percentile(errors, 50) if errors else None,
+                       "predicted_steps": len(errors),
+                       "coefficients": stats["cost_model"]["coefficients"]},
         "num_kv_blocks": stats["kv_blocks_total"],
         "elapsed_s": t_stop - t0,
         "window": (round(window_start - t0, 3), round(window_end - t0, 3)),
@@ -428,6 +434,13 @@ def _report(results: dict[str, Any], echo) -> dict[str, Any]:
     echo(f"  per CPU-second of the engine's process (the machine's other load mostly cancels): "
          f"alone {cpu['offline']:.1f}, fcfs {cpu['fcfs']:.1f}, priority {cpu['priority']:.1f} tok; "
          f"priority / alone {cpu['priority'] / cpu['offline']:.2f}")
+    err = prio["cost_model"]["prediction_error_median"]
+    targets["cost_model_error_15pct"] = err is not None and err <= 0.15
+    echo(f"step-cost model, mixed priority run: median |predicted - measured| / measured "
+         f"{'-' if err is None else f'{err * 100:.1f}%'} over {prio['cost_model']['predicted_steps']} "
+         f"steps, each predicted before it ran (target <= 15%): {ok[targets['cost_model_error_15pct']]}")
+    coef = prio["cost_model"]["coefficients"] or {}
+    echo("  fitted: " + ", ".join(f"{k} {v * 1e6:.2f} us" for k, v in coef.items()))
     return {"ttft_bound_s": bound, "ttft_bound_mixed_batches_s": bound_mixed,
             "ttft_p99_fcfs_over_priority": vs_fcfs,
             "offline_kept": keep, "offline_kept_fcfs": keep_fcfs,

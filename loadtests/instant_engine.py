@@ -59,7 +59,7 @@ class InstantEngine:
     def __init__(self, model: str | Path, *, max_output_tokens: int = 16,
                  per_token_outputs: bool = True, max_model_len: int | None = None,
                  max_waiting_per_class: int = 100_000,
-                 service_classes: tuple[str, ...] = ("online", "offline"),
+                 service_classes: tuple[str, ...] = ("priority", "online", "offline"),
                  **ignored: Any) -> None:
         """`ignored`: AsyncEngine's other keyword arguments (kv_cache_memory, max_num_seqs...),
         accepted so the same `engine_kwargs` work with either engine."""
@@ -208,6 +208,7 @@ class InstantEngine:
         priority: int = 0,
         model: str | None = None,
         cache_salt: str | None = None,
+        sheddable: bool = True,     # nothing queues here, so nothing is ever shed
     ) -> RequestStream:
         self._started()
         tok = self.tokenizer
@@ -218,7 +219,7 @@ class InstantEngine:
                       self.model_config.vocab_size, self._max_model_len)
         if len(self._streams) >= self.max_waiting_per_class:
             raise EngineOverloaded(f"service_class {service_class!r}: {self.max_waiting_per_class} "
-                                   "requests already waiting")
+                                   "requests already waiting", service_class=service_class)
         if not self._running:
             raise EngineDead("engine is not running; call `await engine.start()` first")
         if request_id in self._streams:

@@ -13,6 +13,8 @@ from engine.request import SeqStatus
 from engine.scheduler import DECODE_COST, PREFILL_COST
 from tests.test_scheduler import CLASSES, FakeEngine, names
 
+ONLINE = CLASSES.index("online")
+
 
 def counter(eng, tenant, cls="online"):
     return eng.sched.fair.counter(CLASSES.index(cls), tenant)
@@ -137,7 +139,7 @@ def test_vtc_bound_holds_at_every_step(tmp_path, weights):
         if step == 50:
             start = (counter(eng, "a"), counter(eng, "b"))
         eng.step()
-        backlogged = eng.sched.fair.backlogged(0)
+        backlogged = eng.sched.fair.backlogged(ONLINE)
         both_waiting = all(any(s.state.req.tenant == t for s in eng.sched.waiting) for t in ("a", "b"))
         if both_waiting and len(backlogged) == 2:
             gap = abs(counter(eng, "a") - counter(eng, "b"))
@@ -163,8 +165,8 @@ def test_fcfs_is_unfair_to_the_light_tenant(tmp_path):
             eng.add(16, 8, tenant="b")
     for _ in range(150):
         eng.step()
-    sa = eng.sched.tenant_stats[(0, "a")]
-    sb = eng.sched.tenant_stats[(0, "b")]
+    sa = eng.sched.tenant_stats[(ONLINE, "a")]
+    sb = eng.sched.tenant_stats[(ONLINE, "b")]
     served_a = sa.prefill_tokens + 2 * sa.decode_tokens
     served_b = sb.prefill_tokens + 2 * sb.decode_tokens
     assert served_b > 3 * served_a
@@ -230,7 +232,7 @@ def test_reserved_kv_keeps_room_for_online(tmp_path):
     online request of 16 tokens then gets in without preempting anything."""
     eng = FakeEngine(tmp_path, num_blocks=20, max_num_batched_tokens=256,
                      reserved_kv_fraction={"online": 0.25})
-    assert eng.sched.reserve_by_rank == [0, 5]
+    assert eng.sched.reserve_by_rank == [0, 0, 5]   # priority, online, offline
     for _ in range(5):
         eng.add(16, 8, cls="offline", tenant="t")
     for _ in range(3):
@@ -280,7 +282,7 @@ def test_prefix_cache_is_salted_by_tenant(tmp_path):
 
 
 def test_randomized_tenants_classes_and_aborts(tmp_path):
-    """3000 steps of random arrivals over 4 tenants (random weights), both classes, n up to
+    """3000 steps of random arrivals over 4 tenants (random weights), all three classes, n up to
     3, random lengths and aborts, with a reserve for online. At every step: the invariants
     (no block leaked or freed twice, budgets), no offline sequence running while an online
     one waits with budget left, and the fairness counters never decrease."""
@@ -299,7 +301,9 @@ def test_randomized_tenants_classes_and_aborts(tmp_path):
             for seq in rng.choice(states).seqs:
                 eng.sched.finish(seq, "abort")
         out = eng.step()
-        if out.num_batched_tokens < eng.cfg.max_num_batched_tokens:
+        priority_prefilled = eng.sched._min_prefill_rank < ONLINE   # the step's most urgent prefill
+        # (a step where priority prefills gives less urgent classes no prefill: step sizing)
+        if out.num_batched_tokens < eng.cfg.max_num_batched_tokens and not priority_prefilled:
             online_waiting = [s for s in eng.sched.waiting if s.state.req.service_class == "online"
                               and s.index == 0 and s not in out.preempted]
             offline_running = [s for s in eng.sched.running if s.state.req.service_class == "offline"]

@@ -13,7 +13,7 @@ from engine.request import EngineRequest, RequestState, Sequence, SeqStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 
-CLASSES = ("online", "offline")
+CLASSES = ("priority", "online", "offline")   # the engine's default classes
 
 
 class FakeEngine:
