@@ -96,6 +96,14 @@ class StepCostModel:
             return 1 << 30
         return max(0, int(n))
 
+    def chunk_time(self, num_tokens: int, computed: int = 0) -> float | None:
+        """Seconds one more prefill chunk of `num_tokens` adds to a step (sampled at its end)."""
+        if not self.ready:
+            return None
+        shape = StepShape()
+        shape.add_prefill(num_tokens, computed, True)
+        return sum(w * x for w, x in zip(self._w[1:], shape.features()[1:]))
+
     def observe(self, shape: StepShape, seconds: float, predicted: float | None = None) -> None:
         """Fold in one step that took `seconds`; `predicted` (what `predict` said before the
         step ran) goes into the reported error."""

@@ -161,6 +161,7 @@ class Scheduler:
         self.cost = StepCostModel()
         self.sizing = self.policy == "priority" and self.chunked_prefill
         self.step_time_multiple = config.step_time_multiple
+        self.min_background_chunk = max(self.block_size, config.max_num_batched_tokens // 16)
         self.urgent_window_s = config.urgent_window_s
         self.step_target_by_rank = [config.step_target_s(c) for c in self.classes]
         self.last_arrival = [-float("inf")] * len(self.classes)   # time.monotonic()
@@ -243,8 +244,15 @@ class Scheduler:
             return max(0, FALLBACK_BACKGROUND_PREFILL - self._background_tokens)
         if self._target is None:   # fixed at the first less urgent chunk: the urgent part is known
             explicit = self.step_target_by_rank[self._urgent_rank]
-            self._target = explicit if explicit is not None else (
-                self.step_time_multiple * cost.predict(self._shape))
+            if explicit is not None:
+                self._target = explicit
+            else:
+                # a multiple of the urgent part, and never less than that part plus a
+                # chunk of `min_background_chunk` tokens: less urgent prefill keeps moving
+                # at a useful rate even beside a single urgent decode
+                urgent = cost.predict(self._shape)
+                self._target = max(self.step_time_multiple * urgent,
+                                   urgent + cost.chunk_time(self.min_background_chunk))
         room = cost.prefill_room(self._target - cost.predict(self._shape), seq.num_computed_tokens)
         if self._background_tokens == 0:   # background work always moves, a block at least
             room = max(room, self.block_size)
