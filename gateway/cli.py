@@ -153,6 +153,13 @@ def bench_gateway(
         raise typer.Exit(2) from None
 
 
+def _dump(path: Path | None, out: dict) -> None:
+    if path is not None:
+        import json
+
+        path.write_text(json.dumps(out, indent=2, default=str))
+
+
 @bench_app.command("priority")
 def bench_priority(
     model: Annotated[Path | None, typer.Option(help="model directory (default: the small llama demo model)")] = None,
@@ -173,13 +180,38 @@ def bench_priority(
     num_threads: Annotated[int, typer.Option(min=0, help="torch threads (0: torch's default)")] = 0,
     seed: Annotated[int, typer.Option()] = 0,
     json_out: Annotated[Path | None, typer.Option("--json", help="also write the results here")] = None,
+    defaults: Annotated[bool, typer.Option("--defaults", help="every scheduling knob at the engine's default: no online reserve, no offline prefill budget, default step targets")] = False,
+    tiers: Annotated[bool, typer.Option("--tiers", help="instead: priority requests arriving while online ones fill every sequence slot")] = False,
+    http: Annotated[bool, typer.Option("--http", help="instead: through a lockgate serve it starts on defaults, flex clients flooding, default clients streaming")] = False,
 ) -> None:
     """Online trickle beside an offline flood: alone, fcfs, priority.
 
     Four runs: online alone, offline alone, mixed under fcfs, mixed under priority. Prints
-    online TTFT/TPOT, offline tokens/s, step times and the ratios."""
+    online TTFT/TPOT, offline tokens/s, step times, the ratios and the step-cost model's
+    prediction error. `--tiers` and `--http` run the other two benchmarks of the scheduling
+    promise instead (see loadtests/bench_tiers.py, loadtests/bench_priority_http.py)."""
     from loadtests.bench_priority import PrioritySizes
     from loadtests.bench_priority import bench_priority as run
+
+    if tiers and http:
+        raise typer.BadParameter("--tiers and --http: pick one")
+    if tiers:
+        from loadtests.bench_tiers import TierSizes, bench_tiers
+
+        out = bench_tiers(str(model) if model else None, sizes=TierSizes(
+            duration_s=duration if duration != 40.0 else 20.0, seed=seed,
+            num_threads=num_threads or None), echo=typer.echo)
+        _dump(json_out, out)
+        return
+    if http:
+        from loadtests.bench_priority_http import HttpSizes, bench_priority_http
+
+        out = bench_priority_http(sizes=HttpSizes(duration_s=duration if duration != 40.0 else 30.0,
+                                                  seed=seed), echo=typer.echo)
+        _dump(json_out, out)
+        return
+    if defaults:
+        online_kv_reserve, offline_prefill_budget = 0.0, 0
 
     for name, (lo, hi) in (("--online-prompt", online_prompt), ("--online-output", online_output),
                            ("--offline-prompt", offline_prompt)):

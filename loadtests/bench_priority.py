@@ -353,7 +353,8 @@ def bench_priority(
     echo(f"engine         : {s.num_kv_blocks or 'default'} KV blocks of {s.block_size}{kv_tokens}, "
          f"online reserve {s.online_kv_reserve:g}, offline prefill budget "
          f"{s.offline_prefill_budget or 'none'} tokens/step, max_num_batched_tokens "
-         f"{s.max_num_batched_tokens}, max_num_seqs {s.max_num_seqs}")
+         f"{s.max_num_batched_tokens}, max_num_seqs {s.max_num_seqs}; step sizing and queue bounds: "
+         "the engine's defaults")
     sides = {m: (run_priority_side, (model_dir, m, asdict(s))) for m in MODES}
     results = run_sides(sides, fresh_process, echo)
     report = _report(results, echo)
