@@ -423,6 +423,8 @@ async def engine(request: Request) -> dict:
             "prefix_cache": {"queries": stats.get("prefix_cache_queries", 0),
                              "hits": stats.get("prefix_cache_hits", 0)},
             "lora": stats.get("lora"),     # in_slots, in_cpu, requests, slot_loads, disk_loads
+            # the engine's bounded queue: queued per class, bounds, refused / shed per tenant
+            "overload": stats.get("overload"),
         }
     return {"object": "engine", "models": out, "inflight_requests": len(state.inflight),
             "draining": state.draining}

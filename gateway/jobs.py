@@ -1,19 +1,24 @@
 """One admitted request's life: limiter admission, engine requests, settlement and usage.
 
     job = Job(state, principal, entry, tier, prompts, params)
-    await job.admit()          # 429 here; nothing queued yet
-    job.submit()               # 400/503 here; the engine has the request(s)
-    async for i, out in job.events(): ...
-    usage = await job.finish("ok")    # usage row committed, reservation settled
+    await job.admit()                           # 429 here; nothing queued yet
+    await job.submit(sheddable=not stream)      # 400/429/503 here; the engine has the request(s)
+    async for i, out in job.events(): ...       # 429/503 here if the engine shed it
+    usage = await job.finish("ok")              # usage row committed, reservation settled
 
-`finish` runs exactly once whatever happens (disconnect, error, success): the lease is
-settled to the tokens processed and exactly one usage row is written.
+A job ends exactly once, in one of two ways. `finish` (disconnect, error, success): the lease
+is settled to the tokens processed and exactly one usage row is written. `refuse`, when the
+engine is overloaded (it refused a prompt at submit, or shed a queued one of a non-streaming
+job before any answer went out): the admission is cancelled (`Limiter.cancel`: no rate,
+lease or budget keeps it) and no usage row is written, as for a limiter's 429. Whichever
+comes first wins; the other is then a no-op.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import secrets
 import time
 from collections.abc import Callable
@@ -28,7 +33,13 @@ from tenancy.service import Principal, UsageRow
 
 logger = logging.getLogger(__name__)
 
-TIERS = {"default": ("online", 0), "priority": ("online", -1), "flex": ("offline", 0)}
+# The one place the API's service tiers meet the engine's service classes (most urgent first:
+# priority, online, offline): tier -> (service class, priority within the tenant). A waiting
+# `priority` request preempts online and offline work; `flex` is background work, the first to
+# be refused when the engine's queue is full (429 `resource_unavailable`, as OpenAI's flex tier
+# answers), and its queued non-streaming requests the first shed to make room for more urgent
+# arrivals. The other tiers' refusals are 503 `engine_overloaded`.
+TIERS = {"priority": ("priority", 0), "default": ("online", 0), "flex": ("offline", 0)}
 
 
 def new_request_id() -> str:
@@ -69,6 +80,17 @@ def _engine_stopped(exc: EngineDead) -> APIError:
                     headers={"retry-after": "5"})
 
 
+def overloaded(tier: str, exc: EngineOverloaded) -> APIError:
+    """The answer to an engine refusal or shed: flex 429 `resource_unavailable`, the other
+    tiers 503 `engine_overloaded`; Retry-After as the engine estimates it."""
+    headers = {"retry-after": str(max(1, math.ceil(exc.retry_after)))}
+    if tier == "flex":
+        return APIError(429, "Resource unavailable: the flex tier has no capacity right now; "
+                        "retry later.", code="resource_unavailable", headers=headers)
+    return APIError(503, f"The engine is busy: {exc}. Retry shortly.", code="engine_overloaded",
+                    headers=headers)
+
+
 class Job:
     def __init__(
         self,
@@ -100,7 +122,8 @@ class Job:
         self._queue: asyncio.Queue = asyncio.Queue()
         self._pumps: list[asyncio.Task] = []
         self._open = 0
-        self._finished: asyncio.Future | None = None
+        self.sheddable = False
+        self._ended: asyncio.Future | None = None     # set by the first of finish / refuse
         self.usage: dict | None = None
 
     # -- admission ----------------------------------------------------------------------------
@@ -128,36 +151,42 @@ class Job:
         if self.lease is not None:
             self.state.inflight[self.id] = self.lease
 
-    def submit(self) -> None:
-        """Hand every prompt to the engine; on refusal nothing stays queued."""
+    async def submit(self, *, sheddable: bool) -> None:
+        """Hand every prompt to the engine. `sheddable` (a non-streaming job: nothing is
+        answered until it ends) lets the engine shed its queued prompts before they start.
+        On a refusal nothing stays queued and the job is over: refused (`refuse`) when the
+        engine is overloaded, finished with an error row otherwise."""
+        self.state.push_weight(self.principal.tenant_id, self.principal.weight)
+        self.sheddable = sheddable
+        try:
+            self._queue_prompts()
+        except EngineOverloaded as exc:
+            raise await self.refuse(exc) from None
+        except APIError:
+            await self.finish("error")
+            raise
+        self._open = len(self.streams)
+        if len(self.streams) > 1:     # one prompt (most requests) is read straight from its stream
+            for i, stream in enumerate(self.streams):
+                self._pumps.append(asyncio.get_running_loop().create_task(self._pump(i, stream)))
+
+    def _queue_prompts(self) -> None:
         p = self.principal
-        self.state.push_weight(p.tenant_id, p.weight)
         engine = self.entry.engine
         try:
             for i, (ids, sp) in enumerate(zip(self.prompts, self.params, strict=True)):
                 self.streams.append(engine.submit(
                     ids, sp, f"{self.id}-{i}", tenant=p.tenant_id, service_class=self.service_class,
-                    priority=self.priority, cache_salt=self.cache_salt,
+                    priority=self.priority, cache_salt=self.cache_salt, sheddable=self.sheddable,
                 ))
         except PromptTooLong as exc:
-            self._close_streams()
             raise APIError(400, str(exc), param="messages", code="context_length_exceeded") from None
-        except EngineOverloaded as exc:
-            self._close_streams()
-            raise APIError(503, f"The engine is busy: {exc}. Retry shortly.", code="engine_overloaded",
-                           headers={"retry-after": "1"}) from None
         except EngineDead as exc:
-            self._close_streams()
             raise APIError(503, f"The engine is not running: {exc}", code="engine_unavailable",
                            headers={"retry-after": "5"}) from None
         except ValueError as exc:
-            self._close_streams()
             param = str(exc).split(":", 1)[0].split(" ", 1)[0]
             raise APIError(400, str(exc), param=param or None) from None
-        self._open = len(self.streams)
-        if len(self.streams) > 1:     # one prompt (most requests) is read straight from its stream
-            for i, stream in enumerate(self.streams):
-                self._pumps.append(asyncio.get_running_loop().create_task(self._pump(i, stream)))
 
     async def _pump(self, i: int, stream: RequestStream) -> None:
         try:
@@ -180,6 +209,8 @@ class Job:
                     yield 0, out
             except EngineDead as exc:
                 raise _engine_stopped(exc) from None
+            except EngineOverloaded as exc:
+                raise await self._shed(exc) from None
             self._open = 0
             return
         while self._open > 0:
@@ -192,7 +223,18 @@ class Job:
             else:
                 if isinstance(item, EngineDead):
                     raise _engine_stopped(item)
+                if isinstance(item, EngineOverloaded):
+                    raise await self._shed(item)
                 raise item
+
+    async def _shed(self, exc: EngineOverloaded) -> BaseException:
+        """A stream raised EngineOverloaded: the engine shed that prompt from its queue. A
+        sheddable job has answered nothing yet, so the whole job is refused (its other
+        prompts closed) as if at submit. A stream that is not sheddable must never see this
+        (its 200 went out): an engine fault, raised as it is."""
+        if self.sheddable:
+            return await self.refuse(exc)
+        return exc
 
     def _close_streams(self) -> None:
         for t in self._pumps:
@@ -201,6 +243,30 @@ class Job:
             s.close()
 
     # -- the end ------------------------------------------------------------------------------
+    async def refuse(self, exc: EngineOverloaded) -> APIError:
+        """End the job because the engine is overloaded (instead of `finish`; a no-op after
+        it): streams closed, the admission cancelled so no rate, lease or budget counts it,
+        no usage row. Returns the 429 (flex) or 503 to answer with."""
+        if self._ended is None:
+            self._ended = asyncio.get_running_loop().create_future()
+            try:
+                self._close_streams()
+                m = self.state.metrics
+                m.child(m.overload_refusals, self.principal.tenant_name, self.tier,
+                        "shed" if exc.shed else "refused").inc()
+                if self.lease is not None:
+                    lease, self.lease = self.lease, None
+                    self.state.inflight.pop(self.id, None)
+                    assert self.state.limiter is not None
+                    try:
+                        await asyncio.shield(self.state.limiter.cancel(lease))
+                    except Exception:  # noqa: BLE001 - the lease expires; the window keeps it
+                        logger.warning("could not cancel the admission of %s", self.id,
+                                       exc_info=True)
+            finally:
+                self._ended.set_result(None)
+        return overloaded(self.tier, exc)
+
     def counts(self) -> tuple[int, int, int]:
         prompt = sum(len(ids) for ids in self.prompts)
         cached = sum(o.num_cached_tokens for o in self.finals.values())
@@ -214,15 +280,16 @@ class Job:
                 "prompt_tokens_details": {"cached_tokens": cached}}
 
     async def finish(self, status: str, while_committing: Callable[[], None] | None = None) -> dict:
-        """Settle and record, once; later calls wait for the first and return its usage.
-        Raises APIError(503) when the usage row could not be committed (the caller must not
-        then show the client a completion). `while_committing()` (first call only) runs while
-        the usage row is being written, with `self.usage` already set: the caller's own work
-        on the response, off the path the response waits on."""
-        if self._finished is not None:
-            await asyncio.shield(self._finished)
+        """Settle and record, once; later calls (and calls after `refuse`) wait for the first
+        end and return its usage ({} after a refusal). Raises APIError(503) when the usage
+        row could not be committed (the caller must not then show the client a completion).
+        `while_committing()` (first call only) runs while the usage row is being written,
+        with `self.usage` already set: the caller's own work on the response, off the path
+        the response waits on."""
+        if self._ended is not None:
+            await asyncio.shield(self._ended)
             return self.usage or {}
-        self._finished = asyncio.get_running_loop().create_future()
+        self._ended = asyncio.get_running_loop().create_future()
         error: BaseException | None = None
         try:
             self._close_streams()
@@ -299,7 +366,7 @@ class Job:
                     await self.state.limiter.settle(self.lease, used if "used" in locals() else 0)
                 except Exception:  # noqa: BLE001 - leases expire on their own
                     logger.warning("could not settle the lease of %s", self.id, exc_info=True)
-            self._finished.set_result(None)
+            self._ended.set_result(None)
         if error is not None:
             raise APIError(503, "The request's usage could not be recorded; it was not completed.",
                            code="usage_not_recorded", headers={"retry-after": "1"})

@@ -59,6 +59,11 @@ class Metrics:
                              ["service_tier"], buckets=_LATENCY_BUCKETS, registry=r)
         self.rejections = Counter("lockgate_limiter_rejections", "Requests refused by a limit",
                                   ["tenant", "limit"], registry=r)
+        self.overload_refusals = Counter(
+            "lockgate_overload_refusals",
+            "Requests the overloaded engine refused at submit (reason=refused) or shed from its "
+            "queue before they started (reason=shed); answered 429 (flex) or 503, never billed",
+            ["tenant", "service_tier", "reason"], registry=r)
         self.http_errors = Counter("lockgate_http_errors", "Error responses by status and code",
                                    ["status", "code"], registry=r)
         r.register(_EngineCollector(engine_stats))

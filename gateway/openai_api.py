@@ -232,13 +232,12 @@ async def open_request(request: Request, principal: Principal, model: type[BaseM
 async def respond(request: Request, job: Job, req: Any, tier: str, id_prefix: str, obj: str,
                   stream, choices) -> Response:
     """Admit and submit `job`, then answer: an SSE stream (`stream(job, base, include_usage)`)
-    or one JSON body whose choices `choices()` builds from the finished outputs."""
+    or one JSON body whose choices `choices()` builds from the finished outputs (or the
+    refusal, if the engine shed the job from its queue first)."""
     await job.admit()
-    try:
-        job.submit()
-    except APIError:
-        await job.finish("error")
-        raise
+    # a stream's 200 goes out at once, so the engine may not shed it later; a JSON answer
+    # waits for the end, so a shed before then is still answered as a refusal
+    await job.submit(sheddable=not req.stream)
     headers = {**ratelimit_headers(job.decision)} if job.decision else {}
     base = {"id": f"{id_prefix}-{job.id}", "created": int(job.t0), "model": req.model,
             "service_tier": tier, "system_fingerprint": None}

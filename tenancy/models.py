@@ -25,6 +25,10 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
 
 SERVICE_TIERS = ("default", "priority", "flex")
+# A new tenant's plan when its creator names none: `priority` (which preempts everyone
+# else's work in the engine) is granted by an admin, on create or by PATCH. Existing rows
+# keep the tiers they were stored with.
+DEFAULT_PLAN = ("default", "flex")
 SCOPES = ("inference", "admin")
 TENANT_STATUSES = ("active", "suspended")
 USAGE_STATUSES = ("ok", "error", "cancelled")
@@ -104,7 +108,7 @@ class Tenant(_QuotaColumns, Base):
     name: Mapped[str] = mapped_column(String(64), unique=True)
     status: Mapped[str] = mapped_column(String(16), default="active")
     weight: Mapped[float] = mapped_column(Float, default=1.0)
-    service_tiers: Mapped[list[str]] = mapped_column(JSON, default=lambda: list(SERVICE_TIERS))
+    service_tiers: Mapped[list[str]] = mapped_column(JSON, default=lambda: list(DEFAULT_PLAN))
     default_tier: Mapped[str] = mapped_column(String(16), default="default")
     # None (SQL NULL): every public model; else the model/adapter names this tenant may use.
     models: Mapped[list[str] | None] = mapped_column(JSON(none_as_null=True), nullable=True)

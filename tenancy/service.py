@@ -36,6 +36,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from tenancy import keys
 from tenancy.errors import AuthError, Conflict, Invalid, NotFound
 from tenancy.models import (
+    DEFAULT_PLAN,
     SCOPES,
     SERVICE_TIERS,
     TENANT_STATUSES,
@@ -231,12 +232,14 @@ async def create_tenant(
     status: str = "active",
     actor: str,
 ) -> Tenant:
-    """Create a tenant. Conflict if the name is taken (deleted tenants included)."""
+    """Create a tenant. Conflict if the name is taken (deleted tenants included). Without
+    `service_tiers` its plan is `DEFAULT_PLAN` (default and flex; priority is granted
+    explicitly)."""
     _check_actor(actor)
     name = _check_name(name)
     weight = _check_weight(weight)
     status = _check_status(status)
-    tiers = list(SERVICE_TIERS) if service_tiers is None else _check_tiers(service_tiers)
+    tiers = list(DEFAULT_PLAN) if service_tiers is None else _check_tiers(service_tiers)
     if default_tier is None:
         if "default" not in tiers:
             raise Invalid("default_tier", f"required when service_tiers {tiers} lacks 'default'")
@@ -610,10 +613,10 @@ async def authenticate(session: AsyncSession, plaintext: str, pepper: bytes) -> 
         raise AuthError("expired")
     if tenant is not None and tenant.status != "active":
         raise AuthError("tenant_suspended")
-    if tenant is None:   # an admin key
+    if tenant is None:   # an admin key: no tenant, so no plan (tenant routes refuse it anyway)
         return Principal(
             key_id=key.id, key_name=key.name, tenant_id=None, tenant_name=None,
-            scopes=frozenset(key.scopes), weight=1.0, service_tiers=SERVICE_TIERS,
+            scopes=frozenset(key.scopes), weight=1.0, service_tiers=(),
             default_tier="default", models=None, tenant_quota=Quota(),
             key_quota=key_quota(key), expires_at=key.expires_at,
         )

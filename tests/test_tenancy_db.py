@@ -166,7 +166,7 @@ async def test_tenant_crud(sessions):
     t = await new_tenant(sessions, "acme")
     assert t.id.startswith("ten_") and len(t.id) == 20 and int(t.id[4:], 16) >= 0
     assert (t.status, t.weight, t.default_tier, t.models) == ("active", 1.0, "default", None)
-    assert t.service_tiers == ["default", "priority", "flex"]
+    assert t.service_tiers == ["default", "flex"]      # the default plan: priority is granted
     assert service.tenant_quota(t) == Quota()
     assert t.created_at.tzinfo is not None and t.deleted_at is None
 
@@ -401,6 +401,7 @@ async def test_keys_and_authentication(sessions):
     ap = await auth(sessions, admin_plain)
     assert ap.is_admin and ap.tenant_id is None and ap.tenant_name is None
     assert ap.scopes == frozenset({"admin"})
+    assert ap.service_tiers == ()                           # no tenant, no plan
 
     async with sessions() as s:
         assert [k.id for k in await service.list_keys(s, t.id)] == [key.id]
