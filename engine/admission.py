@@ -8,7 +8,8 @@ together: a count (default 4 x `max_num_seqs`: four full batches) and tokens, pr
 says the engine computes in `QUEUE_HORIZON_S` at full steps, whichever is more). An
 explicit `max_waiting_per_class` adds a bound of its own to each class.
 
-An arrival past a bound sheds queued work of less urgent classes, least urgent class
+An arrival into an empty queue is always taken (a request larger than the token bound
+would otherwise never be). An arrival past a bound sheds queued work of less urgent classes, least urgent class
 first and newest first within it, if that makes room; otherwise it is refused. So the least
 urgent class is refused first, and a more urgent arrival is never refused while less urgent
 work it could replace is queued. Only requests submitted `sheddable` are ever shed (the
@@ -77,7 +78,7 @@ class Admission:
         over_count = len(self.queued) + 1 - self.count_bound
         over_tokens = self.tokens + q.tokens - self.token_bound
         victims: list[Queued] = []
-        if over_count > 0 or over_tokens > 0:
+        if self.queued and (over_count > 0 or over_tokens > 0):   # alone, anything is taken
             for v in reversed(self._candidates(q.rank)):
                 if over_count <= 0 and over_tokens <= 0:
                     break
@@ -91,7 +92,6 @@ class Admission:
                                 "that could make room")
         for v in victims:
             self.forget(v.request_id)
-            self.shed[v.service_class][v.tenant] += 1
         self.queued[q.request_id] = q
         self.count_by_class[cls] += 1
         self.tokens += q.tokens
@@ -108,6 +108,10 @@ class Admission:
         self.refused[q.service_class][q.tenant] += 1
         raise EngineOverloaded(f"service_class {q.service_class!r}: {why}",
                                service_class=q.service_class, retry_after=self.retry_after())
+
+    def count_shed(self, victim: Queued) -> None:
+        """The caller did shed `victim` (one that got going in the meantime is not shed)."""
+        self.shed[victim.service_class][victim.tenant] += 1
 
     def forget(self, request_id: str) -> Queued | None:
         """The request sent its first output or ended: no longer queued."""

@@ -324,6 +324,8 @@ class AsyncEngine:
             return
         if state is not None:
             core.abort_request(rid)
+        with self._lock:
+            self._admission.count_shed(victim)
         self._deliver(rid, EngineOverloaded(
             f"service_class {victim.service_class!r}: shed from the queue to make room for more "
             "urgent work", service_class=victim.service_class,
@@ -402,6 +404,7 @@ class ModelView:
         if "by_model" not in s:
             return s
         return {**s["by_model"].get(self.name, {}), "model_pool": s["models"].get(self.name, {}),
+                "overload": s["overload"],      # one queue for the whole engine
                 "pool": {"memory": s["memory"], "switches": s["switches"], "switch_s": s["switch_s"],
                          "current_model": s["current_model"]}}
 

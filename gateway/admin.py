@@ -425,6 +425,9 @@ async def engine(request: Request) -> dict:
             "lora": stats.get("lora"),     # in_slots, in_cpu, requests, slot_loads, disk_loads
             # the engine's bounded queue: queued per class, bounds, refused / shed per tenant
             "overload": stats.get("overload"),
+            # the step-cost model step sizing uses: fitted seconds per unit of each feature,
+            # the median relative error of its recent predictions (each made before its step)
+            "cost_model": stats.get("cost_model"),
         }
     return {"object": "engine", "models": out, "inflight_requests": len(state.inflight),
             "draining": state.draining}

@@ -30,14 +30,20 @@ def test_offline_is_refused_first_and_sheds_for_online():
     with pytest.raises(EngineOverloaded) as exc:
         adm.admit(q("off4", "offline", tenant="batch"))
     assert exc.value.service_class == "offline" and not exc.value.shed and exc.value.retry_after >= 1
-    assert [v.request_id for v in adm.admit(q("on0", "online"))] == ["off3"]
-    assert [v.request_id for v in adm.admit(q("vip0", "priority"))] == ["off2"]
-    assert [v.request_id for v in adm.admit(q("on1", "online"))] == ["off1"]
-    assert [v.request_id for v in adm.admit(q("vip1", "priority"))] == ["off0"]
+    def shed(arrival):
+        victims = adm.admit(arrival)
+        for v in victims:
+            adm.count_shed(v)
+        return [v.request_id for v in victims]
+
+    assert shed(q("on0", "online")) == ["off3"]
+    assert shed(q("vip0", "priority")) == ["off2"]
+    assert shed(q("on1", "online")) == ["off1"]
+    assert shed(q("vip1", "priority")) == ["off0"]
     # nothing less urgent than online is queued now: online is refused, priority sheds online
     with pytest.raises(EngineOverloaded):
         adm.admit(q("on2", "online"))
-    assert [v.request_id for v in adm.admit(q("vip2", "priority"))] == ["on1"]
+    assert shed(q("vip2", "priority")) == ["on1"]
     st = adm.stats()
     assert st["queued"] == {"priority": 3, "online": 1, "offline": 0}
     assert st["refused"] == {"priority": {}, "online": {"t": 1}, "offline": {"batch": 1}}
@@ -56,6 +62,10 @@ def test_only_sheddable_work_is_shed_and_tokens_are_bounded_too():
         adm.admit(q("on2", "online", tokens=300))
     adm.forget("stream")           # it sent its first output
     assert adm.admit(q("on2", "online", tokens=300)) == [] and adm.tokens == 500
+    # into an empty queue even a request larger than the bound is taken
+    for rid in ("on", "on2"):
+        adm.forget(rid)
+    assert adm.admit(q("huge", "offline", tokens=5000)) == [] and adm.tokens == 5000
 
 
 def test_derived_token_bound_from_kv_and_cost_model():

@@ -11,6 +11,7 @@ import httpx
 import openai
 import pytest
 
+from engine.cost_model import FEATURES
 from engine.tokenizer import Tokenizer
 from tests.gateway_server import running_server
 from tests.helpers import demo_model, hf_greedy
@@ -293,6 +294,10 @@ def test_usage_rows_and_reports(server):
     r = server.admin.get("/usage", params={"tenant_id": t["id"], "group_by": "service_tier"})
     tiers = {g["group"]: g["requests"] for g in r.json()["data"]}
     assert tiers == {"default": 3, "flex": 1}
+    # the engine shows the step-cost model it sizes steps with, fitted from the steps it ran
+    cm = server.admin.get("/engine").json()["models"]["tiny"]["cost_model"]
+    assert cm["samples"] > 0 and set(cm["coefficients"]) == set(FEATURES)
+    assert all(v >= 0 for v in cm["coefficients"].values()) and "prediction_error_median" in cm
     r = server.admin.get("/usage", params={"tenant_id": t["id"], "format": "csv"})
     assert r.headers["content-type"].startswith("text/csv") and "requests" in r.text.splitlines()[0]
 
