@@ -7,7 +7,7 @@ A step's time is modelled as linear in what it does:
 
 fitted by exponentially weighted least squares (old steps fade, so the model follows the
 machine's load) with non-negative coefficients (each part of a step costs time), one model
-per `EngineCore`, so per model and device. Fitting costs a 6x6 solve per step and no
+per `EngineCore`, so per model and device. Fitting costs a 6x6 solve every few steps and no
 allocation that grows. The scheduler asks it how long the step it is building will take
 (`predict`) and how many more prefill tokens fit a time budget (`prefill_room`).
 """
@@ -24,6 +24,7 @@ FEATURES = ("const", "prefill_tokens", "seqs", "decode_kv_tokens", "prefill_atte
 _SCALE = (1.0, 256.0, 16.0, 16384.0, 256.0 * 1024.0, 16.0)
 MIN_SAMPLES = 24          # steps observed before the model predicts
 ERROR_WINDOW = 512        # recent predictions whose error is reported
+REFIT_EVERY = 8           # steps between solves once the fit has settled
 
 
 @dataclass(slots=True)
@@ -127,7 +128,9 @@ class StepCostModel:
                 row[j] = f * row[j] + xi * x[j]
             b[i] = f * b[i] + xi * seconds
         self.num_samples += 1
-        self._w = _nonneg_lstsq(a, b, self.ridge)
+        # the 6x6 solve is most of the cost: every step while young, then every REFIT_EVERY
+        if self._w is None or self.num_samples < 2 * MIN_SAMPLES or self.num_samples % REFIT_EVERY == 0:
+            self._w = _nonneg_lstsq(a, b, self.ridge)
 
     def coefficients(self) -> dict[str, float] | None:
         """Seconds per unit of each feature (per token, per sequence, ...)."""
