@@ -33,6 +33,8 @@ went into the very next step), and what the slowest requests waited for.
 from __future__ import annotations
 
 import bisect
+import gc
+import multiprocessing
 import json
 import math
 import random
@@ -142,6 +144,12 @@ def warm_up(core, allowed: list[int], prompt_len: int = 256) -> None:
     while core.has_unfinished:
         core.step()
     core.timings.__init__()
+    # as `lockgate serve` does once its models are loaded: the start-up heap (torch,
+    # transformers) is frozen, so no full GC over it stalls a measured step (only in a
+    # side's own process: a test calling this in its process keeps its GC as it is)
+    if multiprocessing.parent_process() is not None:
+        gc.collect()
+        gc.freeze()
 
 
 # -- one run ----------------------------------------------------------------------------------
@@ -206,6 +214,7 @@ def run_priority_side(model_dir: str, mode: str, sizes: dict[str, Any]) -> dict[
     trace: list[tuple] = []
     snap_start = snap_end = None
     errors: list[float] = []     # |predicted - measured| / measured of each step in the window
+    predicted: list[float | None] = []   # per step, what the cost model said before it ran
     next_on = 0
     while True:
         now = time.time()
@@ -237,6 +246,7 @@ def run_priority_side(model_dir: str, mode: str, sizes: dict[str, Any]) -> dict[
         n_off = sum(tok.values()) - n_on
         n_dec = tok.get(("online", "decode"), 0) + tok.get(("offline", "decode"), 0)
         steps.append((now, end, n_on, n_off, sum(tok.values()) - n_dec, n_dec))
+        predicted.append(core.last_step_predicted_s)
         if window_start <= now < window_end and core.last_step_predicted_s is not None:
             errors.append(abs(core.last_step_predicted_s - core.last_step_s) / core.last_step_s)
         trace.append((round(now - t0, 3), round(end - now, 4), n_on, n_off, sum(tok.values()) - n_dec,
@@ -260,7 +270,7 @@ def run_priority_side(model_dir: str, mode: str, sizes: dict[str, Any]) -> dict[
         if i < 0 or i >= len(steps):
             return None
         b, e, a, f, _, _ = steps[i]
-        return {"seconds": e - b, "online_tokens": a, "offline_tokens": f}
+        return {"seconds": e - b, "online_tokens": a, "offline_tokens": f, "predicted_s": predicted[i]}
 
     for arrival, st, n_out in on:
         if st.first_token_time is None:
@@ -422,8 +432,10 @@ def _report(results: dict[str, Any], echo) -> dict[str, Any]:
          "+ the step that gave the first token):")
     for a in prio["online"]["slowest"]:
         def fmt(x):
-            return ("none (engine idle)" if x is None else
-                    f"{_ms(x['seconds'])} ms ({x['online_tokens']} online + {x['offline_tokens']} offline tokens)")
+            if x is None:
+                return "none (engine idle)"
+            pred = f", predicted {_ms(x['predicted_s'])}" if x.get("predicted_s") is not None else ""
+            return f"{_ms(x['seconds'])} ms{pred} ({x['online_tokens']} online + {x['offline_tokens']} offline tokens)"
         echo(f"    TTFT {_ms(a['ttft_s'])} ms, waited {a['steps_waited']} steps; in flight: "
              f"{fmt(a['in_flight'])}; own: {fmt(a['first_token_step'])}")
     lower = " (fcfs figure a lower bound: requests cut at the drain)" if fcfs["online"]["censored"] else ""
