@@ -15,13 +15,15 @@ keeps a share of the blocks out of reach of less urgent classes. With LoRA on, a
 
 Step sizing (under `priority`, with chunked prefill): the step's *urgent* class is the most
 urgent one with work in sight (sequences running or waiting, or an arrival within
-`urgent_window_s`). Every running decode runs and the urgent classes' prefill takes what the
-token budget allows; less urgent prefill then fills the step only while the step-cost model
-(engine/cost_model.py) predicts it within the urgent class's step-time target: its `slo`
-when set, else `step_time_multiple` x the predicted time of the step's urgent part. So an
-arrival waits at most for one short step in flight and then shares a short step; with no
-urgent work in sight, steps use the whole budget. An explicit `prefill_token_budget` for a
-class replaces its sizing with that fixed cap.
+`urgent_window_s`). A step in which the urgent classes compute prompt tokens (an arrival's
+first token) runs only their work: their decodes and prefill, nothing less urgent. In any
+other step every running decode runs, and less urgent prefill fills the step only while the
+step-cost model (engine/cost_model.py) predicts it within the urgent class's step-time
+target: its `slo` when set, else `step_time_multiple` x the predicted time of the step's
+urgent part (and at least that part plus a chunk of `max_num_batched_tokens / 16` tokens).
+So an arrival waits at most for one short step in flight, then gets a step of its own; with
+no urgent work in sight, steps use the whole budget. An explicit `prefill_token_budget` for
+a class replaces its sizing with that fixed cap.
 """
 
 from __future__ import annotations
@@ -258,6 +260,20 @@ class Scheduler:
             room = max(room, self.block_size)
         return room
 
+    def _urgent_prefill_pending(self) -> bool:
+        """Has the urgent class prompt tokens to compute that can start this step? (A waiting
+        sequence whose adapter is still being read, or any while admission is paused, cannot.)"""
+        urgent = self._urgent_rank
+        if urgent >= len(self.classes) or not any(self.fair.active[r] for r in range(urgent + 1)):
+            return False
+        if any(s.state.class_rank <= urgent and not s.is_decode for s in self.running):
+            return True
+        if self.admission_paused:
+            return False
+        return any(s.state.class_rank <= urgent
+                   and (not s.state.req.lora_id or self.lora_ready(s.state.req.lora_id))
+                   for s in self.waiting)
+
     def _urgent_class(self) -> int:
         """The most urgent class with work in sight: sequences running or waiting, or an
         arrival within `urgent_window_s`."""
@@ -317,6 +333,9 @@ class Scheduler:
         self._urgent_rank = self._urgent_class() if self.sizing else len(self.classes)
         self._target = None
         self._background_tokens = 0
+        # the step that gives urgent work its prompt (an arrival's first token) carries no
+        # less urgent work at all: that step is the person's time to first token
+        self._skip_background_decodes = self.sizing and self._urgent_prefill_pending()
         self._running_loras = {s.state.req.lora_id for s in self.running} - {0}
         self._lora_gate = None
         self.running.sort(key=self.key)
@@ -332,6 +351,8 @@ class Scheduler:
     ) -> None:
         for seq in list(self.running):
             if seq.status is not SeqStatus.RUNNING or not seq.is_decode:
+                continue
+            if self._skip_background_decodes and seq.state.class_rank > self._urgent_rank:
                 continue
             if budget.tokens_left < 1:
                 return

@@ -185,15 +185,18 @@ def test_lone_tenant_gets_the_whole_machine(tmp_path):
 
 
 def test_preempted_offline_keeps_its_place(tmp_path):
-    """10 blocks of 4. Offline O1 and O2 (16-token prompts) take 4 blocks each; their first
-    decodes take a fifth each: 0 free. An online request of 8 tokens needs 2 blocks: the
+    """10 blocks of 4. Offline O1 and O2 (16-token prompts) take 4 blocks each. An online
+    request of 8 tokens takes the last 2 (its prompt step runs nothing offline). The next
+    step its decode needs a third block, and O1's and O2's first decodes a fifth each: the
     least urgent running sequence, O2 (same class and tenant as O1, later arrival), is
     preempted. O3, an offline request that arrives afterwards, queues behind O2."""
     eng = FakeEngine(tmp_path, num_blocks=10, max_num_batched_tokens=64)
     o1 = eng.add(16, 3, cls="offline", tenant="t")
     o2 = eng.add(16, 3, cls="offline", tenant="t")
     eng.step()
-    on = eng.add(8, 1, cls="online", tenant="u")
+    on = eng.add(8, 3, cls="online", tenant="u")
+    out = eng.step()
+    assert [s for s, _ in out.scheduled] == [on.seqs[0]] and not out.preempted
     out = eng.step()
     assert out.preempted == [o2.seqs[0]] and on.seqs[0] in [s for s, _ in out.scheduled]
     o3 = eng.add(4, 1, cls="offline", tenant="t")

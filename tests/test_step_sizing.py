@@ -186,8 +186,8 @@ def test_fcfs_is_not_sized(tmp_path):
 
 def test_priority_preempts_online_when_sequence_slots_run_out(tmp_path):
     """max_num_seqs 2, both slots held by online requests: a priority arrival preempts the
-    less urgent (later) one and runs at once; the preempted request keeps its place in line
-    (ahead of a later online arrival) and finishes."""
+    less urgent (later) one and runs at once, alone in its prompt step; the preempted request
+    keeps its place in line (ahead of a later online arrival) and finishes."""
     eng = FakeEngine(tmp_path, num_blocks=256, max_num_seqs=2, max_num_batched_tokens=64)
     a = eng.add(8, 20, cls="online", tenant="t")
     b = eng.add(8, 20, cls="online", tenant="t")
@@ -197,8 +197,8 @@ def test_priority_preempts_online_when_sequence_slots_run_out(tmp_path):
     late = eng.add(8, 5, cls="online", tenant="t")
     out = eng.step()
     assert [s.state for s in out.preempted] == [b]
-    assert p.seqs[0] in dict(out.scheduled)
-    assert a.seqs[0] in dict(out.scheduled)
+    assert list(dict(out.scheduled)) == [p.seqs[0]]     # its prompt step: nothing less urgent
+    assert a.seqs[0] in dict(eng.step().scheduled)      # then a decodes beside it
     # once the priority request is done, b (waiting longer) goes before the later arrival
     order = []
     while eng.sched.has_work:
@@ -250,3 +250,26 @@ def test_engine_reports_its_cost_model():
     assert cm["ready"] and cm["samples"] >= MIN_SAMPLES and cm["predictions"] > 0
     assert set(cm["coefficients"]) == set(TRUE) and all(v >= 0 for v in cm["coefficients"].values())
     assert 0 <= cm["prediction_error_median"] < 10
+
+
+def test_an_arrivals_first_step_runs_no_less_urgent_work(tmp_path, monkeypatch):
+    """Four offline requests decoding; an online arrival's prompt step holds only online
+    work (no offline decode, no offline prefill); the step after it, offline decodes again.
+    Outside sizing (fcfs) the offline decodes share the arrival's step."""
+    monkeypatch.setattr(scheduler_mod.time, "monotonic", Clock())
+    for policy in ("priority", "fcfs"):
+        eng = FakeEngine(tmp_path, num_blocks=512, block_size=16, max_num_batched_tokens=512,
+                         scheduling_policy=policy)
+        eng.sched.cost = trained()
+        for _ in range(4):
+            eng.add(20, 50, cls="offline", tenant="batch")
+        eng.step()
+        assert sum(1 for s, n in eng.step().scheduled if s.state.req.service_class == "offline") == 4
+        eng.add(40, 5, cls="online", tenant="chat")
+        first = {s.state.req.service_class for s, _ in eng.step().scheduled}
+        after = [s.state.req.service_class for s, _ in eng.step().scheduled]
+        if policy == "priority":
+            assert first == {"online"}
+            assert after.count("offline") == 4 and after.count("online") == 1
+        else:
+            assert first == {"online", "offline"}
