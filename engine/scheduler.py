@@ -16,8 +16,8 @@ keeps a share of the blocks out of reach of less urgent classes. With LoRA on, a
 Step sizing (under `priority`, with chunked prefill): the step's *urgent* class is the most
 urgent one with work in sight (sequences running or waiting, or an arrival within
 `urgent_window_s`). A step in which the urgent classes compute prompt tokens (an arrival's
-first token) runs only their work: their decodes and prefill, nothing less urgent. In any
-other step every running decode runs, and less urgent prefill fills the step only while the
+first token) runs only their work: their decodes and prefill, nothing less urgent (never
+two such steps in a row, so less urgent decodes keep moving). In any other step every running decode runs, and less urgent prefill fills the step only while the
 step-cost model (engine/cost_model.py) predicts it within the urgent class's step-time
 target: its `slo` when set, else `step_time_multiple` x the predicted time of the step's
 urgent part (and at least that part plus a chunk of `max_num_batched_tokens / 16` tokens).
@@ -171,6 +171,8 @@ class Scheduler:
         self._urgent_rank = len(self.classes)
         self._target: float | None = None
         self._background_tokens = 0
+        self._skip_background_decodes = False
+        self._skipped_decodes = False      # the last step left less urgent decodes out
         self.tenant_stats: dict[tuple[int, str], TenantStats] = defaultdict(TenantStats)
         self._step_charges: dict[Sequence, list[tuple[int, bool]]] = {}
         self._admitting = True
@@ -334,8 +336,11 @@ class Scheduler:
         self._target = None
         self._background_tokens = 0
         # the step that gives urgent work its prompt (an arrival's first token) carries no
-        # less urgent work at all: that step is the person's time to first token
-        self._skip_background_decodes = self.sizing and self._urgent_prefill_pending()
+        # less urgent work at all: that step is the person's time to first token. Never two
+        # steps running, so a stream of urgent prompts cannot stop less urgent decodes.
+        self._skip_background_decodes = (self.sizing and not self._skipped_decodes
+                                         and self._urgent_prefill_pending())
+        self._skipped_decodes = False
         self._running_loras = {s.state.req.lora_id for s in self.running} - {0}
         self._lora_gate = None
         self.running.sort(key=self.key)
@@ -353,6 +358,7 @@ class Scheduler:
             if seq.status is not SeqStatus.RUNNING or not seq.is_decode:
                 continue
             if self._skip_background_decodes and seq.state.class_rank > self._urgent_rank:
+                self._skipped_decodes = True
                 continue
             if budget.tokens_left < 1:
                 return

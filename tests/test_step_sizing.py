@@ -273,3 +273,18 @@ def test_an_arrivals_first_step_runs_no_less_urgent_work(tmp_path, monkeypatch):
             assert after.count("offline") == 4 and after.count("online") == 1
         else:
             assert first == {"online", "offline"}
+
+
+def test_a_stream_of_urgent_prompts_does_not_stop_less_urgent_decodes(tmp_path, monkeypatch):
+    """An online prompt arriving before every step: offline decodes still run every other
+    step (an arrival's step runs nothing less urgent, but never two in a row)."""
+    monkeypatch.setattr(scheduler_mod.time, "monotonic", Clock())
+    eng = FakeEngine(tmp_path, num_blocks=1024, block_size=16, max_num_batched_tokens=512)
+    eng.sched.cost = trained()
+    off = eng.add(20, 40, cls="offline", tenant="batch")
+    eng.step()
+    ran = []
+    for _ in range(20):
+        eng.add(30, 2, cls="online", tenant="chat")
+        ran.append(off.seqs[0] in dict(eng.step().scheduled))
+    assert ran.count(True) == 10 and all(a != b for a, b in zip(ran, ran[1:]))
