@@ -108,7 +108,7 @@ class AsyncEngine:
 
     def set_tenant_weight(self, tenant: str, weight: float) -> None:
         """A tenant's share in the scheduler's fairness (1.0 when never set). Kept here and
-        read by the scheduler's fairness counters (the scheduler issue)."""
+        read by the scheduler's fairness counters."""
         if not isinstance(tenant, str) or not tenant:
             raise ValueError(f"tenant: must be a non-empty string, got {tenant!r}")
         if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0:

@@ -123,12 +123,6 @@ class Sequence:
         return self.num_output_tokens > 0 and self.num_pending_tokens == 1
 
     @property
-    def sort_key(self) -> tuple[int, int, int, int]:
-        """Priority order: class, the request's priority, arrival, then sample index."""
-        s = self.state
-        return (s.class_rank, s.req.priority, s.arrival_seq, self.index)
-
-    @property
     def fcfs_key(self) -> tuple[int, int]:
         return (self.state.arrival_seq, self.index)
 

@@ -17,13 +17,14 @@ token by then counts with its wait so far, a lower bound, and the table says so)
 
 The KV cache is sized on purpose so that only about half of the flood fits at once, as a real
 model's would (64 requests of ~1.3k tokens are ~40 GiB of KV on a 7B model): with the CPU
-default (8192 blocks of the small model) the whole flood would be resident, nothing would
-ever wait and no policy could matter. `online_kv_reserve` is the `reserved_kv_fraction` of
-class online: blocks the flood may not take (the same in all four runs).
+default (8192 blocks of the small model, `--num-kv-blocks 0`) the whole flood is resident
+and only the composition of each step decides. `online_kv_reserve` is the
+`reserved_kv_fraction` of class online (blocks the flood may not take) and
+`offline_prefill_budget` the `prefill_token_budget` of class offline, the same in all four
+runs; `--defaults` sets neither, leaving step sizing and everything else to the engine.
 
-The TTFT target is judged as the issue states it (online-alone p99 + 2 x the median step of
-the mixed priority run), and shown with the median of the steps that batch prefill chunks
-with decodes too. Steps are far from uniform under the flood (decode-only steps vs steps
+The TTFT target is online-alone p99 + 2 x the median step of the mixed priority run, also
+shown with the median of the steps that batch prefill chunks with decodes. Steps are far from uniform under the flood (decode-only steps vs steps
 filled to `max_num_batched_tokens` with offline prefill), so the bench also prints the
 structural property behind the target, from step counts rather than times: how many steps
 started after each online request arrived before the one that gave its first token (0: it
@@ -401,7 +402,7 @@ def _report(results: dict[str, Any], echo) -> dict[str, Any]:
     alone, off, fcfs, prio = (results[m] for m in MODES)
     alone_p99 = alone["online"]["ttft_p99_s"]
     st = prio["steps"]
-    # the issue's target: two of the engine's median step times in the mixed run; also shown
+    # the target: online-alone p99 + two of the engine's median steps in the mixed run; also shown
     # with the median of the steps that batch prefill chunks with decodes
     bound = alone_p99 + 2 * st["median_s"]
     bound_mixed = alone_p99 + 2 * st["mixed_median_s"]

@@ -578,9 +578,6 @@ class Principal:
     def is_admin(self) -> bool:
         return "admin" in self.scopes
 
-    def has_scope(self, scope: str) -> bool:
-        return scope in self.scopes
-
 
 _DUMMY_HASH = "0" * 64
 
