@@ -6,11 +6,13 @@ the engine has promised but not yet begun to answer. Two bounds hold over all qu
 together: a count (default 4 x `max_num_seqs`: four full batches) and tokens, prompt plus
 `max_tokens` of each (default: twice what the KV cache holds, or what the step-cost model
 says the engine computes in `QUEUE_HORIZON_S` at full steps, whichever is more). An
-explicit `max_waiting_per_class` adds a bound of its own to each class.
+explicit `max_waiting_tokens` replaces the token bound; an explicit `max_waiting_per_class`
+bounds each class on its own (and the count at that many per class).
 
 An arrival into an empty queue is always taken (a request larger than the token bound
-would otherwise never be). An arrival past a bound sheds queued work of less urgent classes, least urgent class
-first and newest first within it, if that makes room; otherwise it is refused. So the least
+would otherwise never be). An arrival past a bound sheds queued work of less urgent
+classes, least urgent class first and newest first within it, if that makes room;
+otherwise it is refused. So the least
 urgent class is refused first, and a more urgent arrival is never refused while less urgent
 work it could replace is queued. Only requests submitted `sheddable` are ever shed (the
 gateway submits streams, whose 200 went out at once, as not sheddable), and only while they

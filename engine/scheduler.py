@@ -17,10 +17,11 @@ Step sizing (under `priority`, with chunked prefill): the step's *urgent* class 
 urgent one with work in sight (sequences running or waiting, or an arrival within
 `urgent_window_s`). A step in which the urgent classes compute prompt tokens (an arrival's
 first token) runs only their work: their decodes and prefill, nothing less urgent (never
-two such steps in a row, so less urgent decodes keep moving). In any other step every running decode runs, and less urgent prefill fills the step only while the
-step-cost model (engine/cost_model.py) predicts it within the urgent class's step-time
-target: its `slo` when set, else `step_time_multiple` x the predicted time of the step's
-urgent part (and at least that part plus a chunk of `max_num_batched_tokens / 16` tokens).
+two such steps in a row, so less urgent decodes keep moving). In any other step every
+running decode runs, and less urgent prefill fills the step only while the step-cost model
+(engine/cost_model.py) predicts it within the urgent class's step-time target: its `slo`
+when set, else `step_time_multiple` x the predicted time of the step's urgent part (and at
+least that part plus a chunk of `max_num_batched_tokens / 16` tokens).
 So an arrival waits at most for one short step in flight, then gets a step of its own; with
 no urgent work in sight, steps use the whole budget. An explicit `prefill_token_budget` for
 a class replaces its sizing with that fixed cap.
