@@ -635,24 +635,34 @@ class InProcessLimiter(Limiter):
                            tokens=tokens, now=now, periods=periods, refusals=refusals,
                            headers=headers)
 
+    def _end(self, lease: Lease, now: float) -> list[Scope]:
+        """The start of settle and cancel (under the lock): consume the admission's pending
+        marker and drop its concurrency leases. The lease's limited scopes when the admission
+        was still unsettled, else [] (nothing more to adjust)."""
+        limited = [s for s in lease.scopes if not s.quota.unlimited]
+        if not limited:
+            return []
+        exp = self._pending.pop(lease.request_id, None)
+        for s in limited:
+            st = self._scopes.get(s.key)
+            if st is not None:
+                st.leases.pop(lease.request_id, None)
+        return limited if exp is not None and exp > now else []
+
+    def _adjust_budgets(self, scope: Scope, lease: Lease, delta: int) -> None:
+        """Add `delta` tokens to the scope's day and month counters of the lease's periods."""
+        _, _, _, dayb, monthb = _limits(scope.quota)
+        for budget, period in ((dayb, lease.day), (monthb, lease.month)):
+            k = (scope.key, period)
+            if budget >= 0 and k in self._budgets:
+                self._budgets[k] += delta
+
     async def settle(self, lease: Lease, used_tokens: int) -> None:
         lease = _check_lease(lease)
         used = _check_count("used_tokens", used_tokens)
         with self._lock:
             now = float(self._clock())
-            limited = [s for s in lease.scopes if not s.quota.unlimited]
-            if not limited:
-                return
-            exp = self._pending.pop(lease.request_id, None)
-            for s in limited:
-                st = self._scopes.get(s.key)
-                if st is not None:
-                    st.leases.pop(lease.request_id, None)
-            if exp is None or exp <= now:
-                return
-            delta = used - lease.reserved_tokens
-            for s in limited:
-                _, _, _, dayb, monthb = _limits(s.quota)
+            for s in self._end(lease, now):
                 st = self._scopes.get(s.key)
                 if st is not None:
                     st.trim(now)
@@ -660,29 +670,15 @@ class InProcessLimiter(Limiter):
                     if old is not None:
                         st.tokens[lease.request_id] = used
                         st.token_sum += used - old
-                for budget, period in ((dayb, lease.day), (monthb, lease.month)):
-                    k = (s.key, period)
-                    if budget >= 0 and k in self._budgets:
-                        self._budgets[k] += delta
+                self._adjust_budgets(s, lease, used - lease.reserved_tokens)
 
     async def cancel(self, lease: Lease) -> None:
         lease = _check_lease(lease)
         reserved = _check_count("lease.reserved_tokens", lease.reserved_tokens)
         with self._lock:
             now = float(self._clock())
-            limited = [s for s in lease.scopes if not s.quota.unlimited]
-            if not limited:
-                return
             rid = lease.request_id
-            exp = self._pending.pop(rid, None)
-            for s in limited:
-                st = self._scopes.get(s.key)
-                if st is not None:
-                    st.leases.pop(rid, None)
-            if exp is None or exp <= now:
-                return
-            for s in limited:
-                _, _, _, dayb, monthb = _limits(s.quota)
+            for s in self._end(lease, now):
                 st = self._scopes.get(s.key)
                 if st is not None:
                     st.trim(now)
@@ -693,10 +689,7 @@ class InProcessLimiter(Limiter):
                         st.log.remove(entry)
                         end = max(self._cancelled.get(rid, -math.inf), entry[0] + WINDOW)
                         self._cancelled[rid] = end
-                for budget, period in ((dayb, lease.day), (monthb, lease.month)):
-                    k = (s.key, period)
-                    if budget >= 0 and k in self._budgets:
-                        self._budgets[k] -= reserved
+                self._adjust_budgets(s, lease, -reserved)
 
     async def heartbeat(self, leases: Iterable[Lease]) -> None:
         leases = [_check_lease(x) for x in leases]
