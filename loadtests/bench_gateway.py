@@ -148,11 +148,14 @@ class Server:
 
     @classmethod
     def start(cls, env: dict[str, str], log_path: Path, null: bool = False,
-              timeout: float = 120.0) -> Server:
+              timeout: float = 120.0, command: tuple[str, ...] = ("loadtests.gateway_bench_server",)
+              ) -> Server:
+        """`python -m *command --port P` on a free loopback port, ready once `/ready` is 200.
+        `command` defaults to the bench's instant-engine server (`null`: bare uvicorn)."""
         import httpx
 
         port = _free_port()
-        args = [sys.executable, "-m", "loadtests.gateway_bench_server", "--port", str(port)]
+        args = [sys.executable, "-m", *command, "--port", str(port)]
         if null:
             args.append("--null")
         log = open(log_path, "wb")

@@ -18,20 +18,14 @@ import json
 import os
 import random
 import secrets
-import signal
-import socket
-import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from loadtests.bench_gateway import Server
 from loadtests.bench_priority import percentile
-
-REPO = Path(__file__).resolve().parents[1]
-
 
 @dataclass(slots=True, frozen=True)
 class HttpSizes:
@@ -46,43 +40,21 @@ class HttpSizes:
     seed: int = 0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Serve:
-    """`lockgate serve` with nothing configured but a data directory and an admin key."""
+    """`lockgate serve` with nothing configured but a data directory and an admin key, and a
+    `chat` and a `batch` tenant with a key each."""
 
     def __init__(self, data_dir: Path) -> None:
         import httpx
 
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
         self.admin_key = "lg-" + secrets.token_urlsafe(32)
         env = {k: v for k, v in os.environ.items() if not k.startswith("LOCKGATE_")}
         env.update({"LOCKGATE_DATA_DIR": str(data_dir), "LOCKGATE_ADMIN_KEY": self.admin_key,
                     "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"})
-        self.log_path = data_dir / "serve.log"
         data_dir.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--port", str(self.port)],
-                                         env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL)
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"lockgate serve exited:\n{self.log_path.read_text()[-3000:]}")
-            try:
-                if httpx.get(self.url + "/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        else:
-            self.stop()
-            raise RuntimeError("lockgate serve was not ready in 300 s")
+        self.server = Server.start(env, data_dir / "serve.log", timeout=300,
+                                   command=("gateway.cli", "serve"))
+        self.url = self.server.url
         admin = httpx.Client(base_url=self.url + "/admin/v1", timeout=30,
                              headers={"Authorization": f"Bearer {self.admin_key}"})
         self.keys = {}
@@ -97,13 +69,7 @@ class Serve:
         admin.close()
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        self.server.stop()
 
 
 async def _stream_ttft(client, url: str, key: str, model: str, text: str, max_tokens: int) -> float | None:
