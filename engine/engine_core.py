@@ -156,7 +156,7 @@ class EngineCore:
         self.check_invariants = os.environ.get("LOCKGATE_CHECK_INVARIANTS") == "1"
         self.num_generated_tokens = 0
         self.track_kv_utilization = False   # the benchmark turns it on (it walks every table)
-        self.last_step = None                # the latest SchedulerOutput run, and its times
+        # the latest step's time as predicted before it ran, and as measured
         self.last_step_predicted_s: float | None = None
         self.last_step_s: float | None = None
         self.kv_util_sum = 0.0
@@ -320,7 +320,6 @@ class EngineCore:
             self.kv_util_sum += self.kv_utilization()
         cost = self.scheduler.cost
         predicted = cost.predict(sched.shape)   # before the step runs: what sizing relied on
-        self.last_step = sched
         sampled_seqs, out = self.runner.execute(sched, self.kv, self.timings)
         t2 = time.perf_counter()
         for seq, num_new in sched.scheduled:
