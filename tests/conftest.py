@@ -10,7 +10,7 @@ import weakref
 
 import pytest
 
-pytest_plugins = ["tests.services"]
+pytest_plugins = ["tests.support.services"]
 
 from engine.engine_core import EngineCore
 

@@ -1,0 +1,233 @@
+"""`lockgate serve` as an operator meets it: first start (keys shown once), schema checks,
+draining on SIGTERM, and configuration errors in one line instead of a traceback."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import sqlite3
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.support.gateway_server import ENGINE_KWARGS, GatewayServer, free_port
+from tests.support.helpers import demo_model
+from tests.support.services import fresh_pg_database
+
+REPO = Path(__file__).resolve().parents[2]
+CLI = [sys.executable, "-m", "gateway.cli"]
+
+
+def base_env(data_dir: Path, **extra: str) -> dict[str, str]:
+    """GatewayServer.start's environment, without LOCKGATE_ADMIN_KEY."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LOCKGATE_")}
+    env.update({
+        "LOCKGATE_DATA_DIR": str(data_dir),
+        "LOCKGATE_ENGINE_KWARGS": json.dumps(ENGINE_KWARGS),
+        "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1",
+    })
+    env.update(extra)
+    return env
+
+
+def start_without_admin_key(data_dir: Path) -> GatewayServer:
+    """`lockgate serve --model tiny=...` with stdout (and stderr) to a file, not a tty."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    env = base_env(data_dir)
+    log_path = data_dir / f"server-{port}.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [*CLI, "serve", "--port", str(port), "--model", f"tiny={demo_model('llama', 'tiny', 0)}"],
+            env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=REPO)
+    srv = GatewayServer(f"http://127.0.0.1:{port}", proc, "", data_dir, log_path, env)
+    srv.wait_ready(120)
+    return srv
+
+
+def run_cli(args: list[str], env: dict[str, str], timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([*CLI, *args], env=env, cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+def chat(url: str, key: str, **extra) -> httpx.Response:
+    return httpx.post(url + "/v1/chat/completions", headers={"Authorization": f"Bearer {key}"},
+                      json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                            "max_tokens": 3, **extra}, timeout=60)
+
+
+def mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+def test_first_start_writes_keys_once(tmp_path):
+    """Embedded, no LOCKGATE_ADMIN_KEY, stdout not a terminal: the admin key and the demo
+    tenant's key (with a curl line that works) go to 0600 files, not to the log; a second start
+    on the same data directory writes nothing new and the keys still work."""
+    data_dir = tmp_path / "data"
+    srv = start_without_admin_key(data_dir)
+    admin_file, demo_file = data_dir / "admin_key", data_dir / "demo_key"
+    try:
+        assert mode(admin_file) == 0o600 and mode(demo_file) == 0o600
+        admin_key = re.search(r"admin key \(shown once\): (\S+)", admin_file.read_text()).group(1)
+        demo_text = demo_file.read_text()
+        demo_key = re.search(r"demo tenant key \(shown once\): (\S+)", demo_text).group(1)
+        curl = next(ln.strip() for ln in demo_text.splitlines() if ln.strip().startswith("curl "))
+        log = srv.log()
+        assert admin_key not in log and demo_key not in log          # secrets only in the files
+        assert f"admin key written to {admin_file}" in log
+        assert f"demo key written to {demo_file}" in log
+
+        r = httpx.get(srv.url + "/admin/v1/tenants", timeout=30,
+                      headers={"Authorization": f"Bearer {admin_key}"})
+        assert r.status_code == 200, r.text
+        assert [t["name"] for t in r.json()["data"]] == ["demo"]
+        r = chat(srv.url, demo_key)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["role"] == "assistant"
+
+        # the printed curl line, as a user would paste it into a shell
+        assert srv.url.removeprefix("http://") in curl and demo_key in curl
+        done = subprocess.run(["bash", "-c", curl + " -sS"], capture_output=True, text=True,
+                              timeout=60)
+        assert done.returncode == 0, done.stderr
+        body = json.loads(done.stdout)
+        assert body["object"] == "chat.completion" and body["model"] == "tiny"
+        assert isinstance(body["choices"][0]["message"]["content"], str)
+        assert 1 <= body["usage"]["completion_tokens"] <= 16
+    finally:
+        assert srv.stop() == 0
+
+    before = {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in (admin_file, demo_file)}
+    again = start_without_admin_key(data_dir)
+    try:
+        log = again.log()
+        assert "shown once" not in log and "written to" not in log
+        assert {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in before} == before
+        r = httpx.get(again.url + "/admin/v1/tenants", timeout=30,
+                      headers={"Authorization": f"Bearer {admin_key}"})
+        assert r.status_code == 200 and [t["name"] for t in r.json()["data"]] == ["demo"]
+        assert chat(again.url, demo_key).status_code == 200
+    finally:
+        assert again.stop() == 0
+
+
+def test_schema_behind_needs_upgrade_or_migrate(tmp_path):
+    """An empty PostgreSQL database and no --migrate: serve refuses at once, naming the fix;
+    after `lockgate db upgrade` it starts."""
+    with fresh_pg_database() as url:
+        env = base_env(tmp_path / "data", LOCKGATE_DATABASE_URL=url,
+                       LOCKGATE_ADMIN_KEY="lg-" + "a" * 43)
+        t0 = time.monotonic()
+        done = run_cli(["serve", "--port", str(free_port()),
+                        "--model", f"tiny={demo_model('llama', 'tiny', 0)}"], env)
+        assert done.returncode != 0
+        assert time.monotonic() - t0 < 30
+        out = done.stdout + done.stderr
+        assert "lockgate db upgrade" in out and "--migrate" in out, out
+        assert "Traceback" not in out
+        assert not (tmp_path / "data" / "lockgate.db").exists()       # no SQLite on the side
+
+        done = run_cli(["db", "upgrade"], env)
+        assert done.returncode == 0, done.stdout + done.stderr
+        current, head = re.search(r"database at (\S+) \(head (\S+)\)", done.stdout).groups()
+        assert current == head
+
+        # not GatewayServer.start(database_url=...): that passes --migrate
+        srv = GatewayServer.start(tmp_path / "data", admin_key=env["LOCKGATE_ADMIN_KEY"],
+                                  extra_env={"LOCKGATE_DATABASE_URL": url})
+        try:
+            assert "--migrate" not in srv.proc.args
+            _, key = srv.tenant()
+            assert chat(srv.url, key).status_code == 200
+        finally:
+            assert srv.stop() == 0
+
+
+def test_sigterm_drains_in_flight_stream(tmp_path):
+    """SIGTERM during a long stream: the stream still ends with [DONE], a request on another
+    kept-alive connection is not served, the process exits 0, and the usage row is there."""
+    max_tokens = 1500          # a few seconds of streaming: SIGTERM lands well inside it
+    srv = GatewayServer.start(tmp_path / "data", extra_args=["--shutdown-timeout", "30"])
+    try:
+        _, key = srv.tenant()
+        h = {"Authorization": f"Bearer {key}"}
+        idle = httpx.Client(base_url=srv.url, headers=h, timeout=30)
+        assert idle.get("/v1/models").status_code == 200      # its connection stays open
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "drain"}],
+                "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}
+        with httpx.Client(base_url=srv.url, headers=h, timeout=60) as c, \
+                c.stream("POST", "/v1/chat/completions", json=body) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            first = next(ln for ln in lines if ln)
+            request_id = json.loads(first[6:])["id"].removeprefix("chatcmpl-")
+            t_term = time.monotonic()
+            srv.proc.send_signal(signal.SIGTERM)
+            time.sleep(0.3)
+            try:
+                late = idle.post("/v1/chat/completions",
+                                 json={"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+                                       "max_tokens": 1})
+            except httpx.TransportError:
+                pass                 # uvicorn closed the idle connection, and refuses new ones
+            else:
+                assert late.status_code == 503, late.text
+                assert late.json()["error"]["code"] == "server_draining"
+            rest = [ln for ln in lines if ln]
+        idle.close()
+        assert rest[-1] == "data: [DONE]"
+        usage = json.loads(rest[-2][6:])["usage"]
+        assert usage["completion_tokens"] == max_tokens
+        srv.proc.wait(45)
+        assert srv.proc.returncode == 0, srv.log()
+        assert time.monotonic() - t_term < 40
+        assert "Traceback" not in srv.log()
+    finally:
+        srv.stop()
+    with sqlite3.connect(tmp_path / "data" / "lockgate.db") as db:
+        rows = db.execute("SELECT status, completion_tokens FROM usage_records WHERE request_id = ?",
+                          (request_id,)).fetchall()
+    assert rows == [("ok", max_tokens)]
+
+
+@pytest.mark.parametrize("args, env, names", [
+    (["--model", "nosuchdir"], {}, "nosuchdir"),
+    (["--model", "tiny=/nonexistent/model"], {}, "/nonexistent/model"),
+    (["--private-model", "ghost"], {}, "ghost"),
+    ([], {"LOCKGATE_PORT": "notanumber"}, "port"),
+], ids=["model-dir", "named-model-dir", "private-model", "port"])
+def test_bad_config_is_one_clear_error(tmp_path, args, env, names):
+    done = run_cli(["serve", "--port", str(free_port()), *args] if "LOCKGATE_PORT" not in env
+                   else ["serve", *args], base_env(tmp_path / "data", **env))
+    out = done.stdout + done.stderr
+    assert done.returncode != 0, out
+    assert names in out, out
+    assert "Traceback" not in out, out
+    assert "Application startup failed" not in out, out
+
+
+def test_quick_start_serves_the_demo_model(tmp_path):
+    """The README's main job: `lockgate serve` with no model builds the demo model in the
+    data directory on first start and serves it as `demo`, through the openai client."""
+    import openai
+
+    srv = GatewayServer.start(tmp_path / "data", models={})
+    try:
+        assert (tmp_path / "data" / "models" / "demo" / "config.json").is_file()
+        t, key = srv.tenant()
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key=key, max_retries=0, timeout=60)
+        assert [m.id for m in client.models.list().data] == ["demo"]
+        r = client.chat.completions.create(model="demo", max_tokens=8,
+                                           messages=[{"role": "user", "content": "Hello"}])
+        assert r.usage.completion_tokens == 8 and r.choices[0].message.content
+    finally:
+        assert srv.stop() == 0
