@@ -9,8 +9,52 @@ from typing import Annotated
 import typer
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="Lockgate: a multi-tenant LLM gateway and engine.")
-bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks that print ratios against a baseline.")
-app.add_typer(bench_app, name="bench")
+
+# Command groups that live outside the runtime package (the benchmarks, beside them in
+# loadtests/), each an entry point of this group naming a Typer app. A group whose module or
+# dependencies are not installed becomes a command that says what to install.
+COMMAND_GROUPS = "lockgate.commands"
+INSTALL_HINTS = {
+    "bench": "the benchmarks run from a source checkout with the bench extra: "
+             "pip install -e '.[bench]'",
+}
+LORA_DEMO_HINT = ("writing a demo adapter needs peft, the lora-demo extra: pip install 'lockgate[lora-demo]' "
+                  "(from a source checkout: pip install -e '.[lora-demo]')")
+
+
+def _add_unavailable(root: typer.Typer, name: str, hint: str) -> None:
+    def unavailable() -> None:
+        typer.echo(f"lockgate {name}: {hint}", err=True)
+        raise typer.Exit(1)
+
+    from rich.markup import escape
+
+    root.command(name, help=escape(f"Not installed here: {hint}."),
+                 context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(unavailable)
+
+
+def _add_command_groups(root: typer.Typer) -> None:
+    """Each `lockgate.commands` entry point as a sub-command group of `root`."""
+    from importlib.metadata import entry_points
+
+    found: set[str] = set()
+    for ep in entry_points(group=COMMAND_GROUPS):
+        if ep.name in found:
+            continue
+        found.add(ep.name)
+        try:
+            group = ep.load()
+        except ImportError as exc:
+            hint = INSTALL_HINTS.get(ep.name, "its package is not installed")
+            _add_unavailable(root, ep.name, f"{hint} ({exc})")
+        else:
+            root.add_typer(group, name=ep.name)
+    for name, hint in INSTALL_HINTS.items():
+        if name not in found:
+            _add_unavailable(root, name, hint)
+
+
+_add_command_groups(app)
 
 
 @app.callback()
@@ -45,8 +89,13 @@ def demo_adapter(
     seed: Annotated[int, typer.Option(help="adapter weights and nothing else depend on it")] = 0,
 ) -> None:
     """Write a random-weight PEFT LoRA adapter for a base model, offline."""
+    import importlib.util
+
     from engine.lora_demo import parse_targets, write_demo_adapter
 
+    if importlib.util.find_spec("peft") is None:
+        typer.echo(f"lockgate demo-adapter: {LORA_DEMO_HINT}", err=True)
+        raise typer.Exit(1)
     try:
         modules = parse_targets(targets)
     except ValueError as exc:
@@ -84,281 +133,6 @@ def quantize(
     except OSError as exc:
         raise typer.BadParameter(f"cannot read a model from {model_dir}: {exc}", param_hint="MODEL_DIR") from exc
     typer.echo(f"wrote {spec.method} {spec.bits}-bit (group {spec.group_size}) checkpoint to {path}")
-
-
-@bench_app.command("throughput")
-def bench_throughput(
-    model: Annotated[Path | None, typer.Option(help="model directory (default: the small llama demo model)")] = None,
-    num_requests: Annotated[int, typer.Option(min=1)] = 128,
-    seed: Annotated[int, typer.Option()] = 0,
-    max_num_batched_tokens: Annotated[int, typer.Option(min=1)] = 2048,
-    max_num_seqs: Annotated[int, typer.Option(min=1)] = 256,
-    block_size: Annotated[int, typer.Option(min=1)] = 16,
-    skip_hf: Annotated[bool, typer.Option(help="skip the HF static-batching side")] = False,
-    repeats: Annotated[int, typer.Option(min=1, help="runs of each side; the fastest counts")] = 3,
-    json_out: Annotated[Path | None, typer.Option("--json", help="also write the results here")] = None,
-) -> None:
-    """Offline throughput: the engine vs HF static batching vs the ideal-batching bound."""
-    from loadtests.bench_throughput import bench_throughput as run
-
-    run(
-        str(model) if model else None,
-        num_requests=num_requests,
-        seed=seed,
-        engine_kwargs={"max_num_batched_tokens": max_num_batched_tokens,
-                       "max_num_seqs": max_num_seqs, "block_size": block_size},
-        skip_hf=skip_hf,
-        repeats=repeats,
-        json_out=str(json_out) if json_out else None,
-        echo=typer.echo,
-    )
-
-
-@bench_app.command("gateway")
-def bench_gateway(
-    database_url: Annotated[str, typer.Option(help="PostgreSQL to make a scratch database lockgate_bench_<pid> in (dropped afterwards)")] = "postgresql://postgres@127.0.0.1:5432/test",
-    redis_url: Annotated[str, typer.Option(help="Redis for the limiter (a unique key prefix, deleted afterwards)")] = "redis://127.0.0.1:6379/0",
-    rates: Annotated[str, typer.Option(help="request rates to step through, req/s, comma-separated")] = "100,200,300,400,500,600",
-    duration: Annotated[float, typer.Option(min=0.5, help="seconds per rate")] = 5.0,
-    clients: Annotated[int, typer.Option(min=1, help="load-generator processes (each sends rate/N)")] = 1,
-    repeats: Annotated[int, typer.Option(min=1, help="attempts per rate; the best (fewest errors, lowest p99) counts")] = 1,
-    model: Annotated[Path | None, typer.Option(help="model directory for the tokenizer (default: the tiny llama demo model)")] = None,
-    ref_rate: Annotated[float, typer.Option(help="the rate the added-latency targets are judged at")] = 300.0,
-    floor: Annotated[bool, typer.Option(help="also time a bare uvicorn app at the reference rate")] = True,
-    warmup: Annotated[float, typer.Option(min=0.0, help="seconds of unreported warm-up load")] = 2.0,
-    max_time: Annotated[float, typer.Option(min=1.0, help="skip rate steps that would end past this many seconds")] = 300.0,
-    json_out: Annotated[Path | None, typer.Option("--json", help="also write the results here")] = None,
-    synchronous_commit: Annotated[bool, typer.Option("--synchronous-commit/--async-commit", help="usage rows: wait for the WAL flush (production default) or not")] = True,
-) -> None:
-    """The gateway's added latency under open-loop load, vs its engine called directly.
-
-    One uvicorn worker on PostgreSQL and Redis, with an engine that answers at once."""
-    from loadtests.bench_gateway import ServiceUnavailable
-    from loadtests.bench_gateway import bench_gateway as run
-
-    try:
-        rate_list = [float(r) for r in rates.split(",") if r.strip()]
-    except ValueError:
-        raise typer.BadParameter(f"--rates: expected numbers separated by commas, got {rates!r}") from None
-    if not rate_list or any(r <= 0 for r in rate_list):
-        raise typer.BadParameter("--rates: give one or more positive rates")
-    try:
-        run(database_url=database_url, redis_url=redis_url, rates=rate_list, duration=duration,
-            model_dir=str(model) if model else None, clients=clients, repeats=repeats,
-            ref_rate=ref_rate, floor=floor, warmup_s=warmup, max_time_s=max_time,
-            json_out=str(json_out) if json_out else None, echo=typer.echo,
-            synchronous_commit=synchronous_commit)
-    except ServiceUnavailable as exc:
-        typer.echo(f"lockgate bench gateway: {exc}", err=True)
-        raise typer.Exit(2) from None
-
-
-def _dump(path: Path | None, out: dict) -> None:
-    if path is not None:
-        import json
-
-        path.write_text(json.dumps(out, indent=2, default=str))
-
-
-@bench_app.command("priority")
-def bench_priority(
-    model: Annotated[Path | None, typer.Option(help="model directory (default: the small llama demo model)")] = None,
-    duration: Annotated[float, typer.Option(min=1.0, help="seconds of the measured window of each run")] = 40.0,
-    warmup: Annotated[float, typer.Option(min=0.0, help="seconds the flood runs alone before the window")] = 15.0,
-    drain: Annotated[float, typer.Option(min=0.0, help="at most this many seconds after the window for online requests still out")] = 30.0,
-    online_rate: Annotated[float, typer.Option(min=0.01, help="online Poisson arrivals per second")] = 1.0,
-    online_prompt: Annotated[tuple[int, int], typer.Option(help="online prompt length range MIN MAX")] = (56, 72),
-    online_output: Annotated[tuple[int, int], typer.Option(help="online output length range MIN MAX (forced)")] = (32, 64),
-    offline_outstanding: Annotated[int, typer.Option(min=1, help="offline requests kept outstanding")] = 64,
-    offline_prompt: Annotated[tuple[int, int], typer.Option(help="offline prompt length range MIN MAX")] = (512, 1024),
-    offline_output: Annotated[int, typer.Option(min=1, help="offline output length (forced)")] = 256,
-    num_kv_blocks: Annotated[int, typer.Option(min=0, help="KV blocks (0: the engine's default); sized so about half the flood fits")] = 2304,
-    online_kv_reserve: Annotated[float, typer.Option(min=0.0, max=0.99, help="reserved_kv_fraction of class online")] = 0.1,
-    offline_prefill_budget: Annotated[int, typer.Option(min=0, help="prefill_token_budget of class offline, tokens per step (0: none)")] = 256,
-    max_num_batched_tokens: Annotated[int, typer.Option(min=1)] = 2048,
-    max_num_seqs: Annotated[int, typer.Option(min=1)] = 256,
-    num_threads: Annotated[int, typer.Option(min=0, help="torch threads (0: torch's default)")] = 0,
-    seed: Annotated[int, typer.Option()] = 0,
-    json_out: Annotated[Path | None, typer.Option("--json", help="also write the results here")] = None,
-    defaults: Annotated[bool, typer.Option("--defaults", help="every scheduling knob at the engine's default: no online reserve, no offline prefill budget, default step targets")] = False,
-    tiers: Annotated[bool, typer.Option("--tiers", help="instead: priority requests arriving while online ones fill every sequence slot")] = False,
-    http: Annotated[bool, typer.Option("--http", help="instead: through a lockgate serve it starts on defaults, flex clients flooding, default clients streaming")] = False,
-) -> None:
-    """Online trickle beside an offline flood: alone, fcfs, priority.
-
-    Four runs: online alone, offline alone, mixed under fcfs, mixed under priority. Prints
-    online TTFT/TPOT, offline tokens/s, step times, the ratios and the step-cost model's
-    prediction error. `--tiers` and `--http` run the other two benchmarks of the scheduling
-    promise instead (see loadtests/bench_tiers.py, loadtests/bench_priority_http.py)."""
-    from loadtests.bench_priority import PrioritySizes
-    from loadtests.bench_priority import bench_priority as run
-
-    if tiers and http:
-        raise typer.BadParameter("--tiers and --http: pick one")
-    if tiers:
-        from loadtests.bench_tiers import TierSizes, bench_tiers
-
-        out = bench_tiers(str(model) if model else None, sizes=TierSizes(
-            duration_s=duration if duration != 40.0 else 20.0, seed=seed,
-            num_threads=num_threads or None), echo=typer.echo)
-        _dump(json_out, out)
-        return
-    if http:
-        from loadtests.bench_priority_http import HttpSizes, bench_priority_http
-
-        out = bench_priority_http(sizes=HttpSizes(duration_s=duration if duration != 40.0 else 30.0,
-                                                  seed=seed), echo=typer.echo)
-        _dump(json_out, out)
-        return
-    if defaults:
-        online_kv_reserve, offline_prefill_budget = 0.0, 0
-
-    for name, (lo, hi) in (("--online-prompt", online_prompt), ("--online-output", online_output),
-                           ("--offline-prompt", offline_prompt)):
-        if not 1 <= lo <= hi:
-            raise typer.BadParameter(f"{name}: expected 1 <= MIN <= MAX, got {lo} {hi}")
-    sizes = PrioritySizes(
-        duration_s=duration, warmup_s=warmup, drain_s=drain, online_rate=online_rate,
-        online_prompt=tuple(online_prompt), online_output=tuple(online_output),
-        offline_outstanding=offline_outstanding, offline_prompt=tuple(offline_prompt),
-        offline_output=offline_output, num_kv_blocks=num_kv_blocks or None,
-        online_kv_reserve=online_kv_reserve, offline_prefill_budget=offline_prefill_budget or None,
-        max_num_batched_tokens=max_num_batched_tokens,
-        max_num_seqs=max_num_seqs, num_threads=num_threads or None, seed=seed,
-    )
-    run(str(model) if model else None, sizes=sizes, json_out=str(json_out) if json_out else None,
-        echo=typer.echo)
-
-
-@bench_app.command("fairness")
-def bench_fairness(
-    model: Annotated[Path | None, typer.Option(help="model directory (default: the small llama demo model)")] = None,
-    num_steps: Annotated[int, typer.Option(min=2, help="engine steps of each run")] = 1500,
-    window_steps: Annotated[int, typer.Option(min=1, help="steps per Jain's-index window")] = 50,
-    light_outstanding: Annotated[int, typer.Option(min=1, help="requests the light tenant keeps outstanding")] = 16,
-    heavy_ratio: Annotated[int, typer.Option(min=1, help="the heavy tenant keeps this many times more")] = 4,
-    prompt: Annotated[tuple[int, int], typer.Option(help="prompt length range MIN MAX")] = (32, 256),
-    output: Annotated[tuple[int, int], typer.Option(help="output length range MIN MAX (forced)")] = (32, 128),
-    heavy_weight: Annotated[float, typer.Option(min=0.001, help="the heavy tenant's fairness weight")] = 1.0,
-    light_weight: Annotated[float, typer.Option(min=0.001, help="the light tenant's fairness weight")] = 1.0,
-    num_kv_blocks: Annotated[int, typer.Option(min=1, help="KV blocks: M of the VTC bound is blocks x block size")] = 256,
-    max_num_batched_tokens: Annotated[int, typer.Option(min=1)] = 2048,
-    max_num_seqs: Annotated[int, typer.Option(min=1)] = 256,
-    num_threads: Annotated[int, typer.Option(min=0, help="torch threads (0: torch's default)")] = 0,
-    seed: Annotated[int, typer.Option()] = 0,
-    json_out: Annotated[Path | None, typer.Option("--json", help="also write the results here")] = None,
-) -> None:
-    """Two tenants, one with 4x the load: VTC service gap and Jain's index.
-
-    Prints the weighted-service gap against the VTC bound and Jain's index over windows of
-    steps while both tenants are backlogged, under priority and under fcfs."""
-    from loadtests.bench_fairness import FairnessSizes
-    from loadtests.bench_fairness import bench_fairness as run
-
-    for name, (lo, hi) in (("--prompt", prompt), ("--output", output)):
-        if not 1 <= lo <= hi:
-            raise typer.BadParameter(f"{name}: expected 1 <= MIN <= MAX, got {lo} {hi}")
-    sizes = FairnessSizes(
-        num_steps=num_steps, window_steps=window_steps, light_outstanding=light_outstanding,
-        heavy_ratio=heavy_ratio, prompt=tuple(prompt), output=tuple(output),
-        heavy_weight=heavy_weight, light_weight=light_weight, num_kv_blocks=num_kv_blocks,
-        max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-        num_threads=num_threads or None, seed=seed,
-    )
-    run(str(model) if model else None, sizes=sizes, json_out=str(json_out) if json_out else None,
-        echo=typer.echo)
-
-
-@bench_app.command("prefix")
-def bench_prefix(
-    model: Annotated[Path | None, typer.Option(help="model directory (default: the small llama demo model)")] = None,
-    num_requests: Annotated[int, typer.Option(min=2, help="requests, the first run alone")] = 32,
-    prefix_len: Annotated[int, typer.Option(min=1, help="tokens of the shared system prompt")] = 1024,
-    suffix: Annotated[tuple[int, int], typer.Option(help="own suffix length range MIN MAX")] = (16, 32),
-    output_len: Annotated[int, typer.Option(min=1, help="output tokens per request (forced)")] = 8,
-    sequential: Annotated[bool, typer.Option("--sequential/--together", help="send the rest one after another instead of together")] = False,
-    max_num_batched_tokens: Annotated[int, typer.Option(min=1)] = 2048,
-    num_threads: Annotated[int, typer.Option(min=0, help="torch threads (0: torch's default)")] = 0,
-    seed: Annotated[int, typer.Option()] = 0,
-    json_out: Annotated[Path | None, typer.Option("--json", help="also write the results here")] = None,
-) -> None:
-    """Requests sharing a long system prompt: prefix caching on vs off.
-
-    Prints TTFT p50 and the prefill tokens computed, caching on and off."""
-    from loadtests.bench_prefix import PrefixSizes
-    from loadtests.bench_prefix import bench_prefix as run
-
-    if not 1 <= suffix[0] <= suffix[1]:
-        raise typer.BadParameter(f"--suffix: expected 1 <= MIN <= MAX, got {suffix[0]} {suffix[1]}")
-    sizes = PrefixSizes(
-        num_requests=num_requests, prefix_len=prefix_len, suffix=tuple(suffix), output_len=output_len,
-        sequential=sequential, max_num_batched_tokens=max_num_batched_tokens,
-        num_threads=num_threads or None, seed=seed,
-    )
-    try:
-        run(str(model) if model else None, sizes=sizes, json_out=str(json_out) if json_out else None,
-            echo=typer.echo)
-    except ValueError as exc:
-        raise typer.BadParameter(str(exc)) from None
-
-
-@bench_app.command("lora")
-def bench_lora(
-    model: Annotated[Path | None, typer.Option(help="base model directory (default: the small llama demo model)")] = None,
-    num_requests: Annotated[int, typer.Option(min=1)] = 64,
-    num_adapters: Annotated[int, typer.Option(min=1, help="distinct adapters mixed in the batch (max_loras)")] = 8,
-    rank: Annotated[int, typer.Option(min=1)] = 16,
-    targets: Annotated[str, typer.Option(help="projections the adapters adapt")] = "q,k,v,o,gate,up,down",
-    output_len: Annotated[int, typer.Option(min=1, help="output tokens per request (forced)")] = 64,
-    repeats: Annotated[int, typer.Option(min=1, help="runs of each side, alternating; the best counts")] = 2,
-    num_threads: Annotated[int, typer.Option(min=0, help="torch threads (0: torch's default)")] = 0,
-    seed: Annotated[int, typer.Option()] = 0,
-    json_out: Annotated[Path | None, typer.Option("--json", help="also write the results here")] = None,
-) -> None:
-    """Output tokens/s with many LoRA adapters mixed in the batch vs the base model alone."""
-    from engine.lora_demo import parse_targets
-    from loadtests.bench_lora import LoraSizes
-    from loadtests.bench_lora import bench_lora as run
-
-    try:
-        parse_targets(targets)
-        sizes = LoraSizes(num_requests=num_requests, num_adapters=num_adapters, rank=rank, targets=targets,
-                          output_len=output_len, repeats=repeats, num_threads=num_threads or None, seed=seed)
-        run(str(model) if model else None, sizes=sizes, json_out=str(json_out) if json_out else None,
-            echo=typer.echo)
-    except ValueError as exc:
-        raise typer.BadParameter(str(exc)) from None
-
-
-@bench_app.command("switch")
-def bench_switch(
-    model: Annotated[list[Path] | None, typer.Option(help="two model directories (default: two small demo models)")] = None,
-    num_online: Annotated[int, typer.Option(min=1, help="online requests for the cold model")] = 8,
-    online_gap_s: Annotated[float, typer.Option(min=0.0, help="seconds between them")] = 1.0,
-    offline_flood: Annotated[int, typer.Option(min=1, help="offline requests kept outstanding on the other model")] = 64,
-    mix_outstanding: Annotated[int, typer.Option(min=1, help="offline requests kept outstanding per model in the mix")] = 32,
-    mix_duration: Annotated[float, typer.Option(min=0.5, help="seconds of the mix (each model alone: half)")] = 8.0,
-    output_len: Annotated[int, typer.Option(min=1)] = 32,
-    switch_overhead: Annotated[float, typer.Option(min=0.001, max=0.999, help="the pool's target share of time spent switching")] = 0.1,
-    num_threads: Annotated[int, typer.Option(min=0, help="torch threads (0: torch's default)")] = 0,
-    seed: Annotated[int, typer.Option()] = 0,
-    json_out: Annotated[Path | None, typer.Option("--json", help="also write the results here")] = None,
-) -> None:
-    """Two base models on a budget that holds one: cold start, cold-model TTFT, switching's share."""
-    from loadtests.bench_switch import SwitchSizes
-    from loadtests.bench_switch import bench_switch as run
-
-    if model and len(model) != 2:
-        raise typer.BadParameter("give --model twice (two model directories), or not at all")
-    sizes = SwitchSizes(num_online=num_online, online_gap_s=online_gap_s, offline_flood=offline_flood,
-                        mix_outstanding=mix_outstanding, mix_duration_s=mix_duration, output_len=output_len,
-                        switch_overhead=switch_overhead,
-                        num_threads=num_threads or None, seed=seed)
-    try:
-        run((str(model[0]), str(model[1])) if model else None, sizes=sizes,
-            json_out=str(json_out) if json_out else None, echo=typer.echo)
-    except ValueError as exc:
-        raise typer.BadParameter(str(exc)) from None
 
 
 db_app = typer.Typer(no_args_is_help=True, help="The tenancy database (Alembic migrations).")

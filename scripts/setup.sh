@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Set up Lockgate in ./.venv: the right torch build for this machine, then the project.
+# Set up Lockgate in ./.venv: the right torch build for this machine, then the project
+# (editable, with the test extra: the benchmarks' and the tests' dependencies, ruff, mypy).
 #   no NVIDIA GPU -> the CPU wheel (torch==2.13.0; these machines keep it on disk)
 #   NVIDIA GPU    -> the default (CUDA) wheel of the same release, plus triton
 # Usage: bash scripts/setup.sh [--no-test-extra]
@@ -30,5 +31,7 @@ fi
 
 EXTRA="[test]"
 if [ "${1:-}" = "--no-test-extra" ]; then EXTRA=""; fi
-"${PIP[@]}" install -e ".$EXTRA"
+# editable_mode=compat puts the checkout itself on the path, so loadtests/ (not part of the
+# wheel) is importable and `lockgate bench` works; constraints.txt pins every other version.
+"${PIP[@]}" install -c constraints.txt --config-settings editable_mode=compat -e ".$EXTRA"
 echo "setup: done ($("$VENV/bin/python" -c 'import torch; print("torch", torch.__version__, "cuda" if torch.cuda.is_available() else "cpu")'))"
