@@ -1,15 +1,56 @@
-"""Lockgate's inference engine: paged KV cache, continuous batching, chunked prefill."""
+"""Lockgate's inference engine: paged KV cache, continuous batching, chunked prefill.
+
+The public face, and all a server imports (tests/gateway/test_imports.py holds the gateway
+to it): the engine (`AsyncEngine`, a `ModelView` of one of its models, `LLM` for offline
+batches) behind the `EngineClient` / `EngineAdmin` protocols and their `RequestStream`;
+requests (`SamplingParams`, `LoRARequest`), outputs, stats and errors; the model
+directory's own `ModelConfig` and `Tokenizer`; and the model tools the command line runs
+(`write_demo_model`, `write_demo_adapter`, `quantize_model`). Everything else in
+`engine.*` is the engine's inside.
+"""
 
 from engine.async_engine import AsyncEngine
+from engine.client import EngineAdmin, EngineClient, Prompt, RequestStream
 from engine.config import EngineConfig, ModelConfig
-from engine.errors import EngineDead, EngineError, EngineOverloaded, PromptTooLong, UnknownModel
+from engine.demo_model import write_demo_model
+from engine.errors import (
+    AdapterInUse,
+    EngineDead,
+    EngineError,
+    EngineOverloaded,
+    InvalidRequest,
+    LoRAError,
+    PromptTooLong,
+    UnknownModel,
+)
 from engine.llm import LLM
-from engine.lora import LoRAError, LoRARequest
+from engine.lora import Adapter, LoRARequest
+from engine.lora_demo import parse_targets, write_demo_adapter
+from engine.model_view import ModelView
 from engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from engine.quant.quantize import QuantizeSpec, quantize_model
 from engine.sampling_params import SamplingParams
+from engine.stats import (
+    CostModelStats,
+    EngineStats,
+    KVStats,
+    LoRAStats,
+    OverloadStats,
+    PooledModelStats,
+    PoolStats,
+    QueueBounds,
+    QueueStats,
+    TenantClassStats,
+)
+from engine.tokenizer import Tokenizer
 
 __all__ = [
-    "LLM", "AsyncEngine", "EngineConfig", "ModelConfig", "SamplingParams", "LoRARequest", "LoRAError",
+    "LLM", "AsyncEngine", "ModelView", "EngineClient", "EngineAdmin", "RequestStream", "Prompt",
+    "EngineConfig", "ModelConfig", "Tokenizer", "SamplingParams", "LoRARequest", "Adapter",
     "RequestOutput", "CompletionOutput", "RequestMetrics", "Logprob",
-    "EngineError", "EngineOverloaded", "EngineDead", "PromptTooLong", "UnknownModel",
+    "EngineStats", "QueueStats", "TenantClassStats", "KVStats", "CostModelStats", "LoRAStats",
+    "OverloadStats", "QueueBounds", "PoolStats", "PooledModelStats",
+    "EngineError", "InvalidRequest", "PromptTooLong", "UnknownModel", "LoRAError", "AdapterInUse",
+    "EngineOverloaded", "EngineDead",
+    "write_demo_model", "write_demo_adapter", "parse_targets", "QuantizeSpec", "quantize_model",
 ]

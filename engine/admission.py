@@ -26,6 +26,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from engine.errors import EngineOverloaded
+from engine.stats import OverloadStats, QueueBounds
 
 QUEUE_HORIZON_S = 30.0     # queued tokens worth this long of full steps, by the cost model
 QUEUE_BATCHES = 4          # queued requests: this many full batches (x max_num_seqs)
@@ -123,12 +124,11 @@ class Admission:
             self.tokens -= q.tokens
         return q
 
-    def stats(self) -> dict:
-        return {
-            "queued": {c: self.count_by_class[c] for c in self.classes},
-            "queued_tokens": self.tokens,
-            "bounds": {"requests": self.count_bound, "tokens": self.token_bound,
-                       "per_class": self.per_class_bound},
-            "refused": {c: dict(n) for c, n in self.refused.items()},
-            "shed": {c: dict(n) for c, n in self.shed.items()},
-        }
+    def stats(self) -> OverloadStats:
+        return OverloadStats(
+            queued={c: self.count_by_class[c] for c in self.classes},
+            queued_tokens=self.tokens,
+            bounds=QueueBounds(self.count_bound, self.token_bound, self.per_class_bound),
+            refused={c: dict(n) for c, n in self.refused.items()},
+            shed={c: dict(n) for c, n in self.shed.items()},
+        )

@@ -17,25 +17,31 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from engine.admission import Admission, Queued
+from engine.client import Prompt, RequestStream
 from engine.config import EngineConfig, ModelConfig
 from engine.cost_model import StepShape
 from engine.engine_core import EngineCore
-from engine.model_registry import ModelPool, make_core
-from engine.errors import EngineDead, EngineOverloaded
+from engine.errors import EngineDead, EngineOverloaded, InvalidRequest, LoRAError
 from engine.llm import to_token_ids
-from engine.lora import Adapter, LoRAError, LoRARequest
+from engine.lora import Adapter, LoRARequest
+from engine.model_pool import ModelPool, make_core
+from engine.model_view import ModelView
 from engine.outputs import RequestOutput
 from engine.request import EngineRequest
 from engine.sampling_params import SamplingParams
+from engine.stats import EngineStats
+from engine.step_engine import StepEngine
 from engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
 
 class AsyncEngine:
+    """The in-process engine: an `EngineClient` and `EngineAdmin` (engine/client.py)."""
+
     def __init__(self, model: str, **kwargs: Any) -> None:
         self.config = EngineConfig(model=str(model), **kwargs)
-        self.core: EngineCore | ModelPool | None = None
+        self.core: StepEngine | None = None
         self._inbox: deque[tuple[str, Any]] = deque()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -46,7 +52,7 @@ class AsyncEngine:
         self._admission = Admission(c.service_classes, max_num_seqs=c.max_num_seqs,
                                     max_waiting_per_class=c.max_waiting_per_class,
                                     max_waiting_tokens=c.max_waiting_tokens)
-        self._stats: dict = {}
+        self._stats = EngineStats()
         self._error: BaseException | None = None
         self._tenant_weights: dict[str, float] = {}
         self._variants: dict[str, LoRARequest] = {}   # adapter name -> its request
@@ -89,7 +95,11 @@ class AsyncEngine:
     async def __aexit__(self, *exc) -> None:
         await self.shutdown()
 
-    # -- what the gateway reads ---------------------------------------------------------------
+    @property
+    def is_ready(self) -> bool:
+        return self.core is not None
+
+    # -- the default model, for callers in this process ---------------------------------------
     @property
     def tokenizer(self) -> Tokenizer:
         return self._core.tokenizer
@@ -127,15 +137,16 @@ class AsyncEngine:
         name = lora_request.lora_name
         known = self._variants.get(name)
         if known is not None and known != lora_request:
-            raise LoRAError(f"lora_name: {name!r} is already registered as adapter {known.lora_int_id}")
+            raise LoRAError(f"lora_name: {name!r} is already registered as adapter {known.lora_int_id}",
+                            field="lora_name")
         if name in core.served_model_names:
-            raise LoRAError(f"lora_name: {name!r} is the base model's name")
+            raise LoRAError(f"lora_name: {name!r} is the base model's name", field="lora_name")
         adapter = await asyncio.to_thread(core.add_lora, lora_request)
         self._variants[name] = lora_request
         return adapter
 
     def remove_lora(self, name: str) -> bool:
-        """Stop serving an adapter and free its memory; refused (LoRAError) while requests
+        """Stop serving an adapter and free its memory; refused (AdapterInUse) while requests
         use it."""
         if not self.unload_lora(name):
             return False
@@ -148,7 +159,7 @@ class AsyncEngine:
         req = self._variants.get(name)
         if req is None:
             return False
-        lora = self._core.core_for(req.base_model_name).lora
+        lora = self.core_for_model(req.base_model_name).lora
         if lora is not None:
             lora.remove(req.lora_int_id)
         return True
@@ -158,33 +169,38 @@ class AsyncEngine:
         self._core.core_for(name)   # UnknownModel if it is not served
         return ModelView(self, name)
 
+    def core_for_model(self, name: str | None) -> EngineCore:
+        """The core serving model `name` (None: the default); UnknownModel if none does."""
+        return self._core.core_for(name)
+
     @property
     def loras(self) -> dict[str, LoRARequest]:
         return dict(self._variants)
 
     @property
-    def _core(self) -> EngineCore | ModelPool:
+    def _core(self) -> StepEngine:
         if self.core is None:
             raise RuntimeError("AsyncEngine is not started; call `await engine.start()` first")
         return self.core
 
-    def stats(self) -> dict:
+    def stats(self) -> EngineStats:
         """A snapshot taken after the latest step (safe to read from any thread), with the
-        queue's bounds, refusals and sheds under "overload"."""
+        queue's bounds, refusals and sheds in `overload`."""
         with self._lock:
             overload = self._admission.stats()
-        return {**self._stats, "overload": overload}
+            stats = self._stats
+        return dataclasses.replace(stats, overload=overload)
 
     # -- requests ---------------------------------------------------------------------------
     async def generate(
         self,
-        prompt: str | list[int] | dict[str, Any],
+        prompt: Prompt,
         sampling_params: SamplingParams,
         request_id: str,
         **kwargs: Any,
     ) -> AsyncIterator[RequestOutput]:
         """Cumulative outputs as tokens arrive; the last one has `finished` set. Raises
-        ValueError for bad input and EngineOverloaded for a full queue before queueing.
+        InvalidRequest for bad input and EngineOverloaded for a full queue before queueing.
         Keyword arguments as `submit`'s. Leaving the loop early aborts the request."""
         stream = self.submit(prompt, sampling_params, request_id, **kwargs)
         try:
@@ -195,7 +211,7 @@ class AsyncEngine:
 
     def submit(
         self,
-        prompt: str | list[int] | dict[str, Any],
+        prompt: Prompt,
         sampling_params: SamplingParams,
         request_id: str,
         *,
@@ -209,7 +225,7 @@ class AsyncEngine:
         lora_request: LoRARequest | None = None,
         sheddable: bool = True,
     ) -> RequestStream:
-        """Queue a request now (raising ValueError, PromptTooLong or EngineOverloaded at once,
+        """Queue a request now (raising InvalidRequest, PromptTooLong or EngineOverloaded at once,
         before anything is queued) and return its stream of outputs. Must be called from
         the caller's event loop; `close()` the stream when done with it (it aborts the
         request if it has not finished). A `sheddable` request may later be shed to make
@@ -218,10 +234,11 @@ class AsyncEngine:
         core = self._core
         if model is not None and model in self._variants:
             if lora_request is not None and lora_request != self._variants[model]:
-                raise ValueError(f"model: {model!r} is an adapter; do not pass another lora_request")
+                raise InvalidRequest(f"model: {model!r} is an adapter; do not pass another lora_request",
+                                     field="model")
             lora_request = self._variants[model]
             model = lora_request.base_model_name
-        text, ids = to_token_ids(core.core_for(model), prompt)
+        text, ids = to_token_ids(core.core_for(model).tokenizer, prompt)
         req = EngineRequest(request_id, ids, sampling_params, prompt=text, tenant=tenant,
                             service_class=service_class, priority=priority, model=model,
                             cache_salt=cache_salt, share_group=share_group,
@@ -235,7 +252,8 @@ class AsyncEngine:
             if self._thread is None or self._stop.is_set():
                 raise EngineDead("engine is not running; call `await engine.start()` first")
             if request_id in self._streams:
-                raise ValueError(f"request_id: {request_id!r} is already in the engine")
+                raise InvalidRequest(f"request_id: {request_id!r} is already in the engine",
+                                     field="request_id")
             sp = sampling_params
             max_tokens = sp.max_tokens if sp.max_tokens is not None else core.max_model_len - len(ids)
             shed = self._admission.admit(Queued(
@@ -246,7 +264,7 @@ class AsyncEngine:
             self._streams[request_id] = (loop, queue)
             self._inbox.append(("add", req))
         self._wake.set()
-        return RequestStream(self, request_id, queue)
+        return RequestStream(request_id, queue, abort=self._post_abort, forget=self._forget)
 
     def _forget(self, request_id: str) -> None:
         with self._lock:
@@ -293,14 +311,14 @@ class AsyncEngine:
                     self._deliver(rid, EngineDead(f"engine step failed: {exc!r}"))
                 return
 
-    def _publish_stats(self, core: EngineCore, drained: int) -> None:
+    def _publish_stats(self, core: StepEngine, drained: int) -> None:
         stats = core.stats()
         with self._lock:
             self._stats = stats
         if drained or self._steps_since_sizing >= 64:
             self._size_queue(core)
 
-    def _size_queue(self, core: EngineCore | ModelPool) -> None:
+    def _size_queue(self, core: StepEngine) -> None:
         """The queue's token bound from the KV cache and the cost model's full-step rate."""
         self._steps_since_sizing = 0
         cores = core.cores.values() if isinstance(core, ModelPool) else [core]
@@ -315,7 +333,7 @@ class AsyncEngine:
         with self._lock:
             self._admission.size(kv_tokens, min(rates) if rates else None)
 
-    def _shed(self, core: EngineCore, victim: Queued) -> None:
+    def _shed(self, core: StepEngine, victim: Queued) -> None:
         """Shed a queued request that has sent nothing; one that got going in the meantime
         (it was in the step that ran while the arrival was admitted) goes on."""
         rid = victim.request_id
@@ -331,7 +349,7 @@ class AsyncEngine:
             "urgent work", service_class=victim.service_class,
             retry_after=self._admission.retry_after(), shed=True))
 
-    def _drain_inbox(self, core: EngineCore) -> int:
+    def _drain_inbox(self, core: StepEngine) -> int:
         drained = 0
         while True:
             with self._lock:
@@ -363,87 +381,3 @@ class AsyncEngine:
             loop.call_soon_threadsafe(queue.put_nowait, item)
         except RuntimeError:  # the caller's loop is closed
             pass
-
-
-class ModelView:
-    """One model of an engine that serves several (`models=`): requests submitted through
-    it run on that model (or on one of its adapters, `model=<adapter>`), adapters added
-    through it belong to it, and its tokenizer and context are that model's. Everything
-    else is the engine's."""
-
-    def __init__(self, engine: AsyncEngine, name: str) -> None:
-        self.engine = engine
-        self.name = name
-
-    @property
-    def tokenizer(self) -> Tokenizer:
-        return self.engine._core.core_for(self.name).tokenizer
-
-    @property
-    def model_config(self) -> ModelConfig:
-        return self.engine._core.core_for(self.name).model_config
-
-    @property
-    def max_model_len(self) -> int:
-        return self.engine._core.core_for(self.name).max_model_len
-
-    def submit(self, *args: Any, model: str | None = None, **kwargs: Any) -> RequestStream:
-        return self.engine.submit(*args, model=model or self.name, **kwargs)
-
-    async def generate(self, *args: Any, model: str | None = None, **kwargs: Any):
-        async for out in self.engine.generate(*args, model=model or self.name, **kwargs):
-            yield out
-
-    async def add_lora(self, lora_request: LoRARequest) -> Adapter:
-        return await self.engine.add_lora(dataclasses.replace(lora_request, base_model_name=self.name))
-
-    def stats(self) -> dict:
-        """This model's engine stats, with its residency in the pool under "model_pool" and
-        the pool's memory and switch counts."""
-        s = self.engine.stats()
-        if "by_model" not in s:
-            return s
-        return {**s["by_model"].get(self.name, {}), "model_pool": s["models"].get(self.name, {}),
-                "overload": s["overload"],      # one queue for the whole engine
-                "pool": {"memory": s["memory"], "switches": s["switches"], "switch_s": s["switch_s"],
-                         "current_model": s["current_model"]}}
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.engine, name)
-
-
-class RequestStream:
-    """One request's outputs, as an async iterator. `close()` (idempotent) aborts the request
-    in the engine unless it has finished, and forgets its stream."""
-
-    def __init__(self, engine: AsyncEngine, request_id: str, queue: asyncio.Queue) -> None:
-        self.engine = engine
-        self.request_id = request_id
-        self._queue = queue
-        self.finished = False
-        self.closed = False
-        self.last: RequestOutput | None = None
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if self.finished or self.closed:
-            raise StopAsyncIteration
-        item = await self._queue.get()
-        if isinstance(item, BaseException):
-            self.close()
-            raise item
-        self.last = item
-        if item.finished:
-            self.finished = True
-            self.engine._forget(self.request_id)
-        return item
-
-    def close(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        if not self.finished:
-            self.engine._post_abort(self.request_id)
-        self.engine._forget(self.request_id)

@@ -60,7 +60,7 @@ class EngineConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
-    # more base models on the same device budget (engine/model_registry.py): name -> directory
+    # more base models on the same device budget (engine/model_pool.py): name -> directory
     models: dict[str, str] = field(default_factory=dict)
     memory_budget: int | None = None      # bytes for all models together (CPU; CUDA: a share of the device)
     switch_overhead: float = 0.1          # a model's turn lasts until its switch-in cost is this share
@@ -194,6 +194,17 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
     max_model_len: int = 0
     quantization: dict[str, Any] | None = None   # config.json's quantization_config
+
+    def context_length(self, max_model_len: int | None) -> int:
+        """The context a request may use: `max_model_len` when set (never past the model's
+        `max_position_embeddings`), else the model's whole; kept in `self.max_model_len`."""
+        if max_model_len and max_model_len > self.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len {max_model_len} exceeds the model's "
+                f"max_position_embeddings {self.max_position_embeddings}"
+            )
+        self.max_model_len = max_model_len or self.max_position_embeddings
+        return self.max_model_len
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:

@@ -19,6 +19,8 @@ import statistics
 from collections import deque
 from dataclasses import dataclass
 
+from engine.stats import CostModelStats
+
 FEATURES = ("const", "prefill_tokens", "seqs", "decode_kv_tokens", "prefill_attention", "sampled")
 # features are fitted in these units, so that each is about 1 in a typical step
 _SCALE = (1.0, 256.0, 16.0, 16384.0, 256.0 * 1024.0, 16.0)
@@ -142,11 +144,11 @@ class StepCostModel:
         """Median of |predicted - measured| / measured over the recent predicted steps."""
         return statistics.median(self._errors) if self._errors else None
 
-    def summary(self) -> dict:
-        return {"samples": self.num_samples, "ready": self.ready,
-                "coefficients": self.coefficients(),
-                "prediction_error_median": self.prediction_error(),
-                "predictions": len(self._errors)}
+    def summary(self, device: str = "") -> CostModelStats:
+        return CostModelStats(samples=self.num_samples, ready=self.ready,
+                              coefficients=self.coefficients(),
+                              prediction_error_median=self.prediction_error(),
+                              predictions=len(self._errors), device=device)
 
 
 def _nonneg_lstsq(a: list[list[float]], b: list[float], ridge: float) -> list[float]:

@@ -13,24 +13,21 @@ from collections import Counter
 import torch
 
 from engine.config import DTYPES, EngineConfig, ModelConfig
-from engine.errors import PromptTooLong, UnknownModel
+from engine.errors import InvalidRequest, PromptTooLong, UnknownModel
 from engine.kv_cache import KVCacheManager
-from engine.lora import Adapter, LoRAManager
+from engine.lora import Adapter, LoRAManager, LoRARequest
 from engine.memory import CPU_DEFAULT_KV_BYTES, MemoryBudget
 from engine.model_runner import ModelRunner, StepTimings
+from engine.output_processor import OutputProcessor
+from engine.outputs import RequestOutput
 from engine.platform import tune_cpu_allocator
-from engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from engine.request import EngineRequest, RequestState, Sequence, SeqStatus
-from engine.sampler import SamplerOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from engine.stats import EngineStats, KVStats, QueueStats, TenantClassStats
 from engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
-
-# prompt tokens the detokenizer starts from, so the first output token is decoded in context
-# (a SentencePiece word-start space, a character split across the prompt's end)
-DETOKENIZE_CONTEXT = 8
 
 
 def resolve_dtype(name: str, model_dtype: str, device: torch.device) -> torch.dtype:
@@ -44,29 +41,34 @@ def resolve_dtype(name: str, model_dtype: str, device: torch.device) -> torch.dt
 
 def check_request(req: EngineRequest, vocab_size: int, max_model_len: int) -> None:
     """The checks of a request that need no engine state beyond the model's vocabulary and
-    context: ValueError (PromptTooLong for the context) naming the field."""
+    context: InvalidRequest (PromptTooLong for the context) naming the field."""
     if not isinstance(req.sampling, SamplingParams):
-        raise ValueError(f"sampling_params: expected SamplingParams, got {type(req.sampling).__name__}")
+        raise InvalidRequest(f"sampling_params: expected SamplingParams, got {type(req.sampling).__name__}",
+                             field="sampling_params")
     req.sampling.__post_init__()   # re-checked: the object may have changed since it was built
     if type(req.priority) is not int:
-        raise ValueError(f"priority: must be an integer, got {req.priority!r}")
+        raise InvalidRequest(f"priority: must be an integer, got {req.priority!r}", field="priority")
     if req.tenant_weight is not None and (
         isinstance(req.tenant_weight, bool) or not isinstance(req.tenant_weight, (int, float))
         or not 0 < req.tenant_weight < float("inf")
     ):
-        raise ValueError(f"tenant_weight: must be a number > 0, got {req.tenant_weight!r}")
+        raise InvalidRequest(f"tenant_weight: must be a number > 0, got {req.tenant_weight!r}",
+                             field="tenant_weight")
     for name in ("tenant", "model", "cache_salt", "share_group"):
         value = getattr(req, name)
         if value is not None and not isinstance(value, str) or (name == "tenant" and not value):
-            raise ValueError(f"{name}: must be a{' non-empty' if name == 'tenant' else ''} string, got {value!r}")
+            raise InvalidRequest(
+                f"{name}: must be a{' non-empty' if name == 'tenant' else ''} string, got {value!r}",
+                field=name)
     ids = req.prompt_token_ids
     if not isinstance(req.request_id, str) or not req.request_id:
-        raise ValueError("request_id: must be a non-empty string")
+        raise InvalidRequest("request_id: must be a non-empty string", field="request_id")
     if not ids:
-        raise ValueError("prompt: must not be empty")
+        raise InvalidRequest("prompt: must not be empty", field="prompt")
     bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < vocab_size), None)
     if bad is not None:
-        raise ValueError(f"prompt_token_ids: token id {bad!r} is outside the vocabulary [0, {vocab_size})")
+        raise InvalidRequest(f"prompt_token_ids: token id {bad!r} is outside the vocabulary [0, {vocab_size})",
+                             field="prompt_token_ids")
     if len(ids) >= max_model_len:
         raise PromptTooLong(
             f"prompt: {len(ids)} tokens leave no room for output within max_model_len {max_model_len}"
@@ -90,13 +92,7 @@ class EngineCore:
             tune_cpu_allocator()
         self.model_config = ModelConfig.from_dir(config.model)
         mc = self.model_config
-        if config.max_model_len and config.max_model_len > mc.max_position_embeddings:
-            raise ValueError(
-                f"max_model_len {config.max_model_len} exceeds the model's "
-                f"max_position_embeddings {mc.max_position_embeddings}"
-            )
-        self.max_model_len = config.max_model_len or mc.max_position_embeddings
-        mc.max_model_len = self.max_model_len
+        self.max_model_len = mc.context_length(config.max_model_len)
         self.dtype = resolve_dtype(config.dtype, mc.torch_dtype, self.device)
         self.tokenizer = Tokenizer(config.model)
         torch.manual_seed(config.seed)
@@ -109,29 +105,7 @@ class EngineCore:
             )
         bs = config.block_size
         self.memory: MemoryBudget | None = None
-        if pooled:
-            # the pool reserves this model's footprint when it loads it
-            per_block = self.runner.bytes_per_block(bs)
-            if config.num_kv_blocks is not None:
-                self.num_kv_blocks = config.num_kv_blocks
-            else:
-                kv_bytes = config.kv_cache_memory if config.kv_cache_memory is not None else CPU_DEFAULT_KV_BYTES
-                self.num_kv_blocks = kv_bytes // per_block
-            if self.num_kv_blocks < 1:
-                raise ValueError(f"kv cache: no room for a single block ({per_block} bytes) for {self.name}")
-        else:
-            self.memory = MemoryBudget.for_device(
-                self.device,
-                gpu_memory_utilization=config.gpu_memory_utilization,
-                kv_cache_memory=config.kv_cache_memory,
-                weight_bytes=self.runner.weight_bytes,
-                lora_bytes=self.lora.slot_bytes if self.lora else 0,
-            )
-            self.num_kv_blocks = self.memory.kv_blocks(
-                self.runner.bytes_per_block(bs),
-                num_kv_blocks=config.num_kv_blocks,
-                kv_cache_memory=config.kv_cache_memory,
-            )
+        self.num_kv_blocks = self._size_kv_cache(pooled)
         self.runner.allocate_kv_cache(self.num_kv_blocks, bs)
         if not pooled:
             self.runner.load()
@@ -150,11 +124,12 @@ class EngineCore:
         self.max_seq_len_by_rank = [
             min(self.max_model_len, (self.num_kv_blocks - r) * bs) for r in self.scheduler.reserve_by_rank
         ]
+        self.outputs = OutputProcessor(self.tokenizer, self.scheduler, self.eos_token_ids,
+                                       self.max_seq_len_by_rank)
         self.requests: dict[str, RequestState] = {}
         self.timings = StepTimings()
         # tests turn this on: block accounting is checked after every schedule
         self.check_invariants = os.environ.get("LOCKGATE_CHECK_INVARIANTS") == "1"
-        self.num_generated_tokens = 0
         self.track_kv_utilization = False   # the benchmark turns it on (it walks every table)
         # the latest step's time as predicted before it ran, and as measured
         self.last_step_predicted_s: float | None = None
@@ -164,6 +139,35 @@ class EngineCore:
             "engine ready: %s on %s (%s), %d KV blocks of %d tokens",
             config.model, self.device, self.dtype, self.num_kv_blocks, bs,
         )
+
+    def _size_kv_cache(self, pooled: bool) -> int:
+        """The KV cache's block count. Alone, from this model's own memory budget (which it
+        keeps in `memory`); in a pool, from the configured blocks or bytes (the pool
+        reserves this model's footprint when it loads it)."""
+        config, bs = self.config, self.config.block_size
+        per_block = self.runner.bytes_per_block(bs)
+        if pooled:
+            if config.num_kv_blocks is not None:
+                num_blocks = config.num_kv_blocks
+            else:
+                kv_bytes = config.kv_cache_memory if config.kv_cache_memory is not None else CPU_DEFAULT_KV_BYTES
+                num_blocks = kv_bytes // per_block
+            if num_blocks < 1:
+                raise ValueError(f"kv cache: no room for a single block ({per_block} bytes) for {self.name}")
+            return num_blocks
+        self.memory = MemoryBudget.for_device(
+            self.device,
+            gpu_memory_utilization=config.gpu_memory_utilization,
+            kv_cache_memory=config.kv_cache_memory,
+            weight_bytes=self.runner.weight_bytes,
+            lora_bytes=self.lora.slot_bytes if self.lora else 0,
+        )
+        return self.memory.kv_blocks(per_block, num_kv_blocks=config.num_kv_blocks,
+                                     kv_cache_memory=config.kv_cache_memory)
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return self.outputs.num_generated_tokens
 
     # -- residency (a pool's models) ----------------------------------------------------------
     @property
@@ -203,14 +207,16 @@ class EngineCore:
 
     # -- requests ------------------------------------------------------------------------
     def validate(self, req: EngineRequest) -> None:
-        """Raise ValueError (naming the field) for anything that could never run."""
+        """Raise InvalidRequest (naming the field) for anything that could never run."""
         check_request(req, self.model_config.vocab_size, self.max_model_len)
         if req.request_id in self.requests:
-            raise ValueError(f"request_id: {req.request_id!r} is already in the engine")
+            raise InvalidRequest(f"request_id: {req.request_id!r} is already in the engine",
+                                 field="request_id")
         ids = req.prompt_token_ids
         if req.service_class not in self.class_rank:
-            raise ValueError(
-                f"service_class: {req.service_class!r} is not one of {list(self.config.service_classes)}"
+            raise InvalidRequest(
+                f"service_class: {req.service_class!r} is not one of {list(self.config.service_classes)}",
+                field="service_class",
             )
         if len(ids) >= self.max_seq_len_by_rank[self.class_rank[req.service_class]]:
             raise PromptTooLong(
@@ -228,7 +234,8 @@ class EngineCore:
             raise UnknownModel(f"model: {req.model!r} is not served by this engine")
         if req.lora_request is not None:
             if self.lora is None:
-                raise ValueError("lora_request: LoRA is not enabled on this engine (enable_lora=True)")
+                raise InvalidRequest("lora_request: LoRA is not enabled on this engine (enable_lora=True)",
+                                     field="lora_request")
             self.lora.check_request(req.lora_request)
 
     @property
@@ -245,12 +252,9 @@ class EngineCore:
         # one name per variant, so that its prefix-cache hashes agree however it was named
         req = dataclasses.replace(req, model=self.model_name)
         state = RequestState(req=req, class_rank=self.class_rank[req.service_class])
-        context = req.prompt_token_ids[-DETOKENIZE_CONTEXT:]
         for i in range(req.sampling.n):
             seq = Sequence(state, i, list(req.prompt_token_ids), len(req.prompt_token_ids))
-            seq.decode_stream = self.tokenizer.decode_stream(req.sampling.skip_special_tokens, context)
-            if req.sampling.logprobs is not None:
-                seq.logprobs = []
+            self.outputs.start(seq)
             state.seqs.append(seq)
         self.requests[req.request_id] = state
         if req.lora_request is not None:
@@ -264,10 +268,11 @@ class EngineCore:
         if state.req.lora_request is not None and self.lora is not None:
             self.lora.release(state.req.lora_request)
 
-    def add_lora(self, lora_request) -> Adapter:
+    def add_lora(self, lora_request: LoRARequest) -> Adapter:
         """Read and check an adapter into host memory (blocking); the checked adapter."""
         if self.lora is None:
-            raise ValueError("lora_request: LoRA is not enabled on this engine (enable_lora=True)")
+            raise InvalidRequest("lora_request: LoRA is not enabled on this engine (enable_lora=True)",
+                                 field="lora_request")
         return self.lora.load(lora_request)
 
     def _fail_adapter_requests(self) -> None:
@@ -289,7 +294,7 @@ class EngineCore:
                 self.scheduler.finish(seq, "abort")
         self._retire(state)
         state.finished_time = time.time()
-        return self._output(state)
+        return self.outputs.output(state)
 
     @property
     def has_unfinished(self) -> bool:
@@ -322,135 +327,23 @@ class EngineCore:
         predicted = cost.predict(sched.shape)   # before the step runs: what sizing relied on
         sampled_seqs, out = self.runner.execute(sched, self.kv, self.timings)
         t2 = time.perf_counter()
-        for seq, num_new in sched.scheduled:
-            seq.num_computed_tokens += num_new
-            self.kv.cache_full_blocks(seq)
+        self.scheduler.update(sched)
         touched: dict[str, RequestState] = {}
         if out is not None:
-            self._append_tokens(sampled_seqs, out, touched)
+            self.outputs.append_tokens(sampled_seqs, out, time.time(), touched)
         outputs = []
         for state in touched.values():
             if state.finished:
                 state.finished_time = time.time()
                 self._retire(state)
-                outputs.append(self._output(state))
+                outputs.append(self.outputs.output(state))
             elif self.stream_outputs:
-                outputs.append(self._output(state))
+                outputs.append(self.outputs.output(state))
         t3 = time.perf_counter()
         self.timings.detokenize += t3 - t2
         cost.observe(sched.shape, t3 - t0, predicted)
         self.last_step_predicted_s, self.last_step_s = predicted, t3 - t0
         return outputs
-
-    def _append_tokens(
-        self, seqs: list[Sequence], out: SamplerOutput, touched: dict[str, RequestState]
-    ) -> None:
-        now = time.time()
-        tok = self.tokenizer
-        for seq, token, lp in zip(seqs, out.token_ids, out.logprobs):
-            state = seq.state
-            touched[state.request_id] = state
-            if state.first_token_time is None:
-                state.first_token_time = now
-            seq.token_ids.append(token)
-            self.num_generated_tokens += 1
-            if lp is not None:
-                self._record_logprobs(seq, token, lp)
-            p = seq.params
-            may_stop = seq.num_output_tokens > p.min_tokens
-            if may_stop and not p.ignore_eos and token in self.eos_token_ids:
-                self._flush_text(seq, seq.num_output_tokens - 1)
-                self.scheduler.finish(seq, "stop")
-                continue
-            if may_stop and token in p.stop_token_ids:
-                self._flush_text(seq, seq.num_output_tokens - 1)
-                self.scheduler.finish(seq, "stop", token)
-                continue
-            delta = tok.step_stream(seq.decode_stream, token)
-            if delta:
-                seq.text += delta
-                seq.num_text_tokens = seq.num_output_tokens
-                if p.stop_strings and may_stop and self._check_stop_strings(seq, len(delta)):
-                    continue
-            if (p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens) or (
-                seq.num_tokens >= self.max_seq_len_by_rank[state.class_rank]
-            ):
-                self._flush_text(seq, seq.num_output_tokens)
-                self.scheduler.finish(seq, "length")
-
-    def _flush_text(self, seq: Sequence, upto: int) -> None:
-        """At the end, the bytes the incremental decoder still holds (a character cut short)
-        are decoded as the full decode would render them (U+FFFD), so the final text equals
-        `tokenizer.decode(output ids)`."""
-        if upto > seq.num_text_tokens:
-            pending = seq.output_token_ids[seq.num_text_tokens:upto]
-            seq.text += self.tokenizer.decode(pending, seq.params.skip_special_tokens)
-            seq.num_text_tokens = upto
-
-    def _check_stop_strings(self, seq: Sequence, delta_len: int) -> bool:
-        p = seq.params
-        longest = max(len(s) for s in p.stop_strings)
-        window_start = max(0, len(seq.text) - delta_len - longest + 1)
-        best = None
-        for stop in p.stop_strings:
-            idx = seq.text.find(stop, window_start)
-            if idx >= 0 and (best is None or idx < best[0]):
-                best = (idx, stop)
-        if best is None:
-            return False
-        idx, stop = best
-        seq.text = seq.text[: idx + len(stop)] if p.include_stop_str_in_output else seq.text[:idx]
-        self.scheduler.finish(seq, "stop", stop)
-        return True
-
-    def _record_logprobs(self, seq: Sequence, token: int, lp: tuple) -> None:
-        chosen, rank, top = lp
-        seq.cumulative_logprob += chosen
-        entry = {token: Logprob(chosen, rank, self.tokenizer.decode([token], False))}
-        for i, (tid, val) in enumerate(top):
-            if tid not in entry:
-                entry[tid] = Logprob(val, i + 1, self.tokenizer.decode([tid], False))
-        assert seq.logprobs is not None
-        seq.logprobs.append(entry)
-
-    def _output(self, state: RequestState) -> RequestOutput:
-        completions = []
-        for seq in state.seqs:
-            text = seq.text
-            finished = seq.status is SeqStatus.FINISHED
-            if not finished and seq.params.stop_strings:
-                # hold back what could still turn out to be the start of a stop string
-                hold = max(len(s) for s in seq.params.stop_strings) - 1
-                text = text[: max(seq.num_sent_chars, len(text) - hold)]
-            out_ids = seq.output_token_ids
-            completions.append(CompletionOutput(
-                index=seq.index,
-                text=text,
-                token_ids=out_ids,
-                cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
-                logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
-                finish_reason=seq.finish_reason,
-                stop_reason=seq.stop_reason,
-                delta_text=text[seq.num_sent_chars:],
-                delta_token_ids=out_ids[seq.num_sent_tokens:],
-            ))
-            seq.num_sent_chars = len(text)
-            seq.num_sent_tokens = len(out_ids)
-        return RequestOutput(
-            request_id=state.request_id,
-            prompt=state.req.prompt,
-            prompt_token_ids=state.req.prompt_token_ids,
-            outputs=completions,
-            finished=state.finished,
-            num_cached_tokens=state.num_cached_tokens,
-            metrics=RequestMetrics(
-                arrival_time=state.arrival_time,
-                first_scheduled_time=state.first_scheduled_time,
-                first_token_time=state.first_token_time,
-                finished_time=state.finished_time,
-                num_preemptions=sum(s.num_preemptions for s in state.seqs),
-            ),
-        )
 
     # -- introspection --------------------------------------------------------------------
     def verify(self, sched=None) -> None:
@@ -474,8 +367,8 @@ class EngineCore:
             empty_rows += rows - min(rows, seq.num_tokens)
         return (held * bs - empty_rows) / (held * bs)
 
-    def stats(self) -> dict:
-        sched = self.scheduler
+    def stats(self) -> EngineStats:
+        sched, classes = self.scheduler, self.config.service_classes
         running = Counter(s.state.req.service_class for s in sched.running)
         waiting = Counter(s.state.req.service_class for s in sched.waiting)
         # requests (not samples) none of whose samples runs yet: what overload limits count
@@ -483,41 +376,46 @@ class EngineCore:
             st.req.service_class for st in self.requests.values()
             if not any(q.status is SeqStatus.RUNNING for q in st.seqs)
         )
-        run_t = Counter(s.state.req.tenant for s in sched.running)
-        wait_t = Counter(s.state.req.tenant for s in sched.waiting)
-        classes = self.config.service_classes
+        per_class = {c: QueueStats(waiting=waiting.get(c, 0), running=running.get(c, 0)) for c in classes}
+        tenants = self._tenant_stats(per_class)
+        return EngineStats(
+            classes=per_class,
+            tenants=tenants,
+            running={c: running.get(c, 0) for c in classes},
+            waiting={c: waiting.get(c, 0) for c in classes},
+            waiting_requests={c: waiting_reqs.get(c, 0) for c in classes},
+            running_by_tenant=dict(Counter(s.state.req.tenant for s in sched.running)),
+            waiting_by_tenant=dict(Counter(s.state.req.tenant for s in sched.waiting)),
+            num_requests=len(self.requests),
+            num_preemptions=sched.num_preemptions,
+            num_generated_tokens=self.num_generated_tokens,
+            num_steps=self.timings.num_steps,
+            kv=KVStats(total=self.num_kv_blocks, used=self.kv.num_used_blocks,
+                       free=self.kv.num_free_blocks, prefix_cache_queries=self.kv.num_cache_queries,
+                       prefix_cache_hits=self.kv.num_cache_hits),
+            memory=self.memory.summary() if self.memory is not None else self.footprint(),
+            cost_model=sched.cost.summary(str(self.device)),
+            lora=self.lora.stats() if self.lora is not None else None,
+        )
+
+    def _tenant_stats(self, per_class: dict[str, QueueStats]) -> dict[str, dict[str, TenantClassStats]]:
+        """Per tenant and class: its sequences, service and fairness counter; each class's
+        service totals are summed into `per_class` on the way."""
+        sched, classes = self.scheduler, self.config.service_classes
         run_ct = Counter((s.state.class_rank, s.state.req.tenant) for s in sched.running)
         wait_ct = Counter((s.state.class_rank, s.state.req.tenant) for s in sched.waiting)
-        tenants: dict[str, dict] = {}
-        per_class = {c: {"waiting": waiting.get(c, 0), "running": running.get(c, 0), "preemptions": 0,
-                         "prefill_tokens": 0, "decode_tokens": 0, "cached_tokens": 0} for c in classes}
+        tenants: dict[str, dict[str, TenantClassStats]] = {}
         for (rank, tenant), ts in sched.tenant_stats.items():
             cls = classes[rank]
-            row = {"waiting": wait_ct.get((rank, tenant), 0), "running": run_ct.get((rank, tenant), 0),
-                   "preemptions": ts.preemptions, "prefill_tokens": ts.prefill_tokens,
-                   "decode_tokens": ts.decode_tokens, "cached_tokens": ts.cached_tokens,
-                   "counter": sched.fair.counter(rank, tenant), "weight": sched.fair.weight(tenant)}
+            row = TenantClassStats(
+                waiting=wait_ct.get((rank, tenant), 0), running=run_ct.get((rank, tenant), 0),
+                preemptions=ts.preemptions, prefill_tokens=ts.prefill_tokens,
+                decode_tokens=ts.decode_tokens, cached_tokens=ts.cached_tokens,
+                counter=sched.fair.counter(rank, tenant), weight=sched.fair.weight(tenant))
             tenants.setdefault(tenant, {})[cls] = row
-            for k in ("preemptions", "prefill_tokens", "decode_tokens", "cached_tokens"):
-                per_class[cls][k] += row[k]
-        return {
-            "classes": per_class,
-            "tenants": tenants,
-            "running": {c: running.get(c, 0) for c in classes},
-            "waiting": {c: waiting.get(c, 0) for c in classes},
-            "waiting_requests": {c: waiting_reqs.get(c, 0) for c in classes},
-            "running_by_tenant": dict(run_t),
-            "waiting_by_tenant": dict(wait_t),
-            "num_requests": len(self.requests),
-            "num_preemptions": sched.num_preemptions,
-            "kv_blocks_total": self.num_kv_blocks,
-            "kv_blocks_used": self.kv.num_used_blocks,
-            "kv_blocks_free": self.kv.num_free_blocks,
-            "prefix_cache_queries": self.kv.num_cache_queries,
-            "prefix_cache_hits": self.kv.num_cache_hits,
-            "num_generated_tokens": self.num_generated_tokens,
-            "num_steps": self.timings.num_steps,
-            "memory": self.memory.summary() if self.memory is not None else self.footprint(),
-            "cost_model": {**sched.cost.summary(), "device": str(self.device)},
-            **({"lora": self.lora.stats()} if self.lora is not None else {}),
-        }
+            total = per_class[cls]
+            total.preemptions += row.preemptions
+            total.prefill_tokens += row.prefill_tokens
+            total.decode_tokens += row.decode_tokens
+            total.cached_tokens += row.cached_tokens
+        return tenants

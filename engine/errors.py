@@ -1,4 +1,9 @@
-"""The engine's errors. The gateway maps each to an HTTP status; none of them is HTTP-aware."""
+"""The engine's errors. The gateway maps each to an HTTP status; none of them is HTTP-aware.
+
+A request the engine refuses as invalid raises `InvalidRequest` (a `ValueError`) whose
+`field` names what was wrong: the gateway answers 400 with that `param` and never reads
+the message to find it.
+"""
 
 from __future__ import annotations
 
@@ -7,12 +12,43 @@ class EngineError(Exception):
     """Base of every error the engine raises on purpose."""
 
 
-class PromptTooLong(EngineError, ValueError):
+class InvalidRequest(EngineError, ValueError):
+    """A request, its sampling parameters or an adapter that can never run; `field` names
+    the argument at fault (`prompt`, `max_tokens`, `lora_name`...)."""
+
+    def __init__(self, message: str, *, field: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+class PromptTooLong(InvalidRequest):
     """The prompt cannot fit the model's context or the whole KV cache."""
 
     def __init__(self, message: str, *, field: str = "prompt") -> None:
-        super().__init__(message)
-        self.field = field
+        super().__init__(message, field=field)
+
+
+class UnknownModel(InvalidRequest):
+    """The request names a model variant this engine does not serve."""
+
+    def __init__(self, message: str, *, field: str = "model") -> None:
+        super().__init__(message, field=field)
+
+
+class LoRAError(InvalidRequest):
+    """An adapter that cannot be served. `field`: `lora_name` (its name clashes),
+    `base_model_name` (its tensors fit another base model), `lora_request`, `lora_int_id`,
+    or `lora_path` (anything wrong with what the adapter's directory holds)."""
+
+    def __init__(self, message: str, *, field: str = "lora_path") -> None:
+        super().__init__(message, field=field)
+
+
+class AdapterInUse(LoRAError):
+    """An adapter cannot be removed or unloaded while requests use it."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, field="lora_name")
 
 
 class EngineOverloaded(EngineError):
@@ -26,10 +62,6 @@ class EngineOverloaded(EngineError):
         self.service_class = service_class
         self.retry_after = retry_after
         self.shed = shed
-
-
-class UnknownModel(EngineError, ValueError):
-    """The request names a model variant this engine does not serve."""
 
 
 class EngineDead(EngineError):

@@ -8,30 +8,33 @@ from collections.abc import Sequence as Seq
 from typing import TYPE_CHECKING, Any
 
 from engine.config import EngineConfig
-from engine.model_registry import make_core
+from engine.errors import InvalidRequest
 from engine.lora import LoRARequest
+from engine.model_pool import make_core
 from engine.outputs import RequestOutput
 from engine.request import EngineRequest
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from engine.engine_core import EngineCore
+    from engine.tokenizer import Tokenizer
 
 PromptType = str | dict[str, Any]
 
 
-def to_token_ids(core: EngineCore, prompt: PromptType | list[int]) -> tuple[str | None, list[int]]:
+def to_token_ids(tokenizer: Tokenizer, prompt: PromptType | list[int]) -> tuple[str | None, list[int]]:
+    """A prompt (text, token ids, or a dict of either) as (text or None, token ids)."""
     if isinstance(prompt, str):
-        return prompt, core.tokenizer.encode(prompt)
+        return prompt, tokenizer.encode(prompt)
     if isinstance(prompt, dict):
         if "prompt_token_ids" in prompt:
             return prompt.get("prompt"), list(prompt["prompt_token_ids"])
         if "prompt" in prompt:
-            return prompt["prompt"], core.tokenizer.encode(prompt["prompt"])
-        raise ValueError("prompt: a dict prompt needs 'prompt_token_ids' or 'prompt'")
+            return prompt["prompt"], tokenizer.encode(prompt["prompt"])
+        raise InvalidRequest("prompt: a dict prompt needs 'prompt_token_ids' or 'prompt'", field="prompt")
     if isinstance(prompt, list):
         return None, list(prompt)
-    raise ValueError(f"prompt: expected a string or a dict, got {type(prompt).__name__}")
+    raise InvalidRequest(f"prompt: expected a string or a dict, got {type(prompt).__name__}",
+                         field="prompt")
 
 
 class LLM:
@@ -55,7 +58,7 @@ class LLM:
         return self.engine.lora.remove(lora_int_id)
 
     def list_loras(self) -> list[str]:
-        return [] if self.engine.lora is None else self.engine.lora.stats()["in_cpu"]
+        return [] if self.engine.lora is None else self.engine.lora.stats().in_cpu
 
     def generate(
         self,
@@ -90,17 +93,19 @@ class LLM:
             else list(sampling_params)
         )
         if len(params) != len(prompts):
-            raise ValueError(
-                f"sampling_params: {len(params)} given for {len(prompts)} prompts; pass one or one each"
+            raise InvalidRequest(
+                f"sampling_params: {len(params)} given for {len(prompts)} prompts; pass one or one each",
+                field="sampling_params",
             )
         loras = (
             list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
         )
         if len(loras) != len(prompts):
-            raise ValueError(f"lora_request: {len(loras)} given for {len(prompts)} prompts; pass one or one each")
+            raise InvalidRequest(f"lora_request: {len(loras)} given for {len(prompts)} prompts; "
+                                 "pass one or one each", field="lora_request")
         requests = []
         for prompt, sp, lora in zip(prompts, params, loras):   # validate all before queueing any
-            text, ids = to_token_ids(self.engine.core_for(model), prompt)
+            text, ids = to_token_ids(self.engine.core_for(model).tokenizer, prompt)
             req = EngineRequest(str(next(self._ids)), ids, sp, prompt=text, model=model,
                                 service_class=service_class, priority=priority, tenant=tenant,
                                 cache_salt=cache_salt, share_group=share_group, lora_request=lora)

@@ -36,6 +36,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from engine.errors import AdapterInUse, LoRAError
+from engine.stats import LoRAStats
 from engine.models.linear import LinearBase, LoRABatch, LoRASlots
 
 logger = logging.getLogger(__name__)
@@ -44,10 +46,6 @@ ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 # "<layer>.lora_A.weight" as peft saves it ("<layer>.lora_A.default.weight" from older saves)
 _LORA_TENSOR = re.compile(r"(?P<layer>.+)\.(?P<kind>lora_A|lora_B)(?:\.default)?\.weight")
-
-
-class LoRAError(ValueError):
-    """An adapter that cannot be served, with the field and the reason."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,9 +60,9 @@ class LoRARequest:
 
     def __post_init__(self) -> None:
         if not isinstance(self.lora_name, str) or not self.lora_name:
-            raise LoRAError(f"lora_name: must be a non-empty string, got {self.lora_name!r}")
+            raise LoRAError(f"lora_name: must be a non-empty string, got {self.lora_name!r}", field="lora_name")
         if isinstance(self.lora_int_id, bool) or not isinstance(self.lora_int_id, int) or self.lora_int_id < 1:
-            raise LoRAError(f"lora_int_id: must be an integer >= 1, got {self.lora_int_id!r}")
+            raise LoRAError(f"lora_int_id: must be an integer >= 1, got {self.lora_int_id!r}", field="lora_int_id")
         if not isinstance(self.lora_path, str) or not self.lora_path:
             raise LoRAError(f"lora_path: must be a non-empty string, got {self.lora_path!r}")
 
@@ -152,7 +150,7 @@ def read_adapter(
         if layer not in projections:
             raise LoRAError(
                 f"{ADAPTER_WEIGHTS}: layer {layer!r} is not a projection of the base model "
-                "(an adapter of another base model?)"
+                "(an adapter of another base model?)", field="base_model_name"
             )
         if set(ab) != {"lora_A", "lora_B"}:
             raise LoRAError(f"{ADAPTER_WEIGHTS}: layer {layer!r} lacks {({'lora_A', 'lora_B'} - set(ab)).pop()}")
@@ -163,7 +161,8 @@ def read_adapter(
                 or a.shape[0] != b.shape[1]:
             raise LoRAError(
                 f"{ADAPTER_WEIGHTS}: layer {layer!r} has A {tuple(a.shape)} and B {tuple(b.shape)}; the base "
-                f"model needs A [r, {module.in_features}] and B [{out_f}, r] (an adapter of another base model?)"
+                f"model needs A [r, {module.in_features}] and B [{out_f}, r] (an adapter of another base model?)",
+                field="base_model_name",
             )
         r = a.shape[0]
         if r > max_lora_rank:
@@ -246,12 +245,13 @@ class LoRAManager:
     def check_request(self, req: LoRARequest) -> None:
         """One id, one adapter: the same id with another name or path is an error."""
         if not isinstance(req, LoRARequest):
-            raise LoRAError(f"lora_request: expected LoRARequest, got {type(req).__name__}")
+            raise LoRAError(f"lora_request: expected LoRARequest, got {type(req).__name__}",
+                            field="lora_request")
         known = self._known.get(req.lora_int_id)
         if known is not None and known != req:
             raise LoRAError(
                 f"lora_request: id {req.lora_int_id} is already adapter {known.lora_name!r} at "
-                f"{known.lora_path!r}; give each adapter its own id"
+                f"{known.lora_path!r}; give each adapter its own id", field="lora_request"
             )
 
     def load(self, req: LoRARequest) -> Adapter:
@@ -327,7 +327,7 @@ class LoRAManager:
         slot at the next step. Refused while requests use it. Safe from any thread."""
         with self._lock:
             if self._refs[adapter_id] > 0:
-                raise LoRAError(f"adapter {adapter_id}: {self._refs[adapter_id]} requests still use it")
+                raise AdapterInUse(f"adapter {adapter_id}: {self._refs[adapter_id]} requests still use it")
             found = self._cpu.pop(adapter_id, None) is not None
             self._known.pop(adapter_id, None)
             if adapter_id in self.slot_of:
@@ -409,22 +409,22 @@ class LoRAManager:
     def clear_batch(self) -> None:
         self.batch.active = False
 
-    def stats(self) -> dict:
+    def stats(self) -> LoRAStats:
         with self._lock:
             cpu = list(self._cpu)
             refs = dict(self._refs)
         names = {aid: req.lora_name for aid, req in self._known.items()}
-        return {
-            "max_loras": self.max_loras,
-            "max_lora_rank": self.max_lora_rank,
-            "max_cpu_loras": self.max_cpu_loras,
-            "slot_bytes": self.slot_bytes,
-            "in_slots": {names.get(a, str(a)): s for a, s in self.slot_of.items()},
-            "in_cpu": [names.get(a, str(a)) for a in cpu],
-            "requests": {names.get(a, str(a)): n for a, n in refs.items()},
-            "slot_loads": self.num_slot_loads,
-            "disk_loads": self.num_disk_loads,
-        }
+        return LoRAStats(
+            max_loras=self.max_loras,
+            max_lora_rank=self.max_lora_rank,
+            max_cpu_loras=self.max_cpu_loras,
+            slot_bytes=self.slot_bytes,
+            in_slots={names.get(a, str(a)): s for a, s in self.slot_of.items()},
+            in_cpu=[names.get(a, str(a)) for a in cpu],
+            requests={names.get(a, str(a)): n for a, n in refs.items()},
+            slot_loads=self.num_slot_loads,
+            disk_loads=self.num_disk_loads,
+        )
 
     def shutdown(self) -> None:
         if self._executor is not None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from engine.errors import InvalidRequest
+
 
 @dataclass(slots=True)
 class SamplingParams:
@@ -36,45 +38,54 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if not isinstance(self.n, int) or self.n < 1:
-            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
+            raise InvalidRequest(f"n must be an integer >= 1, got {self.n!r}", field="n")
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+            raise InvalidRequest(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}",
+                                 field="max_tokens")
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise ValueError(f"{name} must be a finite number, got {value!r}")
+                raise InvalidRequest(f"{name} must be a finite number, got {value!r}", field=name)
         if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+            raise InvalidRequest(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}",
+                                 field="min_tokens")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+            raise InvalidRequest(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})",
+                                 field="min_tokens")
         if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+            raise InvalidRequest(f"temperature must be >= 0, got {self.temperature!r}", field="temperature")
         if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+            raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p!r}", field="top_p")
         if not isinstance(self.top_k, int) or (self.top_k < 1 and self.top_k not in (-1, 0)):
-            raise ValueError(f"top_k must be -1 (off) or an integer >= 1, got {self.top_k!r}")
+            raise InvalidRequest(f"top_k must be -1 (off) or an integer >= 1, got {self.top_k!r}",
+                                 field="top_k")
         if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+            raise InvalidRequest(f"min_p must be in [0, 1], got {self.min_p!r}", field="min_p")
         if not -2.0 <= self.presence_penalty <= 2.0:
-            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty!r}")
+            raise InvalidRequest(f"presence_penalty must be in [-2, 2], got {self.presence_penalty!r}",
+                                 field="presence_penalty")
         if not -2.0 <= self.frequency_penalty <= 2.0:
-            raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty!r}")
+            raise InvalidRequest(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty!r}",
+                                 field="frequency_penalty")
         if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+            raise InvalidRequest(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}",
+                                 field="repetition_penalty")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
-            raise ValueError(f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
+            raise InvalidRequest(f"logprobs must be an integer in [0, 20], got {self.logprobs!r}",
+                                 field="logprobs")
         if self.seed is not None and not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+            raise InvalidRequest(f"seed must be an integer, got {self.seed!r}", field="seed")
         if self.top_k == 0:
             self.top_k = -1
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if any(not isinstance(s, str) or not s for s in stops):
-            raise ValueError("stop must be a non-empty string or a list of non-empty strings")
+            raise InvalidRequest("stop must be a non-empty string or a list of non-empty strings",
+                                 field="stop")
         self.stop_strings = stops
         ids = list(self.stop_token_ids or [])
         if any(not isinstance(t, int) or t < 0 for t in ids):
-            raise ValueError("stop_token_ids must be non-negative integers")
+            raise InvalidRequest("stop_token_ids must be non-negative integers", field="stop_token_ids")
         self.stop_token_ids = ids
 
     @property

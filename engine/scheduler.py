@@ -13,18 +13,10 @@ sequence may preempt running ones only of a less urgent class. `reserved_kv_frac
 keeps a share of the blocks out of reach of less urgent classes. With LoRA on, at most
 `max_loras` adapters run at once, and adapters take turns (`_lora_admissible`).
 
-Step sizing (under `priority`, with chunked prefill): the step's *urgent* class is the most
-urgent one with work in sight (sequences running or waiting, or an arrival within
-`urgent_window_s`). A step in which the urgent classes compute prompt tokens (an arrival's
-first token) runs only their work: their decodes and prefill, nothing less urgent (never
-two such steps in a row, so less urgent decodes keep moving). In any other step every
-running decode runs, and less urgent prefill fills the step only while the step-cost model
-(engine/cost_model.py) predicts it within the urgent class's step-time target: its `slo`
-when set, else `step_time_multiple` x the predicted time of the step's urgent part (and at
-least that part plus a chunk of `max_num_batched_tokens / 16` tokens).
-So an arrival waits at most for one short step in flight, then gets a step of its own; with
-no urgent work in sight, steps use the whole budget. An explicit `prefill_token_budget` for
-a class replaces its sizing with that fixed cap.
+How much prefill each class may add to a step is step sizing (engine/step_sizing.py): so an
+arrival waits at most for one short step in flight, then gets a step of its own. After the
+step ran, `update` advances the scheduled sequences' computed counts and registers their
+newly full blocks in the prefix cache.
 """
 
 from __future__ import annotations
@@ -37,8 +29,10 @@ from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
 from engine.cost_model import StepCostModel, StepShape
+from engine.fairness import DECODE_COST, PREFILL_COST, Fairness, TenantStats
 from engine.kv_cache import KVBlock, KVCacheManager
 from engine.request import RequestState, Sequence, SeqStatus
+from engine.step_sizing import StepSizer
 
 logger = logging.getLogger(__name__)
 
@@ -73,65 +67,6 @@ class SchedulerOutput:
         return not self.scheduled
 
 
-PREFILL_COST = 1   # service per uncached prompt token computed
-DECODE_COST = 2    # service per output token (VTC's w_q)
-# less urgent prefill per step while the cost model has not yet seen enough steps to predict
-FALLBACK_BACKGROUND_PREFILL = 256
-
-
-class Fairness:
-    """Virtual token counters per (class, tenant): service / weight.
-
-    A tenant is active in a class while it has sequences there (waiting or running). A
-    tenant that becomes active starts at the least counter among the active tenants of its
-    class (or at the class's high-water mark when none is), so idle time banks no credit.
-    """
-
-    def __init__(self, weights: dict[str, float] | None = None) -> None:
-        self.weights = weights if weights is not None else {}
-        self.counters: dict[int, dict[str, float]] = defaultdict(dict)
-        self.active: dict[int, dict[str, int]] = defaultdict(dict)
-        self.high_water: dict[int, float] = defaultdict(float)
-
-    def weight(self, tenant: str) -> float:
-        return self.weights.get(tenant, 1.0)
-
-    def counter(self, rank: int, tenant: str) -> float:
-        return self.counters[rank].get(tenant, 0.0)
-
-    def activate(self, rank: int, tenant: str, num: int = 1) -> None:
-        active = self.active[rank]
-        if active.get(tenant, 0) == 0:
-            others = [self.counters[rank].get(t, 0.0) for t, n in active.items() if n > 0]
-            floor = min(others) if others else self.high_water[rank]
-            self.counters[rank][tenant] = max(self.counter(rank, tenant), floor)
-        active[tenant] = active.get(tenant, 0) + num
-
-    def deactivate(self, rank: int, tenant: str) -> None:
-        active = self.active[rank]
-        active[tenant] -= 1
-        if active[tenant] <= 0:
-            del active[tenant]
-
-    def charge(self, rank: int, tenant: str, service: float) -> None:
-        c = self.counter(rank, tenant) + service / self.weight(tenant)
-        self.counters[rank][tenant] = c
-        if c > self.high_water[rank]:
-            self.high_water[rank] = c
-
-    def backlogged(self, rank: int) -> dict[str, float]:
-        """Counters of the tenants active in class `rank`."""
-        return {t: self.counter(rank, t) for t, n in self.active[rank].items() if n > 0}
-
-
-@dataclass(slots=True)
-class TenantStats:
-    preemptions: int = 0
-    prefill_tokens: int = 0     # computed (uncached) prompt tokens, recomputation included
-    decode_tokens: int = 0
-    cached_tokens: int = 0      # prompt tokens served from the prefix cache at admission
-
-
 class Scheduler:
     def __init__(self, config: EngineConfig, kv: KVCacheManager,
                  weights: dict[str, float] | None = None) -> None:
@@ -153,27 +88,7 @@ class Scheduler:
             sum(int(frac.get(c, 0.0) * num_blocks) for c in self.classes[:r])
             for r in range(len(self.classes))
         ]
-        # per-step cap on each class's prefill tokens (chunked prefill only): keeps steps short
-        # while background prefill runs, so an online arrival never waits behind a long one
-        self.prefill_cap_by_rank = [
-            config.prefill_token_budget.get(c) if self.chunked_prefill else None for c in self.classes
-        ]
-        self._prefill_left: list[int | None] = list(self.prefill_cap_by_rank)
-        self._min_prefill_rank = len(self.classes)
-        # step sizing from the measured cost model (see the module docstring)
-        self.cost = StepCostModel()
-        self.sizing = self.policy == "priority" and self.chunked_prefill
-        self.step_time_multiple = config.step_time_multiple
-        self.min_background_chunk = max(self.block_size, config.max_num_batched_tokens // 16)
-        self.urgent_window_s = config.urgent_window_s
-        self.step_target_by_rank = [config.step_target_s(c) for c in self.classes]
-        self.last_arrival = [-float("inf")] * len(self.classes)   # time.monotonic()
-        self._shape = StepShape()
-        self._urgent_rank = len(self.classes)
-        self._target: float | None = None
-        self._background_tokens = 0
-        self._skip_background_decodes = False
-        self._skipped_decodes = False      # the last step left less urgent decodes out
+        self.sizer = StepSizer(config, self.block_size)   # step sizing from the cost model
         self.tenant_stats: dict[tuple[int, str], TenantStats] = defaultdict(TenantStats)
         self._step_charges: dict[Sequence, list[tuple[int, bool]]] = {}
         self._admitting = True
@@ -186,6 +101,15 @@ class Scheduler:
         # set by a model pool when this model's turn is over: running work finishes, nothing
         # new starts (so switching away preempts, and later recomputes, nothing)
         self.admission_paused = False
+
+    @property
+    def cost(self) -> StepCostModel:
+        """The step-cost model sizing relies on, fitted from every step."""
+        return self.sizer.cost
+
+    @cost.setter
+    def cost(self, model: StepCostModel) -> None:
+        self.sizer.cost = model
 
     def key(self, seq: Sequence) -> tuple:
         """Urgency, smallest first: under `priority` (class, tenant's counter, priority,
@@ -208,7 +132,7 @@ class Scheduler:
         if req.tenant_weight is not None:
             self.fair.weights[req.tenant] = float(req.tenant_weight)
         self.fair.activate(state.class_rank, req.tenant, len(state.seqs))
-        self.last_arrival[state.class_rank] = time.monotonic()
+        self.sizer.arrival(state.class_rank)
         self.waiting.extend(state.seqs)
 
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
@@ -223,83 +147,11 @@ class Scheduler:
         seq.status = SeqStatus.FINISHED
         seq.finish_reason, seq.stop_reason = reason, stop_reason
 
-    def _room(self, seq: Sequence, budget: StepBudget) -> int:
-        """Prefill tokens `seq` may take this step: the budget, within its class's cap or, for
-        a class less urgent than the step's urgent one, within the step-time target. A class
-        with an explicit cap computes no prefill in a step where a more urgent class does:
-        that step gives an arriving request its first token, and is kept short."""
-        rank = seq.state.class_rank
-        left = self._prefill_left[rank]
-        if left is not None:
-            if rank > self._min_prefill_rank:
-                return 0
-            return min(left, budget.tokens_left)
-        if rank <= self._urgent_rank or not self.sizing:
-            return budget.tokens_left
-        return min(budget.tokens_left, self._background_room(seq))
-
-    def _background_room(self, seq: Sequence) -> int:
-        """Prefill tokens a sequence of a class less urgent than the step's urgent one may
-        take: none in a step where a more urgent class prefills (that step gives an arrival
-        its first token), else what the cost model predicts fits the step-time target."""
-        if self._min_prefill_rank < seq.state.class_rank:
-            return 0
-        cost = self.cost
-        if not cost.ready:
-            return max(0, FALLBACK_BACKGROUND_PREFILL - self._background_tokens)
-        if self._target is None:   # fixed at the first less urgent chunk: the urgent part is known
-            explicit = self.step_target_by_rank[self._urgent_rank]
-            if explicit is not None:
-                self._target = explicit
-            else:
-                # a multiple of the urgent part, and never less than that part plus a
-                # chunk of `min_background_chunk` tokens: less urgent prefill keeps moving
-                # at a useful rate even beside a single urgent decode
-                urgent = cost.predict(self._shape)
-                self._target = max(self.step_time_multiple * urgent,
-                                   urgent + cost.chunk_time(self.min_background_chunk))
-        room = cost.prefill_room(self._target - cost.predict(self._shape), seq.num_computed_tokens)
-        if self._background_tokens == 0:   # background work always moves, a block at least
-            room = max(room, self.block_size)
-        return room
-
-    def _urgent_prefill_pending(self) -> bool:
-        """Has the urgent class prompt tokens to compute that can start this step? (A waiting
-        sequence whose adapter is still being read, or any while admission is paused, cannot.)"""
-        urgent = self._urgent_rank
-        if urgent >= len(self.classes) or not any(self.fair.active[r] for r in range(urgent + 1)):
-            return False
-        if any(s.state.class_rank <= urgent and not s.is_decode for s in self.running):
-            return True
-        if self.admission_paused:
-            return False
-        return any(s.state.class_rank <= urgent
-                   and (not s.state.req.lora_id or self.lora_ready(s.state.req.lora_id))
-                   for s in self.waiting)
-
-    def _urgent_class(self) -> int:
-        """The most urgent class with work in sight: sequences running or waiting, or an
-        arrival within `urgent_window_s`."""
-        now = time.monotonic()
-        for rank in range(len(self.classes)):
-            if self.fair.active[rank] or now - self.last_arrival[rank] <= self.urgent_window_s:
-                return rank
-        return len(self.classes)
-
-    def _add_to_shape(self, seq: Sequence, num_tokens: int, sign: int = 1) -> None:
-        if seq.is_decode and num_tokens == 1:
-            self._shape.add_decode(seq.num_tokens, sign)
-        else:
-            done = seq.num_computed_tokens + num_tokens >= seq.num_tokens
-            self._shape.add_prefill(num_tokens, seq.num_computed_tokens, done, sign)
-            if seq.state.class_rank > self._urgent_rank:
-                self._background_tokens += sign * num_tokens
-
     def _take(self, seq: Sequence, num_tokens: int, budget: StepBudget,
               scheduled: dict[Sequence, int], decode: bool) -> None:
         scheduled[seq] = num_tokens
         budget.take(num_tokens)
-        self._add_to_shape(seq, num_tokens)
+        self.sizer.add(seq, num_tokens)
         self._charge(seq, num_tokens, decode=decode)
 
     def _charge(self, seq: Sequence, num_tokens: int, decode: bool, record: bool = True) -> None:
@@ -309,11 +161,7 @@ class Scheduler:
             st.decode_tokens += num_tokens
         else:
             st.prefill_tokens += num_tokens
-            rank = seq.state.class_rank
-            if self._prefill_left[rank] is not None:
-                self._prefill_left[rank] -= num_tokens
-            if num_tokens > 0 and rank < self._min_prefill_rank:
-                self._min_prefill_rank = rank
+            self.sizer.charge_prefill(seq.state.class_rank, num_tokens)
         service = num_tokens * (DECODE_COST if decode else PREFILL_COST)
         if record:
             self._step_charges.setdefault(seq, []).append((num_tokens, decode))
@@ -330,27 +178,23 @@ class Scheduler:
         preempted: list[Sequence] = []
         self._step_charges = {}
         self._admitting = True
-        self._prefill_left = list(self.prefill_cap_by_rank)
-        self._min_prefill_rank = len(self.classes)   # the most urgent class prefilling this step
-        self._shape = StepShape()
-        self._urgent_rank = self._urgent_class() if self.sizing else len(self.classes)
-        self._target = None
-        self._background_tokens = 0
-        # the step that gives urgent work its prompt (an arrival's first token) carries no
-        # less urgent work at all: that step is the person's time to first token. Never two
-        # steps running, so a stream of urgent prompts cannot stop less urgent decodes.
-        self._skip_background_decodes = (self.sizing and not self._skipped_decodes
-                                         and self._urgent_prefill_pending())
-        self._skipped_decodes = False
+        self.sizer.begin(self)
         self._running_loras = {s.state.req.lora_id for s in self.running} - {0}
         self._lora_gate = None
         self.running.sort(key=self.key)
         self._schedule_decodes(budget, scheduled, preempted)
         self._schedule_prefills(budget, scheduled, preempted)
         items = list(scheduled.items())  # insertion order: decodes, then prefill chunks
-        return SchedulerOutput(items, preempted, budget.num_tokens, self._shape,
-                               self._urgent_rank if self._urgent_rank < len(self.classes) else None,
-                               self._target)
+        sizer = self.sizer
+        return SchedulerOutput(items, preempted, budget.num_tokens, sizer.shape, sizer.urgent_class,
+                               sizer.target)
+
+    def update(self, out: SchedulerOutput) -> None:
+        """After the step ran: each scheduled sequence computed its tokens, and its newly
+        full blocks go into the prefix cache."""
+        for seq, num_new in out.scheduled:
+            seq.num_computed_tokens += num_new
+            self.kv.cache_full_blocks(seq)
 
     def _schedule_decodes(
         self, budget: StepBudget, scheduled: dict[Sequence, int], preempted: list[Sequence]
@@ -358,8 +202,7 @@ class Scheduler:
         for seq in list(self.running):
             if seq.status is not SeqStatus.RUNNING or not seq.is_decode:
                 continue
-            if self._skip_background_decodes and seq.state.class_rank > self._urgent_rank:
-                self._skipped_decodes = True
+            if self.sizer.skips_decode(seq):
                 continue
             if budget.tokens_left < 1:
                 return
@@ -403,12 +246,12 @@ class Scheduler:
             # that an earlier waiting sequence may be waiting for
             if seq in scheduled or seq not in self.running:
                 return
-            num_new = min(seq.num_pending_tokens, self._room(seq, budget))
+            num_new = min(seq.num_pending_tokens, self.sizer.room(seq, budget.tokens_left))
             if num_new < 1:
                 return
             if self._allocate_or_preempt(seq, num_new, budget, scheduled, preempted):
                 self._take(seq, num_new, budget, scheduled, decode=False)
-        elif self._admitting and seq not in preempted and self._room(seq, budget) > 0:
+        elif self._admitting and seq not in preempted and self.sizer.room(seq, budget.tokens_left) > 0:
             if self.admission_paused or not self._lora_admissible(seq):
                 return
             admitted = self._try_admit(seq, budget, scheduled, preempted)
@@ -477,7 +320,7 @@ class Scheduler:
         if not self.chunked_prefill and seq.num_output_tokens == 0 and num_new > budget.tokens_left:
             return None
         seq.num_computed_tokens = num_cached   # what the room is sized from
-        num_new = min(num_new, self._room(seq, budget))
+        num_new = min(num_new, self.sizer.room(seq, budget.tokens_left))
         if num_new < 1:
             seq.num_computed_tokens = 0
             return None
@@ -542,7 +385,7 @@ class Scheduler:
         self.running.remove(victim)
         self.kv.free(victim)
         if victim in scheduled:
-            self._add_to_shape(victim, scheduled[victim], -1)
+            self.sizer.add(victim, scheduled[victim], -1)
             budget.give_back(scheduled.pop(victim))
             for num, decode in self._step_charges.pop(victim, []):   # it will not run
                 self._charge(victim, -num, decode, record=False)

@@ -26,8 +26,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from loadtests.bench_priority import allowed_token_ids, percentile
+from loadtests.bench_priority import allowed_token_ids
 from loadtests.bench_throughput import default_model_dir
+from loadtests.stats import percentile
 
 
 @dataclass(slots=True, frozen=True)
@@ -52,7 +53,7 @@ def demo_pair() -> tuple[str, str]:
 
 def _pool(a: str, b: str, s: SwitchSizes, budget: int | None):
     from engine.config import EngineConfig
-    from engine.model_registry import ModelPool
+    from engine.model_pool import ModelPool
 
     return ModelPool(EngineConfig(
         model=a, models={"b": b}, num_kv_blocks=s.num_kv_blocks, memory_budget=budget,

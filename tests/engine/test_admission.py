@@ -45,9 +45,9 @@ def test_offline_is_refused_first_and_sheds_for_online():
         adm.admit(q("on2", "online"))
     assert shed(q("vip2", "priority")) == ["on1"]
     st = adm.stats()
-    assert st["queued"] == {"priority": 3, "online": 1, "offline": 0}
-    assert st["refused"] == {"priority": {}, "online": {"t": 1}, "offline": {"batch": 1}}
-    assert st["shed"] == {"priority": {}, "online": {"t": 1}, "offline": {"batch": 4}}
+    assert st.queued == {"priority": 3, "online": 1, "offline": 0}
+    assert st.refused == {"priority": {}, "online": {"t": 1}, "offline": {"batch": 1}}
+    assert st.shed == {"priority": {}, "online": {"t": 1}, "offline": {"batch": 4}}
 
 
 def test_only_sheddable_work_is_shed_and_tokens_are_bounded_too():
@@ -113,9 +113,9 @@ def test_async_engine_sheds_queued_offline_for_online_and_loses_nothing():
             assert [len(r.outputs[0].token_ids) for i, r in enumerate(results) if i != 1] == [40, 40, 40]
             assert len((await _drain(online)).outputs[0].token_ids) == 5
             assert len((await _drain(it)).outputs[0].token_ids) == 40
-            ov = engine.stats()["overload"]
-            assert ov["shed"]["offline"] == {"batch": 1} and ov["refused"]["offline"] == {"batch": 1}
-            assert ov["queued"] == {"priority": 0, "online": 0, "offline": 0} and ov["queued_tokens"] == 0
+            ov = engine.stats().overload
+            assert ov.shed["offline"] == {"batch": 1} and ov.refused["offline"] == {"batch": 1}
+            assert ov.queued == {"priority": 0, "online": 0, "offline": 0} and ov.queued_tokens == 0
             return engine.core
 
     core = asyncio.run(main())

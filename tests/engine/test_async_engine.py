@@ -63,7 +63,7 @@ def test_late_request_joins_the_running_batch_and_abort_frees_blocks():
             while len(out.outputs[0].token_ids) < 5:
                 out = await it.__anext__()
             stats = engine.stats()
-            assert stats["running"]["online"] == 1 and stats["running_by_tenant"] == {"a": 1}
+            assert stats.running["online"] == 1 and stats.running_by_tenant == {"a": 1}
             late = await collect(engine.generate({"prompt_token_ids": short_prompt},
                                                  SamplingParams(max_tokens=3), "late", service_class="offline"))
             # the late request finished while the long one was still decoding
@@ -72,10 +72,10 @@ def test_late_request_joins_the_running_batch_and_abort_frees_blocks():
             assert engine.core.kv.num_used_blocks > 0
             await engine.abort("long")
             for _ in range(100):
-                if engine.stats()["kv_blocks_used"] == 0:
+                if engine.stats().kv.used == 0:
                     break
                 await asyncio.sleep(0.02)
-            assert engine.stats()["kv_blocks_used"] == 0
+            assert engine.stats().kv.used == 0
             await first.aclose()
             return engine.core
 
@@ -93,11 +93,11 @@ def test_consumer_going_away_aborts_the_request():
                     break   # the async generator is closed: the engine aborts the request
             for _ in range(100):
                 s = engine.stats()
-                if s["kv_blocks_used"] == 0 and s["num_requests"] == 0:
+                if s.kv.used == 0 and s.num_requests == 0:
                     break
                 await asyncio.sleep(0.02)
-            assert s["kv_blocks_used"] == 0 and s["num_requests"] == 0
-            assert s["num_generated_tokens"] < 500
+            assert s.kv.used == 0 and s.num_requests == 0
+            assert s.num_generated_tokens < 500
             return engine.core
 
     assert_all_blocks_free(asyncio.run(main()))

@@ -106,10 +106,10 @@ def test_async_engine_rejects_bad_input_and_overload():
             tasks = [asyncio.create_task(_drain(engine.generate("hello there", params, f"r{i}")))
                      for i in (1, 2)]
             for _ in range(200):
-                if engine.stats()["waiting"]["online"] == 2:
+                if engine.stats().waiting["online"] == 2:
                     break
                 await asyncio.sleep(0.01)
-            assert engine.stats()["waiting"]["online"] == 2
+            assert engine.stats().waiting["online"] == 2
             with pytest.raises(EngineOverloaded):
                 async for _ in engine.generate("one too many", params, "r3"):
                     pass

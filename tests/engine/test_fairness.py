@@ -304,7 +304,7 @@ def test_randomized_tenants_classes_and_aborts(tmp_path):
             for seq in rng.choice(states).seqs:
                 eng.sched.finish(seq, "abort")
         out = eng.step()
-        priority_prefilled = eng.sched._min_prefill_rank < ONLINE   # the step's most urgent prefill
+        priority_prefilled = eng.sched.sizer.min_prefill_rank < ONLINE   # the step's most urgent prefill
         # (a step where priority prefills gives less urgent classes no prefill: step sizing)
         if out.num_batched_tokens < eng.cfg.max_num_batched_tokens and not priority_prefilled:
             online_waiting = [s for s in eng.sched.waiting if s.state.req.service_class == "online"

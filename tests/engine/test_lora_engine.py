@@ -82,8 +82,8 @@ def test_mixed_batch_matches_peft_per_adapter(base, adapters):
         if name:
             changed += want != hf_greedy(base, prompt, NEW_TOKENS, ignore_eos=True)
     assert changed >= 4, "the adapters should change most continuations, or the test proves little"
-    stats = llm.engine.stats()["lora"]
-    assert stats["slot_loads"] == 3 and stats["disk_loads"] == 3
+    stats = llm.engine.stats().lora
+    assert stats.slot_loads == 3 and stats.disk_loads == 3
     assert llm.engine.kv.num_used_blocks == 0
 
 
@@ -120,9 +120,9 @@ def test_more_adapters_than_slots_take_turns(base, adapters):
     # rotation: the four later adapters all finish before the popular adapter's last request
     last_qv = len(finish_order) - 1 - finish_order[::-1].index("qv")
     assert all(finish_order.index(n) < last_qv for n in ("all", "mlp", "ko", "qd")), finish_order
-    stats = core.stats()["lora"]
-    assert stats["slot_loads"] >= 5
-    assert len(stats["in_cpu"]) <= 3, "the CPU cache keeps max_cpu_loras once no request holds them"
+    stats = core.stats().lora
+    assert stats.slot_loads >= 5
+    assert len(stats.in_cpu) <= 3, "the CPU cache keeps max_cpu_loras once no request holds them"
     assert core.kv.num_used_blocks == 0
 
 
@@ -180,8 +180,8 @@ def test_bad_adapters_are_refused_and_the_engine_keeps_serving(base, adapters, t
     with pytest.raises(LoRAError, match="lora_int_id"):
         LoRARequest("x", 0, "/tmp")
     # nothing half-loaded: the engine still serves base and adapter requests exactly
-    stats = llm.engine.stats()["lora"]
-    assert set(stats["in_cpu"]) == {"qv"} and stats["requests"] == {}
+    stats = llm.engine.stats().lora
+    assert set(stats.in_cpu) == {"qv"} and stats.requests == {}
     out = llm.generate([prompt, prompt], greedy(), lora_request=[adapters["qv"], None])
     assert out[0].outputs[0].token_ids == peft_greedy(base, adapters["qv"].lora_path, prompt["prompt_token_ids"], NEW_TOKENS)
     assert out[1].outputs[0].token_ids == hf_greedy(base, prompt["prompt_token_ids"], NEW_TOKENS, ignore_eos=True)
@@ -237,7 +237,7 @@ async def test_async_engine_serves_adapters_by_name(base, adapters, tmp_path):
         assert got[2] == peft_greedy(base, adapters["all"].lora_path, prompts[2], NEW_TOKENS)
         loads = engine.core.lora.num_disk_loads
         assert engine.unload_lora("qv")
-        assert "qv" not in engine.core.lora.stats()["in_cpu"]
+        assert "qv" not in engine.core.lora.stats().in_cpu
         assert await run("qv", prompts[0], "d") == got[0]
         assert engine.core.lora.num_disk_loads == loads + 1
         assert engine.remove_lora("all")
@@ -264,7 +264,7 @@ async def test_adapter_that_fails_to_load_later_fails_its_request_only(base, ada
                 pass
         outs = [o async for o in engine.generate({"prompt_token_ids": prompt}, greedy(), "y")]
         assert outs[-1].outputs[0].token_ids == hf_greedy(base, prompt, NEW_TOKENS, ignore_eos=True)
-        assert engine.core.lora.stats()["requests"] == {} and engine.core.kv.num_used_blocks == 0
+        assert engine.core.lora.stats().requests == {} and engine.core.kv.num_used_blocks == 0
 
 
 @pytest.mark.parametrize("method", [["--method", "awq", "--group-size", "32"],
@@ -307,6 +307,6 @@ def test_llm_raises_when_an_evicted_adapter_cannot_be_read_again(base, adapters,
         # in prompt order: fragile is found in the cache, then reading qv evicts it
         llm.generate([prompt, prompt], greedy(), lora_request=[fragile, adapters["qv"]])
     assert not llm.engine.has_unfinished and llm.engine.kv.num_used_blocks == 0
-    assert llm.engine.stats()["lora"]["requests"] == {}
+    assert llm.engine.stats().lora.requests == {}
     out = llm.generate(prompt, greedy(), lora_request=adapters["qv"])[0]
     assert out.outputs[0].token_ids == peft_greedy(base, adapters["qv"].lora_path, prompt["prompt_token_ids"], NEW_TOKENS)

@@ -38,7 +38,7 @@ def test_engine_default_cache_is_512_mib_on_cpu():
     core = llm.engine
     per_block = core.runner.bytes_per_block(core.config.block_size)
     assert core.num_kv_blocks == CPU_DEFAULT_KV_BYTES // per_block
-    assert core.stats()["memory"]["weights_bytes"] == core.runner.weight_bytes
+    assert core.stats().memory["weights_bytes"] == core.runner.weight_bytes
 
 
 def test_chat_template_renders_from_the_tokenizer_config():

@@ -1,4 +1,4 @@
-"""Several base models on one memory budget (engine/model_registry.py): a budget that holds
+"""Several base models on one memory budget (engine/model_pool.py): a budget that holds
 one model at a time, interleaved online and offline requests for both, outputs equal HF
 transformers, offloading and reloading happen, and the budget is never exceeded."""
 
@@ -10,7 +10,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
-from engine.model_registry import ModelPool
+from engine.model_pool import ModelPool
 from engine.request import EngineRequest
 from tests.support.helpers import demo_model, hf_greedy, random_prompts
 
@@ -28,7 +28,7 @@ def dirs() -> dict[str, str]:
 
 def one_model_budget(dirs) -> tuple[int, dict[str, int]]:
     probe = ModelPool(EngineConfig(model=dirs["a"], models={"b": dirs["b"]}, dtype="float32", num_kv_blocks=32))
-    sizes = {n: s["memory_bytes"] for n, s in probe.stats()["models"].items()}
+    sizes = {n: s.memory_bytes for n, s in probe.stats().pool.models.items()}
     return max(sizes.values()) + min(sizes.values()) // 2, sizes
 
 
@@ -70,10 +70,10 @@ def test_two_models_that_do_not_fit_together_take_turns(dirs):
     for rid, (m, prompt) in sent.items():
         assert done[rid] == hf_greedy(dirs[m], prompt, NEW, ignore_eos=True), rid
     st = pool.stats()
-    assert st["models"]["b"]["loads"] >= 2 and st["models"][name_a]["offloads"] >= 2, st["models"]
-    assert st["models"][name_a]["loads"] >= 2, "a came back after being offloaded"
-    assert st["memory"]["peak_used_bytes"] <= budget
-    assert sum(m["running"] + m["waiting"] for m in st["models"].values()) == 0
+    assert st.pool.models["b"].loads >= 2 and st.pool.models[name_a].offloads >= 2, st.pool.models
+    assert st.pool.models[name_a].loads >= 2, "a came back after being offloaded"
+    assert st.memory["peak_used_bytes"] <= budget
+    assert sum(m.running + m.waiting for m in st.pool.models.values()) == 0
     for core in pool.cores.values():
         core.verify()
         assert core.kv.num_used_blocks == 0
@@ -98,7 +98,7 @@ def test_online_work_of_a_cold_model_goes_first(dirs):
     while pool.has_unfinished:
         order += [o.request_id for o in pool.step() if o.finished]
     assert order[0] == "on", order
-    assert pool.stats()["models"][name_a]["offloads"] >= 1
+    assert pool.stats().pool.models[name_a].offloads >= 1
     assert pool.cores[name_a].scheduler.num_preemptions >= 1
     assert sorted(order) == ["off0", "off1", "off2", "on"]
 
@@ -126,7 +126,7 @@ def test_a_quantized_and_a_full_precision_model_share_the_budget(dirs, tmp_path)
     run_quantize(dirs["a"], str(quant), "--method", "awq", "--group-size", "32")
     twin = write_hf_twin(quant, tmp_path / "twin", dequantize_checkpoint(quant))
     probe = ModelPool(EngineConfig(model=str(quant), models={"b": dirs["b"]}, dtype="float32", num_kv_blocks=32))
-    sizes = {n: m["memory_bytes"] for n, m in probe.stats()["models"].items()}
+    sizes = {n: m.memory_bytes for n, m in probe.stats().pool.models.items()}
     dense = one_model_budget(dirs)[1]
     assert sizes["awq"] < dense[next(iter(dense))], "the packed model takes less of the budget than its float original"
     pool = ModelPool(EngineConfig(model=str(quant), models={"b": dirs["b"]}, dtype="float32", num_kv_blocks=32,
@@ -141,4 +141,4 @@ def test_a_quantized_and_a_full_precision_model_share_the_budget(dirs, tmp_path)
     for i, p in enumerate(prompts):
         oracle = dirs["b"] if i % 2 else str(twin)
         assert done[f"r{i}"] == hf_greedy(oracle, p, NEW, ignore_eos=True), i
-    assert pool.stats()["models"]["b"]["loads"] >= 1 and pool.stats()["models"]["awq"]["offloads"] >= 1
+    assert pool.stats().pool.models["b"].loads >= 1 and pool.stats().pool.models["awq"].offloads >= 1

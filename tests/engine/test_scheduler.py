@@ -41,9 +41,7 @@ class FakeEngine:
     def step(self):
         out = self.sched.schedule()
         self.check(out)
-        for seq, num in out.scheduled:
-            seq.num_computed_tokens += num
-            self.kv.cache_full_blocks(seq)
+        self.sched.update(out)
         for seq, num in out.scheduled:
             if seq.num_computed_tokens == seq.num_tokens:
                 seq.token_ids.append(7)

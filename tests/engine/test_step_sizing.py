@@ -246,10 +246,10 @@ def test_engine_reports_its_cost_model():
         core.step()
     while core.has_unfinished:
         core.step()
-    cm = core.stats()["cost_model"]
-    assert cm["ready"] and cm["samples"] >= MIN_SAMPLES and cm["predictions"] > 0
-    assert set(cm["coefficients"]) == set(TRUE) and all(v >= 0 for v in cm["coefficients"].values())
-    assert 0 <= cm["prediction_error_median"] < 10
+    cm = core.stats().cost_model
+    assert cm.ready and cm.samples >= MIN_SAMPLES and cm.predictions > 0
+    assert set(cm.coefficients) == set(TRUE) and all(v >= 0 for v in cm.coefficients.values())
+    assert 0 <= cm.prediction_error_median < 10
 
 
 def test_an_arrivals_first_step_runs_no_less_urgent_work(tmp_path, monkeypatch):

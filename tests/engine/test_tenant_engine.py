@@ -32,9 +32,9 @@ def test_mixed_tenants_classes_and_preemption_match_hf():
     want = [hf_greedy(d, p, m) for p, m in zip(prompts, MAX_TOKENS)]
     assert got == want
     stats = core.stats()
-    assert stats["num_preemptions"] > 0
-    assert stats["classes"]["offline"]["preemptions"] > 0
-    assert set(stats["tenants"]) == {"t0", "t1", "t2"}
+    assert stats.num_preemptions > 0
+    assert stats.classes["offline"].preemptions > 0
+    assert set(stats.tenants) == {"t0", "t1", "t2"}
     assert core.kv.num_used_blocks == 0
 
 
@@ -56,5 +56,5 @@ def test_prefix_cache_is_per_tenant_unless_shared():
     assert cached(tenant="initech", share_group="public-docs") == 0
     assert cached(tenant="umbrella", share_group="public-docs") == 96
     stats = llm.engine.stats()
-    assert stats["tenants"]["acme"]["online"]["cached_tokens"] == 96
-    assert stats["tenants"]["globex"]["online"]["cached_tokens"] == 0
+    assert stats.tenants["acme"]["online"].cached_tokens == 96
+    assert stats.tenants["globex"]["online"].cached_tokens == 0

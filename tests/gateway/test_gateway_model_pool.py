@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from engine.config import EngineConfig
-from engine.model_registry import ModelPool
+from engine.model_pool import ModelPool
 from engine.tokenizer import Tokenizer
 from tests.support.gateway_server import running_server
 from tests.support.helpers import demo_model, hf_greedy
@@ -25,7 +25,7 @@ def server(tmp_path_factory):
     probe = ModelPool(EngineConfig(model=models["tiny"], served_model_name="tiny",
                                    models={"tiny-qwen": models["tiny-qwen"]}, enable_lora=True,
                                    max_loras=4, max_lora_rank=64, **ENGINE_KWARGS))
-    sizes = [m["memory_bytes"] for m in probe.stats()["models"].values()]
+    sizes = [m.memory_bytes for m in probe.stats().pool.models.values()]
     budget = max(sizes) + min(sizes) // 2
     env = {"LOCKGATE_MEMORY_BUDGET": str(budget), "LOCKGATE_ENGINE_KWARGS": json.dumps(ENGINE_KWARGS)}
     with running_server(tmp_path_factory.mktemp("pool"), "embedded", models=models, extra_env=env) as srv:

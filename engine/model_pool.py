@@ -28,22 +28,26 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
 
 import torch
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, ModelConfig
 from engine.engine_core import EngineCore
-from engine.errors import UnknownModel
+from engine.errors import InvalidRequest, UnknownModel
+from engine.lora import Adapter, LoRAManager, LoRARequest
 from engine.memory import CUDA_ACTIVATION_HEADROOM, MemoryBudget
 from engine.outputs import RequestOutput
 from engine.request import EngineRequest, RequestState
+from engine.stats import EngineStats, PooledModelStats, PoolStats, QueueStats
+from engine.step_engine import StepEngine
+from engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
 
-def make_core(config: EngineConfig, *, stream_outputs: bool = False) -> EngineCore | ModelPool:
+def make_core(config: EngineConfig, *, stream_outputs: bool = False) -> StepEngine:
     """One EngineCore for one model; a ModelPool when `config.models` names more."""
     if config.models:
         return ModelPool(config, stream_outputs=stream_outputs)
@@ -51,7 +55,9 @@ def make_core(config: EngineConfig, *, stream_outputs: bool = False) -> EngineCo
 
 
 @dataclasses.dataclass(slots=True)
-class ModelStats:
+class SwitchCounters:
+    """One model's loads, offloads and turns in the pool."""
+
     loads: int = 0
     offloads: int = 0
     load_s: float = 0.0
@@ -62,6 +68,8 @@ class ModelStats:
 
 
 class ModelPool:
+    """Several `EngineCore`s behind the one `StepEngine` interface an `EngineCore` has."""
+
     def __init__(self, config: EngineConfig, *, stream_outputs: bool = False) -> None:
         self.config = config
         first = config.served_model_name or Path(config.model).name
@@ -92,7 +100,7 @@ class ModelPool:
                     f"more than the whole budget of {total / 2**20:.1f} MiB"
                 )
         self.peak_used_bytes = 0
-        self.stats_by_model = {n: ModelStats() for n in self.cores}
+        self.stats_by_model = {n: SwitchCounters() for n in self.cores}
         self.current: str | None = None
         self.turn_started = 0.0
         self.last_switch_s = 0.0
@@ -114,11 +122,11 @@ class ModelPool:
         raise UnknownModel(f"model: {model!r} is not served by this engine")
 
     @property
-    def tokenizer(self):
+    def tokenizer(self) -> Tokenizer:
         return self.cores[self.default].tokenizer
 
     @property
-    def model_config(self):
+    def model_config(self) -> ModelConfig:
         return self.cores[self.default].model_config
 
     @property
@@ -130,7 +138,7 @@ class ModelPool:
         return set().union(*(c.served_model_names for c in self.cores.values()))
 
     @property
-    def lora(self):
+    def lora(self) -> LoRAManager | None:
         return self.cores[self.default].lora
 
     @property
@@ -147,7 +155,8 @@ class ModelPool:
     def validate(self, req: EngineRequest) -> None:
         self.core_for(req.model).validate(req)
         if req.request_id in self.owner:
-            raise ValueError(f"request_id: {req.request_id!r} is already in the engine")
+            raise InvalidRequest(f"request_id: {req.request_id!r} is already in the engine",
+                                 field="request_id")
 
     def add_request(self, req: EngineRequest) -> RequestState:
         self.validate(req)
@@ -160,7 +169,8 @@ class ModelPool:
         name = self.owner.pop(request_id, None)
         return None if name is None else self.cores[name].abort_request(request_id)
 
-    def add_lora(self, lora_request):
+    def add_lora(self, lora_request: LoRARequest) -> Adapter:
+        # a request that is no LoRARequest goes to the default model, which refuses it by name
         return self.core_for(getattr(lora_request, "base_model_name", None)).add_lora(lora_request)
 
     def set_tenant_weight(self, tenant: str, weight: float) -> None:
@@ -273,46 +283,58 @@ class ModelPool:
         if self.memory.used_bytes > self.memory.total_bytes:
             raise AssertionError("memory budget exceeded")
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> EngineStats:
+        """The totals over the models, the pool (memory, switches, each model's residency)
+        and each model's own stats in `by_model`."""
         per = {n: c.stats() for n, c in self.cores.items()}
-        out: dict[str, Any] = {}
-        for s in per.values():
-            _merge_sum(out, {k: v for k, v in s.items()
-                             if k not in ("memory", "lora", "tenants", "cost_model")})
-        out["tenants"] = {}
-        for s in per.values():
-            for tenant, by_class in s.get("tenants", {}).items():
-                _merge_sum(out["tenants"].setdefault(tenant, {}), by_class)
-        out["memory"] = {**self.memory.summary(), "used_bytes": self.memory.used_bytes,
-                         "peak_used_bytes": self.peak_used_bytes}
-        out["by_model"] = per
-        out["cost_model"] = {n: s["cost_model"] for n, s in per.items()}   # one fit per model
-        out["switches"] = self.num_switches
-        out["switch_s"] = self.switch_s_total
-        out["current_model"] = self.current
-        out["models"] = {
-            n: {
-                "resident": self.cores[n].resident,
-                "memory_bytes": sum(self.cores[n].footprint().values()),
-                "waiting": sum(per[n]["waiting_requests"].values()),
-                "running": sum(per[n]["running"].values()),
+        out = _totals(per.values())
+        out.memory = {**self.memory.summary(), "used_bytes": self.memory.used_bytes,
+                      "peak_used_bytes": self.peak_used_bytes}
+        models = {
+            n: PooledModelStats(
+                resident=self.cores[n].resident,
+                memory_bytes=sum(self.cores[n].footprint().values()),
+                waiting=sum(per[n].waiting_requests.values()),
+                running=sum(per[n].running.values()),
                 **dataclasses.asdict(self.stats_by_model[n]),
-                **({"lora": per[n]["lora"]} if "lora" in per[n] else {}),
-            }
+                lora=per[n].lora,
+            )
             for n in self.cores
         }
+        out.pool = PoolStats(out.memory, self.num_switches, self.switch_s_total, self.current, models)
+        out.by_model = per
         return out
 
 
-def _merge_sum(into: dict, other: dict) -> None:
-    """Add `other`'s numbers into `into`, recursively (fairness counters and weights are
-    per model, so their sum means little; they are kept from the first model)."""
-    for k, v in other.items():
-        if isinstance(v, dict):
-            _merge_sum(into.setdefault(k, {}), v)
-        elif isinstance(v, bool) or not isinstance(v, (int, float)):
-            into.setdefault(k, v)
-        elif k in ("counter", "weight"):
-            into.setdefault(k, v)
-        else:
-            into[k] = into.get(k, 0) + v
+def _totals(parts: Iterable[EngineStats]) -> EngineStats:
+    """The models' counts summed (fairness counters and weights are per model, so their sum
+    means little; they are kept from the first model). Memory, cost model and adapters are
+    per model: left out."""
+    out = EngineStats()
+    for s in parts:
+        for cls, q in s.classes.items():
+            _add_counts(out.classes.setdefault(cls, QueueStats()), q)
+        for tenant, by_class in s.tenants.items():
+            mine = out.tenants.setdefault(tenant, {})
+            for cls, row in by_class.items():
+                if cls in mine:
+                    _add_counts(mine[cls], row, keep=("counter", "weight"))
+                else:
+                    mine[cls] = dataclasses.replace(row)
+        for name in ("running", "waiting", "waiting_requests", "running_by_tenant", "waiting_by_tenant"):
+            into = getattr(out, name)
+            for k, v in getattr(s, name).items():
+                into[k] = into.get(k, 0) + v
+        out.num_requests += s.num_requests
+        out.num_preemptions += s.num_preemptions
+        out.num_generated_tokens += s.num_generated_tokens
+        out.num_steps += s.num_steps
+        _add_counts(out.kv, s.kv)
+    return out
+
+
+def _add_counts(into: object, other: object, keep: tuple[str, ...] = ()) -> None:
+    """Add `other`'s numeric fields into `into` (a dataclass of the same type), but `keep`."""
+    for f in dataclasses.fields(other):     # type: ignore[arg-type]
+        if f.name not in keep:
+            setattr(into, f.name, getattr(into, f.name) + getattr(other, f.name))

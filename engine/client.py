@@ -1,0 +1,128 @@
+"""The engine's face to a server: `EngineClient` (submit a request and read its stream of
+outputs, abort, stats, readiness) and `EngineAdmin` (life cycle, adapters, tenant weights).
+
+`AsyncEngine`, a `ModelView` of one of its models and the gateway benchmark's instant
+engine implement both. Tokenizers, chat templates and context limits are not part of the
+face: a server reads them from the model directory (`ModelConfig`, `Tokenizer`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+from engine.outputs import RequestOutput
+
+if TYPE_CHECKING:
+    from engine.lora import Adapter, LoRARequest
+    from engine.sampling_params import SamplingParams
+    from engine.stats import EngineStats
+
+Prompt = str | list[int] | dict[str, Any]
+
+
+class RequestStream:
+    """One request's outputs, as an async iterator of cumulative `RequestOutput`s; an error
+    the engine hands the request (EngineDead, a shed's EngineOverloaded) is raised from it.
+    `close()` (idempotent) aborts the request unless it has finished, and forgets it."""
+
+    def __init__(self, request_id: str, queue: asyncio.Queue, *, abort: Callable[[str], None],
+                 forget: Callable[[str], None]) -> None:
+        self.request_id = request_id
+        self._queue = queue
+        self._abort = abort
+        self._forget = forget
+        self.finished = False
+        self.closed = False
+        self.last: RequestOutput | None = None
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished or self.closed:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self.close()
+            raise item
+        self.last = item
+        if item.finished:
+            self.finished = True
+            self._forget(self.request_id)
+        return item
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if not self.finished:
+            self._abort(self.request_id)
+        self._forget(self.request_id)
+
+
+@runtime_checkable
+class EngineClient(Protocol):
+    """Requests in, streams out."""
+
+    def submit(
+        self,
+        prompt: Prompt,
+        sampling_params: SamplingParams,
+        request_id: str,
+        *,
+        tenant: str = "default",
+        service_class: str = "online",
+        priority: int = 0,
+        model: str | None = None,
+        cache_salt: str | None = None,
+        sheddable: bool = True,
+    ) -> RequestStream:
+        """Queue a request now and return its stream. Raises at once, with nothing queued:
+        InvalidRequest (its `field`; PromptTooLong, UnknownModel, LoRAError among them),
+        EngineOverloaded (the queue is full), EngineDead (not running)."""
+        ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    def stats(self) -> EngineStats:
+        """A snapshot taken after the latest step (safe from any thread)."""
+        ...
+
+    @property
+    def is_ready(self) -> bool:
+        """Started: its models are loaded and `submit` takes requests."""
+        ...
+
+
+@runtime_checkable
+class EngineAdmin(Protocol):
+    """Life cycle, adapters and tenant weights."""
+
+    async def start(self) -> None: ...
+
+    async def shutdown(self) -> None: ...
+
+    async def add_lora(self, lora_request: LoRARequest) -> Adapter:
+        """Read, check and serve an adapter under its name (`submit(..., model=name)`).
+        Raises LoRAError (its `field`); nothing is registered then."""
+        ...
+
+    def remove_lora(self, name: str) -> bool:
+        """Stop serving an adapter; AdapterInUse while requests use it."""
+        ...
+
+    def unload_lora(self, name: str) -> bool:
+        """Drop an adapter's weights, keep serving it (read again on its next use)."""
+        ...
+
+    @property
+    def loras(self) -> dict[str, LoRARequest]:
+        """The adapters served, by name."""
+        ...
+
+    @property
+    def tenant_weights(self) -> dict[str, float]: ...
+
+    def set_tenant_weight(self, tenant: str, weight: float) -> None: ...

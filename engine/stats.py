@@ -1,0 +1,139 @@
+"""What an engine reports about itself: `EngineStats` and its parts, plain dataclasses read
+by attribute. `to_dict()` gives the nested JSON-ready form for an HTTP edge."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(slots=True)
+class QueueStats:
+    """One service class's sequences and the service they got."""
+
+    waiting: int = 0
+    running: int = 0
+    preemptions: int = 0
+    prefill_tokens: int = 0     # computed (uncached) prompt tokens, recomputation included
+    decode_tokens: int = 0
+    cached_tokens: int = 0      # prompt tokens served from the prefix cache at admission
+
+
+@dataclass(slots=True)
+class TenantClassStats(QueueStats):
+    """One tenant's share of a class, with its fairness counter and weight."""
+
+    counter: float = 0.0
+    weight: float = 1.0
+
+
+@dataclass(slots=True)
+class KVStats:
+    total: int = 0
+    used: int = 0
+    free: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+
+
+@dataclass(slots=True)
+class CostModelStats:
+    """The step-cost model's fit: seconds per unit of each feature, and the median relative
+    error of its recent predictions (each made before its step)."""
+
+    samples: int
+    ready: bool
+    coefficients: dict[str, float] | None
+    prediction_error_median: float | None
+    predictions: int
+    device: str = ""
+
+
+@dataclass(slots=True)
+class LoRAStats:
+    max_loras: int
+    max_lora_rank: int
+    max_cpu_loras: int
+    slot_bytes: int
+    in_slots: dict[str, int]          # adapter name -> device slot
+    in_cpu: list[str]                 # adapters in host memory, least recently used first
+    requests: dict[str, int]          # adapter name -> requests using it
+    slot_loads: int
+    disk_loads: int
+
+
+@dataclass(slots=True)
+class QueueBounds:
+    requests: int
+    tokens: int
+    per_class: int | None
+
+
+@dataclass(slots=True)
+class OverloadStats:
+    """The bounded queue (engine/admission.py): queued per class, its bounds, and the
+    requests refused and shed, per class and tenant."""
+
+    queued: dict[str, int]
+    queued_tokens: int
+    bounds: QueueBounds
+    refused: dict[str, dict[str, int]]
+    shed: dict[str, dict[str, int]]
+
+
+@dataclass(slots=True)
+class PooledModelStats:
+    """One model of a pool: residency, footprint, queue and switching counters."""
+
+    resident: bool
+    memory_bytes: int
+    waiting: int
+    running: int
+    loads: int = 0
+    offloads: int = 0
+    load_s: float = 0.0
+    offload_s: float = 0.0
+    turns: int = 0
+    steps: int = 0
+    last_run: float = 0.0
+    lora: LoRAStats | None = None
+
+
+@dataclass(slots=True)
+class PoolStats:
+    """The pool several models share: its memory budget, switches, and each model."""
+
+    memory: dict[str, int]
+    switches: int
+    switch_s: float
+    current_model: str | None
+    models: dict[str, PooledModelStats]
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """One model's engine (or, for a pool, the totals over its models)."""
+
+    classes: dict[str, QueueStats] = field(default_factory=dict)
+    tenants: dict[str, dict[str, TenantClassStats]] = field(default_factory=dict)
+    running: dict[str, int] = field(default_factory=dict)            # sequences, per class
+    waiting: dict[str, int] = field(default_factory=dict)            # sequences, per class
+    waiting_requests: dict[str, int] = field(default_factory=dict)   # requests none of whose samples runs
+    running_by_tenant: dict[str, int] = field(default_factory=dict)
+    waiting_by_tenant: dict[str, int] = field(default_factory=dict)
+    num_requests: int = 0
+    num_preemptions: int = 0
+    num_generated_tokens: int = 0
+    num_steps: int = 0
+    kv: KVStats = field(default_factory=KVStats)
+    memory: dict[str, int] = field(default_factory=dict)             # bytes by part ("weights_bytes"...)
+    cost_model: CostModelStats | None = None     # a pool's totals: None, each model has its own
+    lora: LoRAStats | None = None
+    overload: OverloadStats | None = None        # AsyncEngine's bounded queue
+    pool: PoolStats | None = None                # the pool the model is in
+    residency: PooledModelStats | None = None    # a pooled model's own row in `pool`
+    by_model: dict[str, EngineStats] = field(default_factory=dict)   # a pool's: each model's
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)

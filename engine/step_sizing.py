@@ -1,0 +1,170 @@
+"""Step sizing: how much prefill each class may put into the step being scheduled.
+
+Under `priority` with chunked prefill, the step's *urgent* class is the most urgent one with
+work in sight (sequences running or waiting, or an arrival within `urgent_window_s`). A step
+in which the urgent classes compute prompt tokens (an arrival's first token) runs only their
+work: their decodes and prefill, nothing less urgent (never two such steps in a row, so less
+urgent decodes keep moving). In any other step every running decode runs, and less urgent
+prefill fills the step only while the step-cost model (engine/cost_model.py) predicts it
+within the urgent class's step-time target: its `slo` when set, else `step_time_multiple` x
+the predicted time of the step's urgent part (and at least that part plus a chunk of
+`max_num_batched_tokens / 16` tokens). With no urgent work in sight, steps use the whole
+budget. An explicit `prefill_token_budget` for a class replaces its sizing with that fixed
+cap, and such a class computes no prefill in a step where a more urgent class does.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from engine.config import EngineConfig
+from engine.cost_model import StepCostModel, StepShape
+from engine.request import Sequence
+
+if TYPE_CHECKING:
+    from engine.scheduler import Scheduler
+
+# less urgent prefill per step while the cost model has not yet seen enough steps to predict
+FALLBACK_BACKGROUND_PREFILL = 256
+
+
+class StepSizer:
+    """The sizing state of one scheduler: fixed settings, and per step (`begin`) the urgent
+    class, the prefill left to each capped class, the step's shape and its time target."""
+
+    def __init__(self, config: EngineConfig, block_size: int) -> None:
+        classes = config.service_classes
+        self.num_classes = len(classes)
+        self.block_size = block_size
+        self.cost = StepCostModel()
+        self.enabled = config.scheduling_policy == "priority" and config.enable_chunked_prefill
+        self.step_time_multiple = config.step_time_multiple
+        self.min_background_chunk = max(block_size, config.max_num_batched_tokens // 16)
+        self.urgent_window_s = config.urgent_window_s
+        self.step_target_by_rank = [config.step_target_s(c) for c in classes]
+        self.last_arrival = [-float("inf")] * len(classes)   # time.monotonic()
+        # per-step cap on each class's prefill tokens (chunked prefill only): keeps steps short
+        # while background prefill runs, so an online arrival never waits behind a long one
+        self.prefill_cap_by_rank = [
+            config.prefill_token_budget.get(c) if config.enable_chunked_prefill else None
+            for c in classes
+        ]
+        self.prefill_left: list[int | None] = list(self.prefill_cap_by_rank)
+        self.min_prefill_rank = len(classes)    # the most urgent class prefilling this step
+        self.shape = StepShape()
+        self.urgent_rank = len(classes)
+        self.target: float | None = None
+        self.background_tokens = 0
+        self.skip_background_decodes = False
+        self.skipped_decodes = False            # the last step left less urgent decodes out
+
+    def arrival(self, rank: int) -> None:
+        self.last_arrival[rank] = time.monotonic()
+
+    def begin(self, sched: Scheduler) -> None:
+        """Reset for a new step of `sched`: find the urgent class, and whether this step is
+        the one that gives urgent work its prompt (and so carries no less urgent work)."""
+        self.prefill_left = list(self.prefill_cap_by_rank)
+        self.min_prefill_rank = self.num_classes
+        self.shape = StepShape()
+        self.urgent_rank = self._urgent_class(sched) if self.enabled else self.num_classes
+        self.target = None
+        self.background_tokens = 0
+        # the step that gives urgent work its prompt (an arrival's first token) carries no
+        # less urgent work at all: that step is the person's time to first token. Never two
+        # steps running, so a stream of urgent prompts cannot stop less urgent decodes.
+        self.skip_background_decodes = (self.enabled and not self.skipped_decodes
+                                        and self._urgent_prefill_pending(sched))
+        self.skipped_decodes = False
+
+    @property
+    def urgent_class(self) -> int | None:
+        return self.urgent_rank if self.urgent_rank < self.num_classes else None
+
+    def skips_decode(self, seq: Sequence) -> bool:
+        """Is this less urgent decode left out of the step (see `begin`)?"""
+        if self.skip_background_decodes and seq.state.class_rank > self.urgent_rank:
+            self.skipped_decodes = True
+            return True
+        return False
+
+    def room(self, seq: Sequence, tokens_left: int) -> int:
+        """Prefill tokens `seq` may take this step: the budget, within its class's cap or, for
+        a class less urgent than the step's urgent one, within the step-time target. A class
+        with an explicit cap computes no prefill in a step where a more urgent class does:
+        that step gives an arriving request its first token, and is kept short."""
+        rank = seq.state.class_rank
+        left = self.prefill_left[rank]
+        if left is not None:
+            if rank > self.min_prefill_rank:
+                return 0
+            return min(left, tokens_left)
+        if rank <= self.urgent_rank or not self.enabled:
+            return tokens_left
+        return min(tokens_left, self._background_room(seq))
+
+    def _background_room(self, seq: Sequence) -> int:
+        """Prefill tokens a sequence of a class less urgent than the step's urgent one may
+        take: none in a step where a more urgent class prefills (that step gives an arrival
+        its first token), else what the cost model predicts fits the step-time target."""
+        if self.min_prefill_rank < seq.state.class_rank:
+            return 0
+        cost = self.cost
+        if not cost.ready:
+            return max(0, FALLBACK_BACKGROUND_PREFILL - self.background_tokens)
+        if self.target is None:   # fixed at the first less urgent chunk: the urgent part is known
+            explicit = self.step_target_by_rank[self.urgent_rank]
+            if explicit is not None:
+                self.target = explicit
+            else:
+                # a multiple of the urgent part, and never less than that part plus a
+                # chunk of `min_background_chunk` tokens: less urgent prefill keeps moving
+                # at a useful rate even beside a single urgent decode
+                urgent = cost.predict(self.shape)
+                self.target = max(self.step_time_multiple * urgent,
+                                  urgent + cost.chunk_time(self.min_background_chunk))
+        room = cost.prefill_room(self.target - cost.predict(self.shape), seq.num_computed_tokens)
+        if self.background_tokens == 0:   # background work always moves, a block at least
+            room = max(room, self.block_size)
+        return room
+
+    def _urgent_prefill_pending(self, sched: Scheduler) -> bool:
+        """Has the urgent class prompt tokens to compute that can start this step? (A waiting
+        sequence whose adapter is still being read, or any while admission is paused, cannot.)"""
+        urgent = self.urgent_rank
+        if urgent >= self.num_classes or not any(sched.fair.active[r] for r in range(urgent + 1)):
+            return False
+        if any(s.state.class_rank <= urgent and not s.is_decode for s in sched.running):
+            return True
+        if sched.admission_paused:
+            return False
+        return any(s.state.class_rank <= urgent
+                   and (not s.state.req.lora_id or sched.lora_ready(s.state.req.lora_id))
+                   for s in sched.waiting)
+
+    def _urgent_class(self, sched: Scheduler) -> int:
+        """The most urgent class with work in sight: sequences running or waiting, or an
+        arrival within `urgent_window_s`."""
+        now = time.monotonic()
+        for rank in range(self.num_classes):
+            if sched.fair.active[rank] or now - self.last_arrival[rank] <= self.urgent_window_s:
+                return rank
+        return self.num_classes
+
+    def add(self, seq: Sequence, num_tokens: int, sign: int = 1) -> None:
+        """Count `seq`'s `num_tokens` into the step's shape (`sign` -1: take them out)."""
+        if seq.is_decode and num_tokens == 1:
+            self.shape.add_decode(seq.num_tokens, sign)
+        else:
+            done = seq.num_computed_tokens + num_tokens >= seq.num_tokens
+            self.shape.add_prefill(num_tokens, seq.num_computed_tokens, done, sign)
+            if seq.state.class_rank > self.urgent_rank:
+                self.background_tokens += sign * num_tokens
+
+    def charge_prefill(self, rank: int, num_tokens: int) -> None:
+        """`num_tokens` of prefill of class `rank` went into the step (negative: a refund)."""
+        if self.prefill_left[rank] is not None:
+            self.prefill_left[rank] -= num_tokens
+        if num_tokens > 0 and rank < self.min_prefill_rank:
+            self.min_prefill_rank = rank
