@@ -26,7 +26,7 @@ from gateway.protocol import (
 )
 from gateway.state import AppState, ModelEntry
 from gateway.usage_api import usage_response
-from tenancy.service import Principal
+from tenancy.auth import Principal
 
 logger = logging.getLogger(__name__)
 router = APIRouter()

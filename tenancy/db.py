@@ -1,4 +1,5 @@
-"""Engine, sessions and schema migrations for the tenancy database (SQLite or PostgreSQL).
+"""Engine, sessions, transactions and schema migrations for the tenancy database (SQLite or
+PostgreSQL).
 
 URLs may name the sync drivers (`sqlite:///`, `postgresql://`, `postgres://`); they are
 normalised to the async ones (aiosqlite, asyncpg)."""
@@ -7,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -17,7 +18,7 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import event, text
 from sqlalchemy.engine import make_url
-from sqlalchemy.exc import ArgumentError
+from sqlalchemy.exc import ArgumentError, IntegrityError
 from sqlalchemy.ext.asyncio import (
     AsyncEngine,
     AsyncSession,
@@ -90,6 +91,23 @@ def make_sessionmaker(engine: AsyncEngine) -> async_sessionmaker[AsyncSession]:
 async def ping(session: AsyncSession) -> None:
     """Raise unless the database answers."""
     await session.execute(text("SELECT 1"))
+
+
+async def in_transaction(session: AsyncSession, work: Callable[[], Awaitable[T]]) -> T:
+    """Run `work` then commit; roll everything back on any error."""
+    try:
+        result = await work()
+        await session.commit()
+    except BaseException:
+        await session.rollback()
+        raise
+    return result
+
+
+def is_unique_violation(exc: IntegrityError, column: str) -> bool:
+    """Whether `exc` is a UNIQUE violation on `column` (SQLite's and PostgreSQL's wording)."""
+    message = str(exc.orig).lower()
+    return column in message and ("unique" in message or "duplicate" in message)
 
 
 # -- migrations --------------------------------------------------------------------------------

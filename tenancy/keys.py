@@ -1,11 +1,14 @@
-"""API key material: generation, peppered HMAC hashing, constant-time verification, and the
-pepper itself (a setting, or a file created once in the data directory)."""
+"""API key material, no database: the shape of a key, generation, peppered HMAC hashing,
+constant-time verification, and the pepper (a setting, or a file made once in the data dir).
+
+Key rows (creation, revocation, quotas, the bootstrap admin key) are `tenancy.api_keys`."""
 
 from __future__ import annotations
 
 import hashlib
 import hmac
 import os
+import re
 import secrets
 import string
 import time
@@ -20,6 +23,14 @@ PEPPER_BYTES = 32
 MIN_PEPPER_BYTES = 16
 
 _HEX = frozenset(string.hexdigits)
+# A presented key: "lg-", then at least a lookup prefix and some secret, no whitespace.
+_KEY_RE = re.compile(rf"^lg-[\x21-\x7e]{{{LOOKUP_PREFIX_LEN + 8},253}}$")
+
+
+def well_formed(plaintext: object) -> bool:
+    """Whether `plaintext` has the shape of a key: "lg-", 20 to 253 printable non-space
+    characters."""
+    return isinstance(plaintext, str) and _KEY_RE.match(plaintext) is not None
 
 
 def generate_key() -> tuple[str, str]:

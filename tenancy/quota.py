@@ -1,4 +1,5 @@
-"""A quota: the limits of one tenant or one API key. `None` means unlimited."""
+"""A quota: the limits of one tenant or one API key (`None` means unlimited), and its five
+columns on a tenant's or a key's row."""
 
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ class Quota:
             if v is None:
                 continue
             if isinstance(v, bool) or not isinstance(v, int):
-                raise ValueError(f"{f.name}: must be an integer or null, got {v!r}")
+                # ValueError, as for every bad value: callers catch one type and name the field
+                raise ValueError(f"{f.name}: must be an integer or null, got {v!r}")  # noqa: TRY004
             if v < 0:
                 raise ValueError(f"{f.name}: must be >= 0, got {v}")
 
@@ -46,3 +48,14 @@ class Quota:
         if unknown:
             raise ValueError(f"quota: unknown field(s) {sorted(unknown)}; known: {list(QUOTA_FIELDS)}")
         return cls(**data)
+
+
+def quota_of(row: Any) -> Quota:
+    """The quota stored in a row's quota columns (a tenant or an API key)."""
+    return Quota(**{name: getattr(row, name) for name in QUOTA_FIELDS})
+
+
+def store_quota(row: Any, quota: Quota) -> None:
+    """Write `quota` into a row's quota columns."""
+    for name in QUOTA_FIELDS:
+        setattr(row, name, getattr(quota, name))

@@ -13,12 +13,14 @@ import pytest
 from sqlalchemy import func, select, text, update
 from sqlalchemy.exc import IntegrityError
 
+from tenancy import api_keys, audit, keys, tenants
 from tenancy import db as tdb
-from tenancy import keys, service
+from tenancy.auth import Principal, authenticate
 from tenancy.errors import AuthError, Conflict, Invalid, NotFound
 from tenancy.models import ApiKey, AuditEntry, Base, Tenant, UsageRecord
 from tenancy.quota import Quota
-from tenancy.service import UsageRow, UsageWriter
+from tenancy.usage.report import usage_report
+from tenancy.usage.writer import UsageRow, UsageWriter
 
 PEPPER = bytes(range(32))
 ACTOR = "key_0000000000000000"
@@ -41,18 +43,18 @@ async def count(sessions, model, *where) -> int:
 
 async def new_tenant(sessions, name="acme", **kw) -> Tenant:
     async with sessions() as s:
-        return await service.create_tenant(s, name=name, actor=ACTOR, **kw)
+        return await tenants.create_tenant(s, name=name, actor=ACTOR, **kw)
 
 
 async def new_key(sessions, tenant_id, **kw) -> tuple[ApiKey, str]:
     kw.setdefault("name", "k")
     async with sessions() as s:
-        return await service.create_key(s, tenant_id=tenant_id, pepper=PEPPER, actor=ACTOR, **kw)
+        return await api_keys.create_key(s, tenant_id=tenant_id, pepper=PEPPER, actor=ACTOR, **kw)
 
 
-async def auth(sessions, plaintext, pepper=PEPPER) -> service.Principal:
+async def auth(sessions, plaintext, pepper=PEPPER) -> Principal:
     async with sessions() as s:
-        return await service.authenticate(s, plaintext, pepper)
+        return await authenticate(s, plaintext, pepper)
 
 
 async def auth_reason(sessions, plaintext, pepper=PEPPER) -> str:
@@ -167,59 +169,59 @@ async def test_tenant_crud(sessions):
     assert t.id.startswith("ten_") and len(t.id) == 20 and int(t.id[4:], 16) >= 0
     assert (t.status, t.weight, t.default_tier, t.models) == ("active", 1.0, "default", None)
     assert t.service_tiers == ["default", "flex"]      # the default plan: priority is granted
-    assert service.tenant_quota(t) == Quota()
+    assert tenants.tenant_quota(t) == Quota()
     assert t.created_at.tzinfo is not None and t.deleted_at is None
 
     b = await new_tenant(sessions, "beta", weight=2.5, service_tiers=["flex", "priority"],
                          default_tier="priority", models=["m1", "m1", "lora-a"],
                          quota=Quota(requests_per_minute=60, monthly_token_budget=10**10))
     async with sessions() as s:
-        got = await service.get_tenant(s, b.id)
+        got = await tenants.get_tenant(s, b.id)
         assert got.weight == 2.5
         assert got.service_tiers == ["priority", "flex"]       # canonical order
         assert got.default_tier == "priority"
         assert got.models == ["m1", "lora-a"]
-        assert service.tenant_quota(got) == Quota(requests_per_minute=60,
+        assert tenants.tenant_quota(got) == Quota(requests_per_minute=60,
                                                   monthly_token_budget=10**10)
         assert got.created_at.tzinfo == UTC
 
     async with sessions() as s:
-        u = await service.update_tenant(s, t.id, actor=ACTOR, name="acme2", weight=3,
+        u = await tenants.update_tenant(s, t.id, actor=ACTOR, name="acme2", weight=3,
                                         models=["m2"], status="suspended")
         assert (u.name, u.weight, u.models, u.status) == ("acme2", 3.0, ["m2"], "suspended")
         assert u.updated_at >= u.created_at
     async with sessions() as s:
-        u = await service.update_tenant(s, t.id, actor=ACTOR, models=None)
+        u = await tenants.update_tenant(s, t.id, actor=ACTOR, models=None)
     async with sessions() as s:
-        got = await service.get_tenant(s, t.id)
+        got = await tenants.get_tenant(s, t.id)
         assert (got.name, got.weight, got.models, got.status) == ("acme2", 3.0, None, "suspended")
-        await service.set_quota(s, t.id, Quota(tokens_per_minute=1000), actor=ACTOR)
+        await tenants.set_quota(s, t.id, Quota(tokens_per_minute=1000), actor=ACTOR)
     async with sessions() as s:
-        assert service.tenant_quota(await service.get_tenant(s, t.id)) == \
+        assert tenants.tenant_quota(await tenants.get_tenant(s, t.id)) == \
             Quota(tokens_per_minute=1000)
 
     # cursor pagination by id
     for i in range(5):
         await new_tenant(sessions, f"t{i}")
     async with sessions() as s:
-        everything = await service.list_tenants(s, limit=100)
+        everything = await tenants.list_tenants(s, limit=100)
         assert len(everything) == 7
         ids = [x.id for x in everything]
         assert ids == sorted(ids)
         pages, after = [], None
-        while page := await service.list_tenants(s, limit=3, after=after):
+        while page := await tenants.list_tenants(s, limit=3, after=after):
             pages.append([x.id for x in page])
             after = page[-1].id
         assert [len(p) for p in pages] == [3, 3, 1]
         assert sum(pages, []) == ids
         with pytest.raises(Invalid) as info:
-            await service.list_tenants(s, limit=0)
+            await tenants.list_tenants(s, limit=0)
         assert info.value.field == "limit"
         with pytest.raises(NotFound):
-            await service.get_tenant(s, "ten_doesnotexist00")
+            await tenants.get_tenant(s, "ten_doesnotexist00")
 
     async with sessions() as s:
-        actions = [a.action for a in reversed(await service.list_audit(s))]
+        actions = [a.action for a in reversed(await audit.list_audit(s))]
     assert actions == ["tenant.create", "tenant.create", "tenant.update", "tenant.update",
                        "tenant.set_quota"] + ["tenant.create"] * 5
 
@@ -232,16 +234,16 @@ async def test_duplicate_names_conflict(sessions):
     assert info.value.field == "name"
     async with sessions() as s:
         with pytest.raises(Conflict) as info:
-            await service.update_tenant(s, other.id, actor=ACTOR, name="acme")
+            await tenants.update_tenant(s, other.id, actor=ACTOR, name="acme")
         assert info.value.field == "name"
     async with sessions() as s:
-        await service.delete_tenant(s, t.id, actor=ACTOR)
+        await tenants.delete_tenant(s, t.id, actor=ACTOR)
     with pytest.raises(Conflict, match="deleted"):       # names of deleted tenants stay taken
         await new_tenant(sessions, "acme")
     assert await count(sessions, Tenant) == 2
     assert await count(sessions, AuditEntry) == 3
     async with sessions() as s:
-        assert (await service.get_tenant(s, other.id)).name == "other"
+        assert (await tenants.get_tenant(s, other.id)).name == "other"
 
 
 async def test_unique_violation_from_the_database_rolls_back(sessions, monkeypatch):
@@ -252,7 +254,7 @@ async def test_unique_violation_from_the_database_rolls_back(sessions, monkeypat
     async def no_check(*args, **kwargs):
         return None
 
-    monkeypatch.setattr(service, "_name_taken", no_check)
+    monkeypatch.setattr(tenants, "_name_taken", no_check)
     with pytest.raises(Conflict) as info:
         await new_tenant(sessions, "acme")
     assert info.value.field == "name"
@@ -293,7 +295,7 @@ async def test_invalid_tenant_input_names_field_and_changes_nothing(sessions):
         kw = {"name": "ok-name", "actor": ACTOR, **kw}
         async with sessions() as s:
             with pytest.raises(Invalid) as info:
-                await service.create_tenant(s, **kw)
+                await tenants.create_tenant(s, **kw)
         assert info.value.field == field, (kw, info.value)
         assert field in str(info.value)
     assert await count(sessions, Tenant) == 0
@@ -315,19 +317,19 @@ async def test_invalid_tenant_input_names_field_and_changes_nothing(sessions):
     for field, kw in update_cases:
         async with sessions() as s:
             with pytest.raises(Invalid) as info:
-                await service.update_tenant(s, t.id, actor=ACTOR, **{"weight": 9, **kw})
+                await tenants.update_tenant(s, t.id, actor=ACTOR, **{"weight": 9, **kw})
         assert info.value.field == field, (kw, info.value)
     async with sessions() as s:
         with pytest.raises(Invalid) as info:
-            await service.set_quota(s, t.id, {"daily_token_budget": "lots"}, actor=ACTOR)
+            await tenants.set_quota(s, t.id, {"daily_token_budget": "lots"}, actor=ACTOR)
         assert info.value.field == "quota"
     async with sessions() as s:
-        got = await service.get_tenant(s, t.id)
+        got = await tenants.get_tenant(s, t.id)
         assert (got.name, got.weight, got.status, got.service_tiers, got.default_tier) == \
             ("acme", 1.0, "active", ["default", "flex"], "default")
-        assert service.tenant_quota(got) == Quota()
+        assert tenants.tenant_quota(got) == Quota()
         # a valid combination: change tiers and default together
-        got = await service.update_tenant(s, t.id, actor=ACTOR, service_tiers=["priority"],
+        got = await tenants.update_tenant(s, t.id, actor=ACTOR, service_tiers=["priority"],
                                           default_tier="priority")
         assert (got.service_tiers, got.default_tier) == (["priority"], "priority")
     assert await count(sessions, AuditEntry) == 2
@@ -339,23 +341,23 @@ async def test_soft_delete_keeps_usage_and_revokes_keys(sessions):
     (k1, p1), (k2, p2) = await new_key(sessions, t.id), await new_key(sessions, t.id, name="k2")
     _, p_keep = await new_key(sessions, keep.id)
     async with sessions() as s:
-        await service.revoke_key(s, k2.id, actor=ACTOR)
+        await api_keys.revoke_key(s, k2.id, actor=ACTOR)
     async with UsageWriter(sessions) as w:
         await asyncio.gather(*(w.record(usage(f"r{i}", t.id, k1.id)) for i in range(3)))
 
     async with sessions() as s:
-        deleted = await service.delete_tenant(s, t.id, actor=ACTOR)
+        deleted = await tenants.delete_tenant(s, t.id, actor=ACTOR)
         assert deleted.deleted_at is not None
     async with sessions() as s:
         with pytest.raises(NotFound):
-            await service.get_tenant(s, t.id)
+            await tenants.get_tenant(s, t.id)
         with pytest.raises(NotFound):
-            await service.update_tenant(s, t.id, actor=ACTOR, weight=2)
+            await tenants.update_tenant(s, t.id, actor=ACTOR, weight=2)
         with pytest.raises(NotFound):
-            await service.delete_tenant(s, t.id, actor=ACTOR)
+            await tenants.delete_tenant(s, t.id, actor=ACTOR)
         with pytest.raises(NotFound):
-            await service.set_quota(s, t.id, Quota(), actor=ACTOR)
-        assert [x.id for x in await service.list_tenants(s)] == [keep.id]
+            await tenants.set_quota(s, t.id, Quota(), actor=ACTOR)
+        assert [x.id for x in await tenants.list_tenants(s)] == [keep.id]
         row = await s.get(Tenant, t.id)           # the row itself remains
         assert row is not None and row.deleted_at is not None
         revoked = (await s.scalars(select(ApiKey).where(ApiKey.tenant_id == t.id))).all()
@@ -366,10 +368,10 @@ async def test_soft_delete_keeps_usage_and_revokes_keys(sessions):
     assert await auth_reason(sessions, p1) == "tenant_deleted"
     assert (await auth(sessions, p_keep)).tenant_id == keep.id
     async with sessions() as s:
-        report = await service.usage_report(s, tenant_id=t.id, start=None, end=None,
-                                            group_by=None)
+        report = await usage_report(s, tenant_id=t.id, start=None, end=None,
+                                    group_by=None)
         assert report[0]["requests"] == 3
-        delete_audit = (await service.list_audit(s, limit=1))[0]
+        delete_audit = (await audit.list_audit(s, limit=1))[0]
         assert (delete_audit.action, delete_audit.target_id) == ("tenant.delete", t.id)
         assert delete_audit.detail["revoked_keys"] == 1      # k2 was revoked before
 
@@ -404,15 +406,15 @@ async def test_keys_and_authentication(sessions):
     assert ap.service_tiers == ()                           # no tenant, no plan
 
     async with sessions() as s:
-        assert [k.id for k in await service.list_keys(s, t.id)] == [key.id]
-        assert [k.id for k in await service.list_keys(s, None)] == [admin.id]
-        assert (await service.get_key(s, key.id)).name == "ci"
+        assert [k.id for k in await api_keys.list_keys(s, t.id)] == [key.id]
+        assert [k.id for k in await api_keys.list_keys(s, None)] == [admin.id]
+        assert (await api_keys.get_key(s, key.id)).name == "ci"
         with pytest.raises(NotFound):
-            await service.get_key(s, "key_0123456789abcdef")
+            await api_keys.get_key(s, "key_0123456789abcdef")
         with pytest.raises(NotFound):
-            await service.list_keys(s, "ten_0123456789abcdef")
-        k = await service.set_key_quota(s, key.id, Quota(max_concurrent_requests=2), actor=ACTOR)
-        assert service.key_quota(k) == Quota(max_concurrent_requests=2)
+            await api_keys.list_keys(s, "ten_0123456789abcdef")
+        k = await api_keys.set_key_quota(s, key.id, Quota(max_concurrent_requests=2), actor=ACTOR)
+        assert api_keys.key_quota(k) == Quota(max_concurrent_requests=2)
     assert (await auth(sessions, plaintext)).key_quota == Quota(max_concurrent_requests=2)
 
 
@@ -437,7 +439,7 @@ async def test_invalid_key_input_changes_nothing(sessions):
         kw = {"name": "k", "pepper": PEPPER, "actor": ACTOR, **kw}
         async with sessions() as s:
             with pytest.raises(Invalid) as info:
-                await service.create_key(s, **kw)
+                await api_keys.create_key(s, **kw)
         assert info.value.field == field, (kw, info.value)
     with pytest.raises(NotFound):
         await new_key(sessions, "ten_0123456789abcdef")
@@ -461,10 +463,10 @@ async def test_authentication_failures(sessions):
     assert await auth_reason(sessions, plaintext, pepper=b"x" * 32) == "invalid"
 
     async with sessions() as s:
-        await service.update_tenant(s, t.id, actor=ACTOR, status="suspended")
+        await tenants.update_tenant(s, t.id, actor=ACTOR, status="suspended")
     assert await auth_reason(sessions, plaintext) == "tenant_suspended"
     async with sessions() as s:
-        await service.update_tenant(s, t.id, actor=ACTOR, status="active")
+        await tenants.update_tenant(s, t.id, actor=ACTOR, status="active")
     assert (await auth(sessions, plaintext)).key_id == key.id
 
     expiring, exp_plain = await new_key(sessions, t.id, name="exp",
@@ -477,16 +479,16 @@ async def test_authentication_failures(sessions):
     assert await auth_reason(sessions, exp_plain) == "expired"
 
     async with sessions() as s:
-        revoked = await service.revoke_key(s, key.id, actor=ACTOR)
+        revoked = await api_keys.revoke_key(s, key.id, actor=ACTOR)
         first = revoked.revoked_at
         assert first is not None
-        again = await service.revoke_key(s, key.id, actor=ACTOR)       # idempotent
+        again = await api_keys.revoke_key(s, key.id, actor=ACTOR)       # idempotent
         assert again.revoked_at == first
         with pytest.raises(NotFound):
-            await service.revoke_key(s, "key_0123456789abcdef", actor=ACTOR)
+            await api_keys.revoke_key(s, "key_0123456789abcdef", actor=ACTOR)
     assert await auth_reason(sessions, plaintext) == "revoked"
     async with sessions() as s:
-        revokes = [a for a in await service.list_audit(s) if a.action == "key.revoke"]
+        revokes = [a for a in await audit.list_audit(s) if a.action == "key.revoke"]
         assert len(revokes) == 1
 
 
@@ -496,7 +498,7 @@ async def test_no_plaintext_key_in_database(sessions):
     _, admin_plain = await new_key(sessions, None, scopes=["admin"])
     bootstrap = "lg-" + "B00tstrap-admin-key-0123456789abcdefXYZ"
     async with sessions() as s:
-        assert await service.ensure_admin_key(s, bootstrap, PEPPER)
+        assert await api_keys.ensure_admin_key(s, bootstrap, PEPPER)
     plaintexts = [p for _, p in secrets_] + [admin_plain, bootstrap]
 
     dump = []
@@ -515,11 +517,11 @@ async def test_no_plaintext_key_in_database(sessions):
 async def test_bootstrap_admin_key(sessions):
     plaintext = "lg-" + "x" * 12 + "-operator-chosen-secret-0123456789"
     async with sessions() as s:
-        assert not await service.has_admin_key(s)
-        assert await service.ensure_admin_key(s, plaintext, PEPPER) is True
+        assert not await api_keys.has_admin_key(s)
+        assert await api_keys.ensure_admin_key(s, plaintext, PEPPER) is True
     async with sessions() as s:
-        assert await service.ensure_admin_key(s, plaintext, PEPPER) is False
-        assert await service.has_admin_key(s)
+        assert await api_keys.ensure_admin_key(s, plaintext, PEPPER) is False
+        assert await api_keys.has_admin_key(s)
     p = await auth(sessions, plaintext)
     assert p.is_admin and p.key_name == "bootstrap" and p.tenant_id is None
     assert await count(sessions, ApiKey) == 1
@@ -527,19 +529,19 @@ async def test_bootstrap_admin_key(sessions):
     async with sessions() as s:
         with pytest.raises(Conflict) as info:    # same lookup prefix, another secret
             other = "lg-" + "x" * 12 + "-a-different-secret-000000000"
-            await service.ensure_admin_key(s, other, PEPPER)
+            await api_keys.ensure_admin_key(s, other, PEPPER)
         assert info.value.field == "admin_key"
         for bad in ("", "lg-short", "no-prefix-" + "y" * 40, "lg-" + "y" * 20):
             with pytest.raises(Invalid) as info:
-                await service.ensure_admin_key(s, bad, PEPPER)
+                await api_keys.ensure_admin_key(s, bad, PEPPER)
             assert info.value.field == "admin_key"
-        await service.revoke_key(s, p.key_id, actor=p.key_id)
+        await api_keys.revoke_key(s, p.key_id, actor=p.key_id)
     async with sessions() as s:
-        assert not await service.has_admin_key(s)
-        assert await service.ensure_admin_key(s, plaintext, PEPPER) is False   # stays revoked
+        assert not await api_keys.has_admin_key(s)
+        assert await api_keys.ensure_admin_key(s, plaintext, PEPPER) is False   # stays revoked
     assert await auth_reason(sessions, plaintext) == "revoked"
     async with sessions() as s:
-        actions = [(a.actor, a.action) for a in reversed(await service.list_audit(s))]
+        actions = [(a.actor, a.action) for a in reversed(await audit.list_audit(s))]
     assert actions == [("bootstrap", "key.bootstrap"), (p.key_id, "key.revoke")]
 
 
@@ -551,9 +553,9 @@ async def test_touch_key(sessions):
     eastern = timezone(timedelta(hours=-5))
     for when in (t1, t1 - timedelta(minutes=5), datetime(2030, 1, 1, 8, tzinfo=eastern)):
         async with sessions() as s:
-            await service.touch_key(s, key.id, when)
+            await api_keys.touch_key(s, key.id, when)
     async with sessions() as s:
-        got = await service.get_key(s, key.id)
+        got = await api_keys.get_key(s, key.id)
         assert got.last_used_at == datetime(2030, 1, 1, 13, tzinfo=UTC)
     assert await count(sessions, AuditEntry) == 2       # tenant + key creation only
 
@@ -655,7 +657,7 @@ async def test_usage_report(sessions):
         kw.setdefault("end", None)
         kw.setdefault("group_by", None)
         async with sessions() as s:
-            return await service.usage_report(s, **kw)
+            return await usage_report(s, **kw)
 
     [total] = await report()
     assert total == {
@@ -706,10 +708,10 @@ async def test_usage_report(sessions):
 async def test_list_audit(sessions):
     t = await new_tenant(sessions, "acme")
     async with sessions() as s:
-        await service.update_tenant(s, t.id, actor="key_aaaaaaaaaaaaaaaa", weight=4)
+        await tenants.update_tenant(s, t.id, actor="key_aaaaaaaaaaaaaaaa", weight=4)
     key, _ = await new_key(sessions, t.id)
     async with sessions() as s:
-        entries = await service.list_audit(s)
+        entries = await audit.list_audit(s)
         assert [(e.action, e.target_type, e.target_id) for e in entries] == [
             ("key.create", "key", key.id),
             ("tenant.update", "tenant", t.id),
@@ -718,7 +720,7 @@ async def test_list_audit(sessions):
         assert entries[1].actor == "key_aaaaaaaaaaaaaaaa"
         assert entries[1].detail == {"before": {"weight": 1.0}, "after": {"weight": 4.0}}
         assert entries[0].created_at.tzinfo == UTC
-        assert len(await service.list_audit(s, limit=2)) == 2
+        assert len(await audit.list_audit(s, limit=2)) == 2
         with pytest.raises(Invalid) as info:
-            await service.list_audit(s, limit=-1)
+            await audit.list_audit(s, limit=-1)
         assert info.value.field == "limit"

@@ -1,0 +1,303 @@
+"""Usage rows and their writer: `UsageRow` (one finished request) and `UsageWriter`, a
+background task that group-commits rows, through asyncpg directly on PostgreSQL.
+
+`UsageWriter` is bookkeeping on the request path and writes no audit entry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import dataclass, fields
+from datetime import datetime
+from typing import Any, Self
+
+from sqlalchemy import insert
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
+
+from tenancy.errors import Invalid
+from tenancy.models import SERVICE_TIERS, USAGE_STATUSES, UsageRecord, utcnow
+from tenancy.validation import MODEL_NAME_MAX, as_utc, check_count, check_ms
+
+
+@dataclass(slots=True)
+class UsageRow:
+    """One finished request, as written to `usage_records`."""
+
+    request_id: str
+    tenant_id: str
+    api_key_id: str
+    model: str
+    service_tier: str
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    status: str
+    queue_ms: float
+    ttft_ms: float | None
+    total_ms: float
+    created_at: datetime | None = None    # None: when recorded
+
+    def __post_init__(self) -> None:
+        for f in ("request_id", "tenant_id", "api_key_id", "model", "service_tier"):
+            v = getattr(self, f)
+            if not isinstance(v, str) or not v:
+                raise Invalid(f, f"must be a non-empty string, got {v!r}")
+        if len(self.request_id) > 128:
+            raise Invalid("request_id", "must be at most 128 characters")
+        if len(self.model) > MODEL_NAME_MAX:
+            raise Invalid("model", f"must be at most {MODEL_NAME_MAX} characters")
+        if self.service_tier not in SERVICE_TIERS:
+            raise Invalid("service_tier", f"must be one of {list(SERVICE_TIERS)}, "
+                                          f"got {self.service_tier!r}")
+        for f in ("prompt_tokens", "cached_tokens", "completion_tokens"):
+            check_count(getattr(self, f), f)
+        if self.status not in USAGE_STATUSES:
+            raise Invalid("status", f"must be one of {list(USAGE_STATUSES)}, got {self.status!r}")
+        check_ms(self.queue_ms, "queue_ms")
+        check_ms(self.ttft_ms, "ttft_ms", nullable=True)
+        check_ms(self.total_ms, "total_ms")
+        self.created_at = as_utc(self.created_at, "created_at")
+
+    def values(self) -> dict[str, Any]:
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        if out["created_at"] is None:
+            out["created_at"] = utcnow()
+        return out
+
+
+
+_STOP = object()
+
+
+class UsageWriter:
+    """Group commit of usage rows: one background task inserts whatever `record` calls have
+    queued (up to `max_batch` rows, waiting `max_delay_s` for more; 0, the default, is
+    classic group commit: rows that arrive during a commit make up the next batch) in one
+    executemany and one transaction, on a connection of its own; each `record` returns once
+    its row is committed, or raises. `synchronous_commit=False` (PostgreSQL) acknowledges a
+    commit before its WAL reaches the disk: visible at once, but a database crash may lose
+    the last moments' rows."""
+
+    MAX_BATCH_LIMIT = 2000     # 13 bound values a row; stays under SQLite/PostgreSQL limits
+
+    def __init__(self, sessionmaker: async_sessionmaker[AsyncSession], max_batch: int = 256,
+                 max_delay_s: float = 0.0, synchronous_commit: bool = True) -> None:
+        if isinstance(max_batch, bool) or not isinstance(max_batch, int) \
+                or not 1 <= max_batch <= self.MAX_BATCH_LIMIT:
+            raise Invalid("max_batch", f"must be an integer from 1 to {self.MAX_BATCH_LIMIT}")
+        if isinstance(max_delay_s, bool) or not isinstance(max_delay_s, (int, float)) \
+                or not 0 <= max_delay_s <= 10:
+            raise Invalid("max_delay_s", "must be a number of seconds from 0 to 10")
+        self._sessionmaker = sessionmaker
+        self._engine = sessionmaker.kw.get("bind")
+        self._conn: Any = None
+        self.synchronous_commit = synchronous_commit
+        self.max_batch = max_batch
+        self.max_delay_s = float(max_delay_s)
+        self._queue: asyncio.Queue[Any] | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._closed = False
+        self.batches = 0          # committed batches
+        self.rows = 0             # committed rows
+        self.largest_batch = 0
+
+    async def start(self) -> None:
+        if self._task is not None:
+            raise RuntimeError("UsageWriter already started")
+        self._queue = asyncio.Queue()
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="usage-writer")
+
+    async def __aenter__(self) -> Self:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def record(self, row: UsageRow) -> None:
+        """Queue `row`; return once it is committed (raise if its commit failed)."""
+        await self.submit(row)
+
+    def submit(self, row: UsageRow) -> asyncio.Future[None]:
+        """Queue `row` now; the future resolves once it is committed (or fails with the
+        commit's error). The writer starts on it at the caller's next `await`, so a caller
+        can yield once and then do other work while the row is being written."""
+        if not isinstance(row, UsageRow):
+            raise Invalid("row", f"must be a UsageRow, got {type(row).__name__}")
+        if self._queue is None or self._task is None:
+            raise RuntimeError("UsageWriter is not started")
+        if self._closed or self._task.done():
+            raise RuntimeError("UsageWriter is closed")
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._queue.put_nowait((row.values(), fut))
+        return fut
+
+    async def close(self) -> None:
+        """Write everything queued so far, then stop."""
+        if self._task is None or self._task.done():
+            self._closed = True
+            return
+        if not self._closed:
+            self._closed = True
+            assert self._queue is not None
+            self._queue.put_nowait(_STOP)
+        await self._task
+
+    def _drain(self, batch: list[tuple[dict[str, Any], asyncio.Future[None]]]) -> bool:
+        """Move queued rows into `batch` up to max_batch; True when the stop mark was seen."""
+        assert self._queue is not None
+        while len(batch) < self.max_batch:
+            try:
+                item = self._queue.get_nowait()
+            except asyncio.QueueEmpty:
+                return False
+            if item is _STOP:
+                return True
+            batch.append(item)
+        return False
+
+    async def _run(self) -> None:
+        assert self._queue is not None
+        batch: list[tuple[dict[str, Any], asyncio.Future[None]]] = []
+        try:
+            stop = False
+            while not stop:
+                first = await self._queue.get()
+                if first is _STOP:
+                    break
+                batch = [first]
+                stop = self._drain(batch)
+                if not stop and len(batch) < self.max_batch and self.max_delay_s > 0:
+                    await asyncio.sleep(self.max_delay_s)
+                    stop = self._drain(batch)
+                await self._write(batch)
+                batch = []
+            # Rows queued after the stop mark (a record racing close) still get written.
+            while not self._queue.empty():
+                batch = []
+                self._drain(batch)
+                if batch:
+                    await self._write(batch)
+            batch = []
+            await self._release()
+        finally:
+            # Cancelled (e.g. at loop shutdown): nobody may wait forever for its row.
+            self._closed = True
+            gone = RuntimeError("UsageWriter stopped before the row was written")
+            for _, fut in batch:
+                _settle(fut, gone)
+            while not self._queue.empty():
+                item = self._queue.get_nowait()
+                if item is not _STOP:
+                    _settle(item[1], gone)
+
+    async def _insert(self, rows: list[dict[str, Any]]) -> None:
+        if self._engine is None:       # a sessionmaker without an engine: plain sessions
+            async with self._sessionmaker() as session:
+                try:
+                    await session.execute(insert(UsageRecord), rows)
+                    await session.commit()
+                except BaseException:
+                    await session.rollback()
+                    raise
+            return
+        engine = self._engine
+        on_asyncpg = engine.dialect.name == "postgresql" and engine.dialect.driver == "asyncpg"
+        for attempt in (0, 1):        # a connection the server dropped is replaced once
+            try:
+                if on_asyncpg:
+                    await self._insert_asyncpg(engine, rows)
+                    return
+                if self._conn is None:
+                    self._conn = await engine.connect()
+                async with self._conn.begin():
+                    await self._conn.execute(insert(UsageRecord), rows)
+                return
+            except IntegrityError:
+                raise
+            except Exception as exc:
+                if _is_integrity_error(exc):
+                    raise IntegrityError("INSERT usage_records", None, exc) from exc
+                await self._release_quietly()
+                if attempt:
+                    raise
+
+    async def _insert_asyncpg(self, engine: AsyncEngine, rows: list[dict[str, Any]]) -> None:
+        """PostgreSQL through asyncpg directly: one prepared INSERT, executemany in one
+        transaction. A tenth of the CPU of going through SQLAlchemy's async adapter, which
+        matters on the path every response waits on."""
+        import asyncpg
+
+        if self._conn is None:
+            url = engine.url.set(drivername="postgresql")
+            self._conn = await asyncpg.connect(url.render_as_string(hide_password=False))
+            self._columns = [c.name for c in UsageRecord.__table__.columns if c.name != "id"]
+            cols = ", ".join(self._columns)
+            marks = ", ".join(f"${i + 1}" for i in range(len(self._columns)))
+            self._sql = f"INSERT INTO {UsageRecord.__tablename__} ({cols}) VALUES ({marks})"
+            if not self.synchronous_commit:   # this connection is the writer's alone
+                await self._conn.execute("SET synchronous_commit TO off")
+        args = [tuple(r.get(c) for c in self._columns) for r in rows]
+        # asyncpg runs executemany atomically (in a transaction of its own when none is open)
+        await self._conn.executemany(self._sql, args)
+
+    async def _release_quietly(self) -> None:
+        """Close the connection, ignoring its errors: it is being replaced."""
+        if self._conn is not None:
+            with contextlib.suppress(Exception):
+                await self._conn.close()
+            self._conn = None
+
+    async def _release(self) -> None:
+        if self._conn is not None:
+            try:
+                await self._conn.close()
+            finally:
+                self._conn = None
+
+    async def _write(self, batch: list[tuple[dict[str, Any], asyncio.Future[None]]]) -> None:
+        try:
+            await self._insert([values for values, _ in batch])
+        except IntegrityError as exc:
+            if len(batch) == 1:
+                _settle(batch[0][1], exc)
+                return
+            # One bad row (e.g. a repeated request_id) must not sink the others.
+            for values, fut in batch:
+                try:
+                    await self._insert([values])
+                except Exception as one_exc:  # noqa: BLE001 - handed to the caller
+                    _settle(fut, one_exc)
+                else:
+                    self._count(1)
+                    _settle(fut, None)
+            return
+        except Exception as exc:  # noqa: BLE001 - handed to every caller of the batch
+            for _, fut in batch:
+                _settle(fut, exc)
+            return
+        self._count(len(batch))
+        for _, fut in batch:
+            _settle(fut, None)
+
+    def _count(self, n: int) -> None:
+        self.batches += 1
+        self.rows += n
+        self.largest_batch = max(self.largest_batch, n)
+
+
+def _is_integrity_error(exc: BaseException) -> bool:
+    """asyncpg's unique/foreign-key/check violations (SQLSTATE class 23)."""
+    return str(getattr(exc, "sqlstate", "") or "").startswith("23")
+
+
+def _settle(fut: asyncio.Future[None], exc: BaseException | None) -> None:
+    if fut.done():      # the caller was cancelled; the row's fate no longer matters to it
+        return
+    if exc is None:
+        fut.set_result(None)
+    else:
+        fut.set_exception(exc)
+
