@@ -28,8 +28,10 @@ from engine import EngineDead, EngineOverloaded, PromptTooLong, RequestOutput, S
 from engine.async_engine import RequestStream
 from gateway.errors import APIError
 from gateway.state import AppState, ModelEntry
-from tenancy.limiter import Decision, Lease, LimiterUnavailable, Scope
-from tenancy.service import Principal, UsageRow
+from tenancy.auth import Principal
+from tenancy.errors import LimiterUnavailable
+from tenancy.limiter import Decision, Lease, LimitScope
+from tenancy.usage.writer import UsageRow
 
 logger = logging.getLogger(__name__)
 
@@ -129,7 +131,8 @@ class Job:
     # -- admission ----------------------------------------------------------------------------
     async def admit(self) -> None:
         p = self.principal
-        scopes = [Scope(f"tenant:{p.tenant_id}", p.tenant_quota), Scope(f"key:{p.key_id}", p.key_quota)]
+        scopes = [LimitScope(f"tenant:{p.tenant_id}", p.tenant_quota),
+                  LimitScope(f"key:{p.key_id}", p.key_quota)]
         limiter = self.state.limiter
         assert limiter is not None
         try:

@@ -1,4 +1,5 @@
-"""Errors raised by the tenancy layer; each names the field or resource it is about."""
+"""Errors raised by the tenancy layer, the limiter's included; each names the field or resource
+it is about."""
 
 from __future__ import annotations
 
@@ -50,3 +51,8 @@ class AuthError(TenancyError):
             raise ValueError(f"reason: unknown auth failure reason {reason!r}")
         super().__init__(f"authentication failed: {reason}")
         self.reason = reason
+
+
+class LimiterUnavailable(TenancyError, RuntimeError):
+    """The limiter's shared store cannot be reached or refused the call: nothing was decided
+    (callers refuse the request rather than guess)."""

@@ -16,14 +16,14 @@ from datetime import UTC, datetime
 
 import pytest
 
+from tenancy.errors import LimiterUnavailable
 from tenancy.limiter import (
     CONCURRENCY_RETRY_HINT,
     InProcessLimiter,
     Lease,
     Limiter,
-    LimiterUnavailable,
+    LimitScope,
     RedisLimiter,
-    Scope,
     make_limiter,
 )
 from tenancy.quota import Quota
@@ -90,8 +90,8 @@ async def mem():
         await lim.close()
 
 
-def scope(key: str = "tenant:t1", **limits) -> Scope:
-    return Scope(key, Quota(**limits))
+def scope(key: str = "tenant:t1", **limits) -> LimitScope:
+    return LimitScope(key, Quota(**limits))
 
 
 # --------------------------------------------------------------------------------------------
@@ -423,7 +423,7 @@ ZERO = {"requests_in_window": 0, "tokens_in_window": 0, "concurrent": 0, "day_to
         "month_tokens": 0}
 
 
-def full(key: str = "tenant:t1") -> Scope:
+def full(key: str = "tenant:t1") -> LimitScope:
     return scope(key, requests_per_minute=10, tokens_per_minute=10_000,
                  max_concurrent_requests=5, daily_token_budget=100_000,
                  monthly_token_budget=1_000_000)
@@ -582,7 +582,7 @@ async def test_redis_keys_expire_and_unlimited_costs_nothing(redis_url, redis_pr
     lim = RedisLimiter(redis_url, prefix=redis_prefix)
     client = aioredis.Redis.from_url(redis_url)
     try:
-        free = Scope("tenant:free", Quota())
+        free = LimitScope("tenant:free", Quota())
         d = await lim.acquire("r0", [free], 100)
         assert d.allowed and d.lease is not None
         await lim.settle(d.lease, 50)
@@ -612,7 +612,7 @@ async def test_redis_keys_expire_and_unlimited_costs_nothing(redis_url, redis_pr
 async def test_redis_uses_its_own_clock(redis_url, redis_prefix, monkeypatch):
     import types
 
-    import tenancy.limiter as limiter_mod
+    import tenancy.limiter.redis as limiter_mod
 
     real = time.time
     skewed = types.SimpleNamespace(time=lambda: real() + 3 * 86400)  # the caller is 3 days ahead
@@ -644,7 +644,7 @@ def _burst_worker(url, prefix, quota, tokens, n, tag, ready_q, start, out_q, rel
 
 async def _burst(url, prefix, quota, tokens, n, tag, ready_q, start, out_q, release):
     lim = RedisLimiter(url, prefix=prefix)
-    s = Scope("tenant:shared", Quota(**quota))
+    s = LimitScope("tenant:shared", Quota(**quota))
     await lim.usage(s)  # connect and load the script before the start signal
     ready_q.put(tag)
     start.wait(30)
@@ -667,7 +667,7 @@ async def _churn(url, prefix, quota, tag, ready_q, start, out_q, holders, peak, 
     goes up after admission and down before settlement, so it never exceeds the true number
     of leases held."""
     lim = RedisLimiter(url, prefix=prefix)
-    s = Scope("tenant:shared", Quota(**quota))
+    s = LimitScope("tenant:shared", Quota(**quota))
     await lim.usage(s)
     ready_q.put(tag)
     start.wait(30)
@@ -734,7 +734,7 @@ def test_cross_process_exactness(redis_url, redis_prefix, case):
 def test_cross_process_concurrency(redis_url, redis_prefix):
     ctx = mp.get_context("spawn")
     quota = {"max_concurrent_requests": 3}
-    s = Scope("tenant:shared", Quota(**quota))
+    s = LimitScope("tenant:shared", Quota(**quota))
 
     async def concurrent() -> int:
         lim = RedisLimiter(redis_url, prefix=redis_prefix)
@@ -785,13 +785,13 @@ async def test_bad_input(backend):
     with pytest.raises(ValueError, match="tokens"):
         await lim.acquire("r1", [s], 1.5)
     with pytest.raises(ValueError, match="scope.key"):
-        Scope("tenant:bad key", Quota())
+        LimitScope("tenant:bad key", Quota())
     with pytest.raises(ValueError, match="scope.key"):
-        Scope("tenant:{x}", Quota())
+        LimitScope("tenant:{x}", Quota())
     with pytest.raises(ValueError, match="scope.key"):
-        Scope("", Quota())
+        LimitScope("", Quota())
     with pytest.raises(ValueError, match="scope.quota"):
-        Scope("tenant:t1", {"requests_per_minute": 1})
+        LimitScope("tenant:t1", {"requests_per_minute": 1})
     with pytest.raises(ValueError, match="request_id"):
         await lim.acquire("", [s], 1)
     with pytest.raises(ValueError, match="scopes"):

@@ -1,7 +1,7 @@
-"""The limiter's own Redis connection (tenancy/redis_pipe.py) against a real Redis: pipelined
-replies reach their callers, cancelled callers do not shift anyone's reply, scripts come back
-after SCRIPT FLUSH, a killed connection is opened again, and a Redis that is down gives a
-clear ConnectionError (a 503 from the gateway, not a 500)."""
+"""The limiter's own Redis connection (tenancy/limiter/redis_pipe.py) against a real Redis:
+pipelined replies reach their callers, cancelled callers do not shift anyone's reply, scripts
+come back after SCRIPT FLUSH, a killed connection is opened again, and a Redis that is down
+gives a clear ConnectionError (a 503 from the gateway, not a 500)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 
-from tenancy.redis_pipe import RedisPipe, RedisScript
+from tenancy.limiter.redis_pipe import RedisPipe, RedisScript
 from tests.support.gateway_server import GatewayServer, free_port
 
 

@@ -1,0 +1,97 @@
+"""Lockgate's rate and quota limiter: one meaning, two backends (in-process and Redis).
+
+Every request is checked against a list of limit scopes (`LimitScope`: typically the tenant's
+quota and the API key's quota). All limits of all scopes are checked and applied in one atomic
+step: if any of them refuses, nothing changes anywhere. The limits (see `tenancy.quota.Quota`):
+
+- ``requests_per_minute``: an exact sliding window: at most N admitted requests in any 60 s
+  window (a log of admission times, not a fixed-window counter).
+- ``tokens_per_minute``: an exact sliding window over tokens. An admitted request reserves
+  ``tokens`` (prompt + max_tokens) at its admission time; settlement rewrites that entry to the
+  tokens actually used, as long as the entry is still inside the window. A request whose
+  reservation alone exceeds the limit can never pass and is told so.
+- ``max_concurrent_requests``: leases. A lease counts until it is settled, or until it expires
+  ``lease_ttl`` seconds after its last heartbeat (a replica that died stops heart-beating, so
+  its leases free themselves).
+- ``daily_token_budget`` / ``monthly_token_budget``: counters per UTC day / UTC month. The
+  reservation is added at admission and adjusted by ``used - reserved`` at settlement, in the
+  day and month the reservation was made in (recorded in the `Lease`), even after the period
+  rolled over. Counters expire a day after their period ends.
+
+A request the engine refused before doing any work (overloaded, shed from its queue) is
+cancelled rather than settled: `Limiter.cancel` takes it back out of every window, lease and
+budget as if it had never been admitted. Only an unsettled admission can be cancelled, and a
+cancelled one can no longer be settled: cancel and settle both consume the admission's pending
+marker, whichever comes first wins, and the other is a no-op.
+
+A settlement or cancellation whose marker is gone (already settled or cancelled, or abandoned
+for longer than `PENDING_TTL` without heartbeats) only drops the concurrency lease; the
+reservation then stays charged to the budgets, the conservative choice.
+
+Why this is written here rather than taken from the ``limits`` library: ``limits`` checks one
+rate limit per call (``hit``/``test`` of one item), so checking the tenant's and the key's
+quotas means several round trips with a window between them in which other replicas get in,
+and a refusal by the second limit cannot undo the hit already taken by the first. It has no
+notion of a reservation that is later settled to a different amount (tokens: prompt +
+max_tokens reserved up front, rewritten to the tokens used), of concurrency leases that expire
+without heartbeats, or of token budgets per calendar period adjusted after the fact. Lockgate
+needs all of these decided together: one Lua script per admission (and one per settlement or
+cancellation) that reads and writes every limit of every scope atomically, on Redis's own clock.
+
+The package:
+
+- `base`: the interface `Limiter`, the values (`LimitScope`, `Lease`, `Decision`), constants
+  and argument checks; `periods` (UTC days and months) and `decision` (a backend's findings
+  -> `Decision`) are shared by both backends.
+- `memory`: `InProcessLimiter`, plain dicts and deques for a single gateway process. Each
+  operation runs without an ``await`` inside its critical section (and under a
+  `threading.Lock`, so calls from several threads or event loops are safe too). Its clock is
+  injectable for tests.
+- `redis`: `RedisLimiter`, shared by all replicas: one ``EVALSHA`` of `limiter.lua` per
+  acquire / settle / cancel / heartbeat (its docstring gives the key layout), over the
+  pipelined connection of `redis_pipe`.
+
+Errors: a bad argument is `tenancy.errors.Invalid` (a ValueError naming the field); a Redis
+that cannot be reached is `tenancy.errors.LimiterUnavailable`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tenancy.limiter.base import (
+    CONCURRENCY_RETRY_HINT,
+    PENDING_TTL,
+    WINDOW,
+    Decision,
+    Lease,
+    Limiter,
+    LimitScope,
+)
+from tenancy.limiter.memory import InProcessLimiter
+from tenancy.limiter.redis import RedisLimiter
+
+__all__ = [
+    "CONCURRENCY_RETRY_HINT",
+    "PENDING_TTL",
+    "WINDOW",
+    "Decision",
+    "InProcessLimiter",
+    "Lease",
+    "LimitScope",
+    "Limiter",
+    "RedisLimiter",
+    "make_limiter",
+]
+
+
+def make_limiter(redis_url: str | None, **kw: Any) -> Limiter:
+    """A `RedisLimiter` on ``redis_url``, or an `InProcessLimiter` when it is None or empty.
+
+    ``kw`` goes to the constructor (``lease_ttl``; ``prefix`` for Redis, ignored in-process;
+    ``clock`` in-process only).
+    """
+    if redis_url:
+        return RedisLimiter(redis_url, **kw)
+    kw.pop("prefix", None)
+    return InProcessLimiter(**kw)

@@ -1,0 +1,211 @@
+"""The limiter's interface and values: `Limiter`, `LimitScope`, `Lease`, `Decision`, the
+window and lease constants, and the argument checks both backends share."""
+
+from __future__ import annotations
+
+import re
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+
+from tenancy.errors import Invalid
+from tenancy.quota import QUOTA_FIELDS, Quota
+
+WINDOW = 60.0
+"""Length of the sliding windows of ``requests_per_minute`` and ``tokens_per_minute``, seconds."""
+
+PENDING_TTL = 3600.0
+"""How long an unsettled admission is remembered after its last admission or heartbeat, seconds.
+Settling it later is a no-op for tokens and budgets."""
+
+CONCURRENCY_RETRY_HINT = 1.0
+"""Upper bound of ``retry_after`` for a concurrency refusal: any in-flight request may finish at
+any moment, so the expiry of the oldest lease is only a worst case."""
+
+BUDGET_GRACE = 86400.0
+"""Day and month counters are kept this long after their period ends (late settlements)."""
+
+RATE_LIMIT = "rate_limit_exceeded"
+INSUFFICIENT_QUOTA = "insufficient_quota"
+
+# Indices of the Quota fields, as used by the Lua script and the in-process backend.
+RPM, TPM, CONC, DAY, MONTH = range(5)
+assert QUOTA_FIELDS == (
+    "requests_per_minute",
+    "tokens_per_minute",
+    "max_concurrent_requests",
+    "daily_token_budget",
+    "monthly_token_budget",
+)
+
+_SCOPE_KEY = re.compile(r"^[A-Za-z0-9:_-]{1,200}$")
+_MAX_REQUEST_ID = 256
+
+
+@dataclass(frozen=True)
+class LimitScope:
+    """One set of limits a request is counted against, e.g. a tenant or an API key.
+
+    ``key`` names the counters (``"tenant:ten_123"``, ``"key:key_456"``): 1 to 200 characters
+    of ``[A-Za-z0-9:_-]``.
+    """
+
+    key: str
+    quota: Quota
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.key, str) or not _SCOPE_KEY.match(self.key):
+            raise Invalid("scope.key",
+                          f"must be 1-200 characters of [A-Za-z0-9:_-], got {self.key!r}")
+        if not isinstance(self.quota, Quota):
+            raise Invalid("scope.quota", f"must be a Quota, got {type(self.quota).__name__}")
+
+
+@dataclass(frozen=True)
+class Lease:
+    """What an admitted request holds until it is settled.
+
+    ``day`` and ``month`` are the UTC periods the reservation was charged to; settlement
+    adjusts those counters whatever the date is by then.
+    """
+
+    request_id: str
+    scopes: tuple[LimitScope, ...]
+    reserved_tokens: int
+    day: str
+    month: str
+    acquired_at: float
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The answer to `Limiter.acquire`.
+
+    ``code`` is ``None`` when allowed, ``"rate_limit_exceeded"`` for requests/tokens per
+    minute and concurrency, ``"insufficient_quota"`` for a daily or monthly budget. ``limit``
+    is the Quota field that refused, ``scope`` the scope key. ``retry_after`` is the number of
+    seconds until this request could pass (for budgets: until the next UTC day/month), or
+    ``None`` when it can never pass.
+
+    The ``*_requests`` / ``*_tokens`` fields feed OpenAI's ``x-ratelimit-*`` headers: they
+    describe the tightest scope (least remaining) that has a requests (tokens) per minute
+    limit, ``None`` where no scope has one. ``remaining_*`` are after this request's admission
+    when allowed, the current state when refused; ``reset_*`` are the seconds until the window
+    has room for one more request (token), ``None`` when the limit is 0.
+    """
+
+    allowed: bool
+    lease: Lease | None
+    code: str | None
+    limit: str | None
+    scope: str | None
+    message: str
+    retry_after: float | None
+    limit_requests: int | None
+    remaining_requests: int | None
+    reset_requests: float | None
+    limit_tokens: int | None
+    remaining_tokens: int | None
+    reset_tokens: float | None
+
+
+class Limiter(ABC):
+    """Checks and applies the limits of several scopes atomically (see `tenancy.limiter`)."""
+
+    lease_ttl: float
+
+    @abstractmethod
+    async def acquire(self, request_id: str, scopes: Sequence[LimitScope],
+                      tokens: int) -> Decision:
+        """Admit ``request_id`` reserving ``tokens`` in every scope, or refuse and change nothing.
+
+        Raises Invalid (a ValueError) for a bad argument, or a ``request_id`` that was already
+        admitted (unsettled, or still in a sliding window): request ids must be unique.
+        """
+
+    @abstractmethod
+    async def settle(self, lease: Lease, used_tokens: int) -> None:
+        """End the request: release its concurrency lease, rewrite its tokens-per-minute entry
+        (if still in the window) and its budget counters to ``used_tokens``. Idempotent, and a
+        no-op after `cancel`."""
+
+    @abstractmethod
+    async def cancel(self, lease: Lease) -> None:
+        """Undo the admission of a request the engine refused before it did any work: remove it
+        from every scope's requests-per-minute window and tokens-per-minute sum, release its
+        concurrency lease, and take its whole reservation back off the day/month budgets (of
+        the periods it was charged to). Idempotent, and a no-op after `settle` (a settled
+        request did work and stays counted). The request id stays unusable for a new acquire
+        for as long as a settled one would be (ids are unique)."""
+
+    @abstractmethod
+    async def heartbeat(self, leases: Iterable[Lease]) -> None:
+        """Extend the concurrency leases of requests still running (one round trip)."""
+
+    @abstractmethod
+    async def usage(self, scope: LimitScope) -> dict[str, int]:
+        """Current counts of ``scope``: ``requests_in_window``, ``tokens_in_window``,
+        ``concurrent``, ``day_tokens`` and ``month_tokens`` (current UTC day and month)."""
+
+    @abstractmethod
+    async def close(self) -> None:
+        """Release the backend's resources."""
+
+
+# -- argument checks shared by the backends ----------------------------------------------------
+
+
+def check_request_id(request_id: object) -> str:
+    if not isinstance(request_id, str) or not request_id:
+        raise Invalid("request_id", f"must be a non-empty string, got {request_id!r}")
+    if len(request_id) > _MAX_REQUEST_ID:
+        raise Invalid("request_id", f"at most {_MAX_REQUEST_ID} characters, "
+                                    f"got {len(request_id)}")
+    return request_id
+
+
+def check_scopes(scopes: Sequence[LimitScope]) -> tuple[LimitScope, ...]:
+    if isinstance(scopes, (str, bytes)) or not isinstance(scopes, Sequence):
+        raise Invalid("scopes", f"must be a sequence of LimitScope, got {type(scopes).__name__}")
+    seen: set[str] = set()
+    for s in scopes:
+        if not isinstance(s, LimitScope):
+            raise Invalid("scopes", f"every item must be a LimitScope, got {type(s).__name__}")
+        if s.key in seen:
+            raise Invalid("scopes", f"scope key {s.key!r} appears twice")
+        seen.add(s.key)
+    return tuple(scopes)
+
+
+def check_scope(scope: object) -> LimitScope:
+    if not isinstance(scope, LimitScope):
+        raise Invalid("scope", f"must be a LimitScope, got {type(scope).__name__}")
+    return scope
+
+
+def check_lease(lease: object) -> Lease:
+    if not isinstance(lease, Lease):
+        raise Invalid("lease", f"must be a Lease, got {type(lease).__name__}")
+    return lease
+
+
+def check_lease_ttl(lease_ttl: object) -> float:
+    if not isinstance(lease_ttl, (int, float)) or isinstance(lease_ttl, bool) or lease_ttl <= 0:
+        raise Invalid("lease_ttl", f"must be a positive number of seconds, got {lease_ttl!r}")
+    return float(lease_ttl)
+
+
+def duplicate(request_id: str) -> Invalid:
+    """The error of an ``acquire`` whose request id was already admitted."""
+    return Invalid("request_id", f"{request_id!r} was already admitted (unsettled, or still in "
+                                 f"the {WINDOW:g} s window); request ids must be unique")
+
+
+@lru_cache(maxsize=4096)
+def limits_of(q: Quota) -> tuple[int, int, int, int, int]:
+    """The quota's limits in field order, -1 for unlimited (the Lua script's encoding).
+    Cached: a quota is frozen, and the same few go with every request of a tenant."""
+    values = [getattr(q, f) for f in QUOTA_FIELDS]
+    rpm, tpm, conc, day, month = (-1 if v is None else v for v in values)
+    return rpm, tpm, conc, day, month

@@ -1,0 +1,310 @@
+-- Lockgate's rate and quota limiter on Redis: one script, run by EVALSHA from
+-- tenancy/limiter/redis.py (whose docstring gives the key layout), ARGV[1] naming the
+-- operation: acquire, settle, cancel, heartbeat or usage. Each runs atomically and reads the
+-- time from Redis's own clock.
+--
+-- KEYS layout for acquire, settle and cancel: [marker, then per limited scope: win, tok, lease,
+-- day, month].
+-- Per-scope limits in ARGV: rpm, tpm, conc, day, month (-1 = unlimited). Times are integer
+-- microseconds (TIME), passed to Redis commands through fmt() so large numbers are never
+-- written in exponent notation.
+
+local op = ARGV[1]
+
+local function fmt(x) return string.format('%d', x) end
+
+local function clock()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000000 + tonumber(t[2])
+end
+
+-- Drop window entries admitted at or before cutoff, and their tokens from the sum.
+local function trim_window(win, tok, cutoff)
+  local old = redis.call('ZRANGEBYSCORE', win, '-inf', fmt(cutoff))
+  if #old == 0 then return end
+  local freed = 0
+  for i = 1, #old do
+    local v = redis.call('HGET', tok, old[i])
+    if v then
+      freed = freed + tonumber(v)
+      redis.call('HDEL', tok, old[i])
+    end
+  end
+  redis.call('ZREMRANGEBYSCORE', win, '-inf', fmt(cutoff))
+  if freed ~= 0 then redis.call('HINCRBY', tok, '', fmt(-freed)) end
+end
+
+-- Time until fewer than `limit` entries are in the window, `count` being in it now (the
+-- request just admitted, if any, is the newest).
+local function requests_wait(win, count, limit, now, window)
+  if count < limit then return 0 end
+  local idx = count - limit
+  local e = redis.call('ZRANGE', win, idx, idx, 'WITHSCORES')
+  if #e == 0 then return window end
+  return tonumber(e[2]) + window - now
+end
+
+-- Time until the window's tokens drop from `total` to `target` or below, oldest leaving first.
+local function tokens_wait(win, tok, total, target, now, window)
+  if total <= target then return 0 end
+  local start = 0
+  while true do
+    local page = redis.call('ZRANGE', win, start, start + 127, 'WITHSCORES')
+    if #page == 0 then return window end
+    for j = 1, #page, 2 do
+      total = total - (tonumber(redis.call('HGET', tok, page[j])) or 0)
+      if total <= target then return tonumber(page[j + 1]) + window - now end
+    end
+    start = start + 128
+  end
+end
+
+local function limits(base)
+  return tonumber(ARGV[base + 1]), tonumber(ARGV[base + 2]), tonumber(ARGV[base + 3]),
+         tonumber(ARGV[base + 4]), tonumber(ARGV[base + 5])
+end
+
+-- The start of settle and cancel: consume rid's marker and drop its concurrency leases. True
+-- when the admission was still unsettled (the marker was there, not gone nor a tombstone).
+local function finish(rid, n, base)
+  local live = redis.call('GET', KEYS[1]) == '1'
+  if live then redis.call('DEL', KEYS[1]) end
+  for i = 1, n do
+    local _, _, conc = limits(base + (i - 1) * 5)
+    if conc >= 0 then redis.call('ZREM', KEYS[1 + (i - 1) * 5 + 3], rid) end
+  end
+  return live
+end
+
+if op == 'acquire' then
+  local rid = ARGV[2]
+  local tokens = tonumber(ARGV[3])
+  local window = tonumber(ARGV[4])
+  local ttl = tonumber(ARGV[5])
+  local pending_ms = ARGV[6]
+  local day_start, day_end = tonumber(ARGV[7]), tonumber(ARGV[8])
+  local day_expire_ms = ARGV[9]
+  local month_start, month_end = tonumber(ARGV[10]), tonumber(ARGV[11])
+  local month_expire_ms = ARGV[12]
+  local n = tonumber(ARGV[13])
+  local now = clock()
+  if now < day_start or now >= day_end or now < month_start or now >= month_end then
+    return {'clock', now}
+  end
+  if redis.call('EXISTS', KEYS[1]) == 1 then return {'duplicate', now} end
+
+  local refusals, counts, sums = {}, {}, {}
+  for i = 1, n do
+    local k = 1 + (i - 1) * 5
+    local rpm, tpm, conc, dayb, monthb = limits(13 + (i - 1) * 5)
+    local count, sum = 0, 0
+    if rpm >= 0 or tpm >= 0 then
+      trim_window(KEYS[k + 1], KEYS[k + 2], now - window)
+      -- request ids are unique: one still in the window cannot be admitted again
+      if redis.call('ZSCORE', KEYS[k + 1], rid) then return {'duplicate', now} end
+      count = redis.call('ZCARD', KEYS[k + 1])
+      sum = tonumber(redis.call('HGET', KEYS[k + 2], '') or '0')
+    end
+    counts[i], sums[i] = count, sum
+    if rpm >= 0 and count + 1 > rpm then
+      local wait = -1
+      if rpm > 0 then wait = requests_wait(KEYS[k + 1], count, rpm, now, window) end
+      refusals[#refusals + 1] = {i - 1, 0, wait, count}
+    end
+    if tpm >= 0 and sum + tokens > tpm then
+      local wait = -1
+      if tokens <= tpm then
+        wait = tokens_wait(KEYS[k + 1], KEYS[k + 2], sum, tpm - tokens, now, window)
+      end
+      refusals[#refusals + 1] = {i - 1, 1, wait, sum}
+    end
+    if conc >= 0 then
+      redis.call('ZREMRANGEBYSCORE', KEYS[k + 3], '-inf', fmt(now))
+      local c = redis.call('ZCARD', KEYS[k + 3])
+      if c + 1 > conc then
+        local wait = -1
+        if conc > 0 then
+          local first = redis.call('ZRANGE', KEYS[k + 3], 0, 0, 'WITHSCORES')
+          wait = tonumber(first[2]) - now
+        end
+        refusals[#refusals + 1] = {i - 1, 2, wait, c}
+      end
+    end
+    if dayb >= 0 then
+      local used = tonumber(redis.call('GET', KEYS[k + 4]) or '0')
+      if used + tokens > dayb then
+        local wait = -1
+        if tokens <= dayb then wait = day_end - now end
+        refusals[#refusals + 1] = {i - 1, 3, wait, used}
+      end
+    end
+    if monthb >= 0 then
+      local used = tonumber(redis.call('GET', KEYS[k + 5]) or '0')
+      if used + tokens > monthb then
+        local wait = -1
+        if tokens <= monthb then wait = month_end - now end
+        refusals[#refusals + 1] = {i - 1, 4, wait, used}
+      end
+    end
+  end
+
+  local admitted = #refusals == 0
+  if admitted then
+    local window_ms = fmt(window / 1000 + 1000)
+    local lease_ms = fmt(ttl / 1000 + 1000)
+    for i = 1, n do
+      local k = 1 + (i - 1) * 5
+      local rpm, tpm, conc, dayb, monthb = limits(13 + (i - 1) * 5)
+      if rpm >= 0 or tpm >= 0 then
+        redis.call('ZADD', KEYS[k + 1], fmt(now), rid)
+        redis.call('HSET', KEYS[k + 2], rid, ARGV[3])
+        redis.call('HINCRBY', KEYS[k + 2], '', ARGV[3])
+        redis.call('PEXPIRE', KEYS[k + 1], window_ms)
+        redis.call('PEXPIRE', KEYS[k + 2], window_ms)
+      end
+      if conc >= 0 then
+        redis.call('ZADD', KEYS[k + 3], fmt(now + ttl), rid)
+        redis.call('PEXPIRE', KEYS[k + 3], lease_ms)
+      end
+      if dayb >= 0 then
+        redis.call('INCRBY', KEYS[k + 4], ARGV[3])
+        redis.call('PEXPIREAT', KEYS[k + 4], day_expire_ms)
+      end
+      if monthb >= 0 then
+        redis.call('INCRBY', KEYS[k + 5], ARGV[3])
+        redis.call('PEXPIREAT', KEYS[k + 5], month_expire_ms)
+      end
+    end
+    redis.call('SET', KEYS[1], '1', 'PX', pending_ms)
+  end
+
+  local headers = {}
+  for i = 1, n do
+    local k = 1 + (i - 1) * 5
+    local rpm, tpm = limits(13 + (i - 1) * 5)
+    local count, sum = counts[i], sums[i]
+    if admitted then count, sum = count + 1, sum + tokens end
+    if rpm >= 0 then
+      local reset = -1
+      if rpm > 0 then reset = requests_wait(KEYS[k + 1], count, rpm, now, window) end
+      headers[#headers + 1] = {i - 1, 0, rpm, math.max(0, rpm - count), reset}
+    end
+    if tpm >= 0 then
+      local reset = -1
+      if tpm > 0 then reset = tokens_wait(KEYS[k + 1], KEYS[k + 2], sum, tpm - 1, now, window) end
+      headers[#headers + 1] = {i - 1, 1, tpm, math.max(0, tpm - sum), reset}
+    end
+  end
+  if admitted then return {'ok', now, refusals, headers} end
+  return {'refused', now, refusals, headers}
+
+elseif op == 'settle' then
+  local rid = ARGV[2]
+  local used = tonumber(ARGV[3])
+  local delta = fmt(used - tonumber(ARGV[4]))
+  local window = tonumber(ARGV[5])
+  local n = tonumber(ARGV[6])
+  local now = clock()
+  if not finish(rid, n, 6) then return 0 end
+  for i = 1, n do
+    local k = 1 + (i - 1) * 5
+    local rpm, tpm, conc, dayb, monthb = limits(6 + (i - 1) * 5)
+    if rpm >= 0 or tpm >= 0 then
+      trim_window(KEYS[k + 1], KEYS[k + 2], now - window)
+      if redis.call('ZSCORE', KEYS[k + 1], rid) then
+        local old = tonumber(redis.call('HGET', KEYS[k + 2], rid)) or 0
+        redis.call('HSET', KEYS[k + 2], rid, ARGV[3])
+        redis.call('HINCRBY', KEYS[k + 2], '', fmt(used - old))
+      end
+    end
+    -- A counter that is gone belongs to a period long over: nothing to adjust (and
+    -- recreating it would leave a key without a TTL).
+    if dayb >= 0 and redis.call('EXISTS', KEYS[k + 4]) == 1 then
+      redis.call('INCRBY', KEYS[k + 4], delta)
+    end
+    if monthb >= 0 and redis.call('EXISTS', KEYS[k + 5]) == 1 then
+      redis.call('INCRBY', KEYS[k + 5], delta)
+    end
+  end
+  return 1
+
+elseif op == 'cancel' then
+  -- ARGV: rid, reserved tokens, window, n, then the limits of each scope.
+  local rid = ARGV[2]
+  local reserved = ARGV[3]
+  local window = tonumber(ARGV[4])
+  local n = tonumber(ARGV[5])
+  local now = clock()
+  if not finish(rid, n, 5) then return 0 end
+  local admitted = nil
+  for i = 1, n do
+    local k = 1 + (i - 1) * 5
+    local rpm, tpm, conc, dayb, monthb = limits(5 + (i - 1) * 5)
+    if rpm >= 0 or tpm >= 0 then
+      trim_window(KEYS[k + 1], KEYS[k + 2], now - window)
+      local t = redis.call('ZSCORE', KEYS[k + 1], rid)
+      if t then
+        admitted = tonumber(t)
+        local old = tonumber(redis.call('HGET', KEYS[k + 2], rid)) or 0
+        redis.call('ZREM', KEYS[k + 1], rid)
+        redis.call('HDEL', KEYS[k + 2], rid)
+        redis.call('HINCRBY', KEYS[k + 2], '', fmt(-old))
+      end
+    end
+    if dayb >= 0 and redis.call('EXISTS', KEYS[k + 4]) == 1 then
+      redis.call('DECRBY', KEYS[k + 4], reserved)
+    end
+    if monthb >= 0 and redis.call('EXISTS', KEYS[k + 5]) == 1 then
+      redis.call('DECRBY', KEYS[k + 5], reserved)
+    end
+  end
+  -- It was in a window: its id stays taken until that entry would have left it.
+  if admitted then
+    redis.call('SET', KEYS[1], '0', 'PX', fmt(math.ceil((admitted + window - now) / 1000)))
+  end
+  return 1
+
+elseif op == 'heartbeat' then
+  -- KEYS: per lease: marker, then its lease sets. ARGV: ttl, pending_ms, n, then per lease:
+  -- request id, number of lease sets.
+  local ttl = tonumber(ARGV[2])
+  local pending_ms = ARGV[3]
+  local n = tonumber(ARGV[4])
+  local now = clock()
+  local lease_ms = fmt(ttl / 1000 + 1000)
+  local k, a, extended = 1, 5, 0
+  for _ = 1, n do
+    local rid, m = ARGV[a], tonumber(ARGV[a + 1])
+    if redis.call('GET', KEYS[k]) == '1' then redis.call('PEXPIRE', KEYS[k], pending_ms) end
+    for j = 1, m do
+      local key = KEYS[k + j]
+      local exp = tonumber(redis.call('ZSCORE', key, rid))
+      if exp and exp > now then
+        redis.call('ZADD', key, 'XX', fmt(now + ttl), rid)
+        redis.call('PEXPIRE', key, lease_ms)
+        extended = extended + 1
+      end
+    end
+    k, a = k + 1 + m, a + 2
+  end
+  return extended
+
+elseif op == 'usage' then
+  -- KEYS: win, tok, lease, day, month. Read-only.
+  local window = tonumber(ARGV[2])
+  local now = clock()
+  if now < tonumber(ARGV[3]) or now >= tonumber(ARGV[4])
+     or now < tonumber(ARGV[5]) or now >= tonumber(ARGV[6]) then
+    return {'clock', now}
+  end
+  local live = redis.call('ZRANGEBYSCORE', KEYS[1], '(' .. fmt(now - window), '+inf')
+  local tokens = 0
+  for i = 1, #live do
+    tokens = tokens + (tonumber(redis.call('HGET', KEYS[2], live[i])) or 0)
+  end
+  local conc = redis.call('ZCOUNT', KEYS[3], '(' .. fmt(now), '+inf')
+  local day = tonumber(redis.call('GET', KEYS[4]) or '0')
+  local month = tonumber(redis.call('GET', KEYS[5]) or '0')
+  return {'ok', now, #live, tokens, conc, day, month}
+end
+return redis.error_reply('lockgate limiter: unknown op ' .. tostring(op))
