@@ -23,8 +23,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from loadtests.bench_priority import (allowed_token_ids, default_model_dir, drop_all,
-                                      percentile, run_sides, warm_up)
+from loadtests.bench_priority import allowed_token_ids, default_model_dir, drop_all, run_sides, warm_up
+from loadtests.stats import percentile
 
 
 @dataclass(slots=True, frozen=True)

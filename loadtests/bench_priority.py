@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from loadtests.bench_throughput import _in_fresh_process, default_model_dir
+from loadtests.stats import percentile
 
 MODES = ("online", "offline", "fcfs", "priority")
 MODE_NAMES = {"online": "online alone", "offline": "offline alone",
@@ -82,17 +83,6 @@ def allowed_token_ids(model_dir: str) -> list[int]:
     cfg = ModelConfig.from_dir(model_dir)
     special = Tokenizer(model_dir).special_token_ids | set(cfg.eos_token_ids)
     return [t for t in range(cfg.vocab_size) if t not in special]
-
-
-def percentile(values: list[float], p: float) -> float:
-    """Linear interpolation between closest ranks (numpy's default); NaN when empty."""
-    if not values:
-        return math.nan
-    s = sorted(values)
-    k = (len(s) - 1) * p / 100.0
-    lo = math.floor(k)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
 def run_sides(sides: dict[str, tuple], fresh_process: bool, echo=None) -> dict[str, Any]:

@@ -20,8 +20,9 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from loadtests.bench_priority import allowed_token_ids, percentile, run_sides, warm_up
+from loadtests.bench_priority import allowed_token_ids, run_sides, warm_up
 from loadtests.bench_throughput import default_model_dir
+from loadtests.stats import percentile
 
 MODES = ("alone", "mixed")
 

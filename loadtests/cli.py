@@ -67,8 +67,8 @@ def bench_gateway(
     """The gateway's added latency under open-loop load, vs its engine called directly.
 
     One uvicorn worker on PostgreSQL and Redis, with an engine that answers at once."""
-    from loadtests.bench_gateway import ServiceUnavailable
     from loadtests.bench_gateway import bench_gateway as run
+    from loadtests.harness.services import ServiceUnavailable
 
     try:
         rate_list = [float(r) for r in rates.split(",") if r.strip()]

@@ -8,7 +8,8 @@ import math
 
 from loadtests.bench_fairness import FairnessSizes, bench_fairness, jain, vtc_bound
 from loadtests.bench_prefix import PrefixSizes, bench_prefix
-from loadtests.bench_priority import PrioritySizes, bench_priority, percentile
+from loadtests.bench_priority import PrioritySizes, bench_priority
+from loadtests.stats import percentile
 from tests.support.helpers import demo_model
 
 

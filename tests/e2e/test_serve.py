@@ -47,7 +47,8 @@ def start_without_admin_key(data_dir: Path) -> GatewayServer:
         proc = subprocess.Popen(
             [*CLI, "serve", "--port", str(port), "--model", f"tiny={demo_model('llama', 'tiny', 0)}"],
             env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=REPO)
-    srv = GatewayServer(f"http://127.0.0.1:{port}", proc, "", data_dir, log_path, env)
+    srv = GatewayServer(url=f"http://127.0.0.1:{port}", proc=proc, log_path=log_path, admin_key="",
+                        data_dir=data_dir, env=env)
     srv.wait_ready(120)
     return srv
 

@@ -14,36 +14,29 @@ import contextlib
 import json
 import os
 import secrets
-import signal
-import socket
-import subprocess
-import sys
-import time
+import subprocess  # noqa: F401 - tests patch gateway_server.subprocess.Popen (the launch's)
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 
+from loadtests.harness.server import ServerProcess, free_port
 from tests.support.helpers import demo_model
+
+__all__ = ["ENGINE_KWARGS", "GatewayServer", "free_port", "running_server"]
 
 ENGINE_KWARGS = {"kv_cache_memory": 32 << 20, "max_num_seqs": 64}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @dataclass
-class GatewayServer:
-    url: str
-    proc: subprocess.Popen
+class GatewayServer(ServerProcess):
     admin_key: str
     data_dir: Path
-    log_path: Path
     env: dict = field(default_factory=dict)
     _admin: httpx.Client | None = None
+
+    name = "lockgate serve"
+    log_tail = None
 
     @classmethod
     def start(
@@ -82,7 +75,7 @@ class GatewayServer:
         if pepper:
             env["LOCKGATE_PEPPER"] = pepper
         env.update(extra_env or {})
-        args = [sys.executable, "-m", "gateway.cli", "serve", "--port", str(port)]
+        args: list[str] = []
         for name, path in models.items():
             args += ["--model", f"{name}={path}"]
         for name in private_models:
@@ -90,30 +83,9 @@ class GatewayServer:
         if database_url:
             args.append("--migrate")
         args += extra_args or []
-        log_path = data_dir / f"server-{port}.log"
-        log = open(log_path, "wb")
-        proc = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, cwd=Path(__file__).resolve().parents[2])
-        srv = cls(f"http://127.0.0.1:{port}", proc, admin_key, data_dir, log_path, env)
-        srv.wait_ready(timeout)
-        return srv
-
-    def wait_ready(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"lockgate serve exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                if httpx.get(self.url + "/ready", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        self.stop()
-        raise RuntimeError(f"lockgate serve not ready in {timeout}s:\n{self.log()}")
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
+        return cls.launch(("gateway.cli", "serve"), env, data_dir / f"server-{port}.log", port=port,
+                          extra_args=args, timeout=timeout,
+                          fields={"admin_key": admin_key, "data_dir": data_dir, "env": env})
 
     @property
     def admin(self) -> httpx.Client:
@@ -136,14 +108,7 @@ class GatewayServer:
         if self._admin is not None:
             self._admin.close()
             self._admin = None
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+        return super().stop(timeout)
 
 
 @contextlib.contextmanager
