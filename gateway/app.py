@@ -12,7 +12,9 @@ import os
 import re
 import secrets
 import sys
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -24,15 +26,16 @@ from engine import AsyncEngine
 from gateway import admin, openai_api
 from gateway.errors import APIError, install_error_handlers
 from gateway.settings import Settings, parse_model_specs
-from gateway.state import AppState, ModelEntry
-from tenancy import db, keys, service
-from tenancy.limiter import InProcessLimiter, RedisLimiter
-from tenancy.service import UsageWriter
+from gateway.state import AppState, Lifecycle, ModelEntry
+from tenancy import api_keys, db, keys, tenants
+from tenancy.limiter import InProcessLimiter, Limiter, RedisLimiter
+from tenancy.usage.writer import UsageWriter
 
 logger = logging.getLogger(__name__)
 
 _REQUEST_ID = re.compile(r"^[\x21-\x7e]{1,128}$")
 DEMO_MODEL = "demo"
+EngineFactory = Callable[..., Any]     # (model_dir, **engine_kwargs) -> an engine
 
 
 class SchemaBehind(RuntimeError):
@@ -136,8 +139,8 @@ async def prepare_database(settings: Settings) -> str:
     return url
 
 
-async def load_models(state: AppState) -> None:
-    s = state.settings
+async def load_models(s: Settings, engine_factory: EngineFactory) -> dict[str, ModelEntry]:
+    """Start the engines of the configured models (the demo model when none is given)."""
     specs = parse_model_specs(s.models)
     if not specs:
         from engine.demo_model import write_demo_model
@@ -154,7 +157,7 @@ async def load_models(state: AppState) -> None:
     if s.shared_engine and len(specs) > 1:
         # one engine, one memory budget: the models take turns on the device by demand
         (first, first_path), *rest = specs.items()
-        pool = state.engine_factory(str(first_path), served_model_name=first,
+        pool = engine_factory(str(first_path), served_model_name=first,
                                     models={n: str(p) for n, p in rest}, memory_budget=s.memory_budget,
                                     **s.lora_engine_kwargs())
         await pool.start()
@@ -162,31 +165,34 @@ async def load_models(state: AppState) -> None:
     else:
         engines = {}
         for name, path in specs.items():
-            engines[name] = state.engine_factory(str(path), **s.lora_engine_kwargs())
+            engines[name] = engine_factory(str(path), **s.lora_engine_kwargs())
             await engines[name].start()
+    models = {}
     for name, path in specs.items():
         engine = engines[name]
         # load the chat template's renderer now, not on the first request
         await asyncio.to_thread(lambda e=engine: e.tokenizer.hf_tokenizer)
-        state.models[name] = ModelEntry(name, Path(path), engine, private=name in private)
+        models[name] = ModelEntry(name, Path(path), engine, private=name in private)
+    return models
 
 
 async def bootstrap_keys(state: AppState) -> None:
+    """The first admin key (or the configured one), the embedded demo tenant, and every
+    tenant's fairness weight pushed to the engines."""
     s = state.settings
-    assert state.sessions is not None
     async with state.sessions() as session:
         if s.admin_key is not None:
-            await service.ensure_admin_key(session, s.admin_key.get_secret_value(), state.pepper)
-        elif not await service.has_admin_key(session):
-            _, plaintext = await service.create_key(session, tenant_id=None, name="bootstrap",
+            await api_keys.ensure_admin_key(session, s.admin_key.get_secret_value(), state.pepper)
+        elif not await api_keys.has_admin_key(session):
+            _, plaintext = await api_keys.create_key(session, tenant_id=None, name="bootstrap",
                                                     scopes=("admin",), pepper=state.pepper,
                                                     actor="bootstrap")
             show_secret(s, "admin_key", f"lockgate: admin key (shown once): {plaintext}")
         if s.embedded and s.create_demo_tenant:
-            existing = [t for t in await service.list_tenants(session, limit=1000) if t.name == "demo"]
+            existing = [t for t in await tenants.list_tenants(session, limit=1000) if t.name == "demo"]
             if not existing:
-                t = await service.create_tenant(session, name="demo", actor="bootstrap")
-                _, plaintext = await service.create_key(session, tenant_id=t.id, name="demo",
+                t = await tenants.create_tenant(session, name="demo", actor="bootstrap")
+                _, plaintext = await api_keys.create_key(session, tenant_id=t.id, name="demo",
                                                         pepper=state.pepper, actor="bootstrap")
                 model = next(iter(state.models))
                 curl = (f"curl http://{s.host}:{s.port}/v1/chat/completions "
@@ -197,7 +203,7 @@ async def bootstrap_keys(state: AppState) -> None:
                                            f"lockgate: try it:\n  {curl}")
         after = None
         while True:
-            page = await service.list_tenants(session, limit=500, after=after)
+            page = await tenants.list_tenants(session, limit=500, after=after)
             for t in page:
                 state.push_weight(t.id, t.weight)
             if len(page) < 500:
@@ -209,71 +215,87 @@ async def heartbeat(state: AppState) -> None:
     interval = max(0.5, state.settings.lease_ttl_s / 3)
     while True:
         await asyncio.sleep(interval)
-        if state.inflight and state.limiter is not None:
+        if state.inflight:
             try:
                 await state.limiter.heartbeat(list(state.inflight.values()))
             except Exception:  # noqa: BLE001 - next beat tries again; leases outlive one miss
                 logger.warning("lease heartbeat failed", exc_info=True)
 
 
-@asynccontextmanager
-async def lifespan(app: FastAPI):
-    state: AppState = app.state.lockgate
-    s = state.settings
-    s.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-    assert s.adapter_root is not None
-    s.adapter_root.mkdir(parents=True, exist_ok=True)
-    url = await prepare_database(s)
-    state.db = db.make_engine(url)
-    state.sessions = db.make_sessionmaker(state.db)
+def load_pepper(s: Settings) -> bytes:
+    """The key-hashing pepper: the configured one, else this data directory's own."""
     if s.pepper is None and not s.embedded:
         logger.warning("LOCKGATE_PEPPER is not set: API keys are hashed under this data "
                        "directory's pepper, so replicas with other data directories will not "
                        "accept them; set the same LOCKGATE_PEPPER on every replica")
-    state.pepper = (keys.pepper_from_setting(s.pepper.get_secret_value()) if s.pepper
-                    else keys.load_or_create_pepper(s.data_dir))
-    state.limiter = (RedisLimiter(s.redis_url, prefix=s.redis_prefix, lease_ttl=s.lease_ttl_s)
-                     if s.redis_url else InProcessLimiter(lease_ttl=s.lease_ttl_s))
-    state.usage = UsageWriter(state.sessions, max_batch=s.usage_batch_max,
-                              max_delay_s=s.usage_batch_delay_s,
-                              synchronous_commit=s.usage_synchronous_commit)
-    await state.usage.start()
-    beat = sweep = None
+    return (keys.pepper_from_setting(s.pepper.get_secret_value()) if s.pepper
+            else keys.load_or_create_pepper(s.data_dir))
+
+
+def make_limiter(s: Settings) -> Limiter:
+    return (RedisLimiter(s.redis_url, prefix=s.redis_prefix, lease_ttl=s.lease_ttl_s)
+            if s.redis_url else InProcessLimiter(lease_ttl=s.lease_ttl_s))
+
+
+@asynccontextmanager
+async def lifespan(app: FastAPI, settings: Settings, engine_factory: EngineFactory) -> AsyncIterator[None]:
+    """Build the parts (database, pepper, limiter, usage writer, models), then the `AppState`
+    from them at once; serve; then stop them in order."""
+    s = settings
+    lifecycle: Lifecycle = app.state.lifecycle
+    s.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    s.resolved_adapter_root().mkdir(parents=True, exist_ok=True)
+    url = await prepare_database(s)
+    database = db.make_engine(url)
+    sessions = db.make_sessionmaker(database)
+    pepper = load_pepper(s)
+    limiter = make_limiter(s)
+    usage = UsageWriter(sessions, max_batch=s.usage_batch_max, max_delay_s=s.usage_batch_delay_s,
+                        synchronous_commit=s.usage_synchronous_commit)
+    await usage.start()
+    models: dict[str, ModelEntry] = {}
+    state: AppState | None = None
+    tasks: list[asyncio.Task[None]] = []
     try:
-        await load_models(state)
+        models = await load_models(s, engine_factory)
+        state = AppState(settings=s, models=models, db=database, sessions=sessions,
+                         limiter=limiter, usage=usage, pepper=pepper, lifecycle=lifecycle)
+        app.state.lockgate = state
         await bootstrap_keys(state)
-        beat = asyncio.get_running_loop().create_task(heartbeat(state))
-        sweep = asyncio.get_running_loop().create_task(state.adapters.watch())
+        loop = asyncio.get_running_loop()
+        tasks = [loop.create_task(heartbeat(state)), loop.create_task(state.adapters.watch())]
         # Everything made so far (torch, transformers, the models' tables: hundreds of
         # thousands of objects) lives as long as the server. Frozen, the cyclic GC stops
         # walking it: otherwise each full collection stalls every request and engine step.
         gc.collect()
         gc.freeze()
-        state.ready = True
+        lifecycle.ready = True
         yield
     finally:
         gc.unfreeze()     # what this app made may be collected once it stops
-        state.ready = False
-        state.draining = True
-        for task in (beat, sweep):
-            if task is not None:
-                task.cancel()
-        await state.wait_background()
-        await state.usage.close()
-        await state.limiter.close()
-        for m in state.models.values():
+        lifecycle.ready = False
+        lifecycle.draining = True
+        for task in tasks:
+            task.cancel()
+        if state is not None:
+            await state.wait_background()
+        await usage.close()
+        await limiter.close()
+        for m in models.values():
             await m.engine.shutdown()
-        await state.db.dispose()
+        await database.dispose()
 
 
-def create_app(settings: Settings | None = None, engine_factory: Any = AsyncEngine) -> FastAPI:
+def create_app(settings: Settings | None = None, engine_factory: EngineFactory = AsyncEngine) -> FastAPI:
     """`engine_factory(model_dir, **engine_kwargs)` makes each model's engine: AsyncEngine, or
-    anything with its interface (the gateway benchmark's instant stand-in)."""
+    anything with its interface (the gateway benchmark's instant stand-in). The app's
+    `AppState` (`app.state.lockgate`) is built at start-up; `app.state.lifecycle` exists from
+    here on."""
     settings = settings or Settings()
-    app = FastAPI(title="Lockgate", version="0.1.0", lifespan=lifespan,
+    app = FastAPI(title="Lockgate", version="0.1.0",
+                  lifespan=partial(lifespan, settings=settings, engine_factory=engine_factory),
                   docs_url=None, redoc_url=None, openapi_url="/openapi.json")
-    app.state.lockgate = AppState(settings)
-    app.state.lockgate.engine_factory = engine_factory
+    app.state.lifecycle = Lifecycle()
     install_error_handlers(app)
     app.include_router(openai_api.router)
     app.include_router(admin.router)
@@ -287,7 +309,6 @@ def create_app(settings: Settings | None = None, engine_factory: Any = AsyncEngi
         state: AppState = request.app.state.lockgate
         checks = {"models": state.ready and all(m.engine.core is not None for m in state.models.values())}
         try:
-            assert state.sessions is not None
             async with state.sessions() as session:
                 await db.ping(session)
             checks["database"] = True

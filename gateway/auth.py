@@ -1,13 +1,17 @@
-"""Who is calling: the bearer key -> a `Principal`, as FastAPI dependencies."""
+"""Who is calling: the bearer key -> a `Principal` (401 without a valid one), and the two
+roles a route may require, tenant and admin (403 for the other). `gateway.deps` wraps them
+as route parameters."""
 
 from __future__ import annotations
 
 from fastapi import Request
 
 from gateway.errors import APIError
-from gateway.state import AppState
+from gateway.state import app_state
+from tenancy.auth import Principal
 from tenancy.errors import AuthError
-from tenancy.service import Principal
+
+__all__ = ["admin_principal", "app_state", "bearer", "principal", "tenant_principal"]
 
 _AUTH_MESSAGES = {
     "missing": "You didn't provide an API key. Send it as 'Authorization: Bearer lg-...'.",
@@ -19,11 +23,9 @@ _AUTH_MESSAGES = {
 }
 
 
-def app_state(request: Request) -> AppState:
-    return request.app.state.lockgate
-
-
 def bearer(request: Request) -> str | None:
+    """The presented key: the bearer token, else `x-api-key`; "" for an unusable
+    Authorization header, None when there is none."""
     header = request.headers.get("authorization")
     if header:
         scheme, _, value = header.partition(" ")
@@ -34,6 +36,10 @@ def bearer(request: Request) -> str | None:
 
 
 async def principal(request: Request) -> Principal:
+    """The caller's principal, authenticated once per request (kept in `request.state`)."""
+    known: Principal | None = getattr(request.state, "principal", None)
+    if known is not None:
+        return known
     key = bearer(request)
     if key is None:
         raise APIError(401, _AUTH_MESSAGES["missing"], code="missing_api_key")
@@ -61,6 +67,6 @@ async def tenant_principal(request: Request) -> Principal:
 async def admin_principal(request: Request) -> Principal:
     """An admin key (no tenant, scope `admin`): every /admin route."""
     p = await principal(request)
-    if p.tenant_id is not None or "admin" not in p.scopes:
+    if p.tenant_id is not None or not p.is_admin:
         raise APIError(403, "This route needs an admin API key.", code="admin_only")
     return p

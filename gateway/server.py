@@ -9,22 +9,26 @@ from __future__ import annotations
 
 import logging
 import sys
+from types import FrameType
 
 import uvicorn
 
 from gateway.app import DEMO_MODEL, SchemaBehind, create_app
 from gateway.settings import Settings, parse_model_specs
+from gateway.state import Lifecycle
 
 logger = logging.getLogger(__name__)
 
 
 class DrainingServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, app_state) -> None:
-        super().__init__(config)
-        self.app_state = app_state
+    """uvicorn that marks the app draining on the first shutdown signal."""
 
-    def handle_exit(self, sig, frame) -> None:
-        self.app_state.draining = True
+    def __init__(self, config: uvicorn.Config, lifecycle: Lifecycle) -> None:
+        super().__init__(config)
+        self.lifecycle = lifecycle
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        self.lifecycle.draining = True
         super().handle_exit(sig, frame)
         # a drained shutdown is a clean exit (status 0): uvicorn would otherwise re-raise the
         # signal once stopped, and the process would die of it (-15)
@@ -32,6 +36,8 @@ class DrainingServer(uvicorn.Server):
 
 
 def run_server(settings: Settings) -> int:
+    """Serve until a signal; the exit status: 0 after a clean shutdown, 2 for a
+    configuration error, 1 when start-up failed."""
     # configuration errors: one line, not the traceback of a failed application start-up
     try:
         served = set(parse_model_specs(settings.models)) or {DEMO_MODEL}
@@ -53,7 +59,7 @@ def run_server(settings: Settings) -> int:
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="info",
                             timeout_graceful_shutdown=int(max(1, settings.shutdown_timeout_s)),
                             lifespan="on", access_log=False)
-    server = DrainingServer(config, app.state.lockgate)
+    server = DrainingServer(config, app.state.lifecycle)
     try:
         server.run()
     except SchemaBehind as exc:

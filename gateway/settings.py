@@ -72,6 +72,10 @@ class Settings(BaseSettings):
             self.adapter_root = self.data_dir / "adapters"
         return self
 
+    def resolved_adapter_root(self) -> Path:
+        """The directory every adapter lives under (`data_dir / "adapters"` unless set)."""
+        return self.adapter_root if self.adapter_root is not None else self.data_dir / "adapters"
+
     def lora_engine_kwargs(self) -> dict[str, Any]:
         """What each model's engine is built with: LoRA on, these limits, then engine_kwargs."""
         return {"enable_lora": True, "max_loras": self.max_loras, "max_lora_rank": self.max_lora_rank,

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from gateway.state import KeyCache
+from gateway.key_cache import KeyCache
 from tenancy.errors import AuthError
 
 
@@ -68,25 +68,23 @@ async def test_expired_entry_is_looked_up_before_use():
 async def test_adapter_misses_are_cached_briefly_and_bounded(tmp_path, monkeypatch):
     """Model names that resolve to no adapter: one database read per name per second, and
     made-up names by the thousand cannot grow the cache without bound."""
-    from types import SimpleNamespace
-
-    from gateway.state import AdapterCatalog
-    from tenancy import db, service
+    from gateway.adapter_catalog import AdapterCatalog
+    from tenancy import adapters, db
     from tenancy.models import Base
 
     engine = db.make_engine(f"sqlite+aiosqlite:///{tmp_path / 'a.db'}")
     async with engine.begin() as conn:
         await conn.run_sync(Base.metadata.create_all)
     reads = []
-    real_find = service.find_adapter
+    real_find = adapters.find_adapter
 
     async def counting_find(session, name):
         reads.append(name)
         return await real_find(session, name)
 
-    monkeypatch.setattr(service, "find_adapter", counting_find)
+    monkeypatch.setattr(adapters, "find_adapter", counting_find)
     monkeypatch.setattr(AdapterCatalog, "MAX_MISSES", 50)
-    catalog = AdapterCatalog(SimpleNamespace(sessions=db.make_sessionmaker(engine)), ttl=30.0)
+    catalog = AdapterCatalog(db.make_sessionmaker(engine), tmp_path, {}, ttl=30.0)
     try:
         assert await catalog.lookup("nope") is None
         assert await catalog.lookup("nope") is None

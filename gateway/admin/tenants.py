@@ -1,0 +1,94 @@
+"""/admin/v1/tenants: create, list, read, change, delete tenants, and set a tenant's quota."""
+
+from __future__ import annotations
+
+import logging
+from typing import Annotated, Any
+
+from fastapi import Query
+
+from gateway.admin.route import admin_router
+from gateway.deps import AdminDep, SessionDep, StateDep
+from gateway.errors import APIError
+from gateway.schemas import (
+    DeletedPublic,
+    QuotaBody,
+    TenantCreate,
+    TenantPagePublic,
+    TenantPatch,
+    TenantPublic,
+)
+from gateway.state import AppState
+from tenancy import tenants
+
+logger = logging.getLogger(__name__)
+router = admin_router()
+
+
+def _after_tenant_change(state: AppState, t: Any) -> None:
+    """Cached principals of the tenant forgotten; its fairness weight pushed to the engines."""
+    state.keys.invalidate_tenant(t.id)
+    if t.deleted_at is None:
+        state.push_weight(t.id, t.weight)
+
+
+@router.post("/tenants", status_code=201)
+async def create_tenant(body: TenantCreate, state: StateDep, session: SessionDep,
+                        admin: AdminDep) -> TenantPublic:
+    t = await tenants.create_tenant(
+        session, name=body.name, weight=body.weight, service_tiers=body.service_tiers,
+        default_tier=body.default_tier, models=body.models, status=body.status,
+        quota=body.quota.quota() if body.quota else None, actor=admin.key_id)
+    _after_tenant_change(state, t)
+    return TenantPublic.from_row(t)
+
+
+@router.get("/tenants")
+async def list_tenants(session: SessionDep, limit: Annotated[int, Query(ge=1, le=500)] = 50,
+                       after: str | None = None) -> TenantPagePublic:
+    rows = await tenants.list_tenants(session, limit=limit + 1, after=after)
+    has_more = len(rows) > limit
+    rows = rows[:limit]
+    return TenantPagePublic(data=[TenantPublic.from_row(t) for t in rows], has_more=has_more,
+                            last_id=rows[-1].id if rows else None)
+
+
+@router.get("/tenants/{tenant_id}")
+async def get_tenant(tenant_id: str, session: SessionDep) -> TenantPublic:
+    return TenantPublic.from_row(await tenants.get_tenant(session, tenant_id))
+
+
+@router.patch("/tenants/{tenant_id}")
+async def patch_tenant(tenant_id: str, body: TenantPatch, state: StateDep, session: SessionDep,
+                       admin: AdminDep) -> TenantPublic:
+    changes = body.model_dump(exclude_unset=True)
+    if not changes:
+        raise APIError(400, "the body changes nothing; give at least one field")
+    for name in ("name", "weight", "status", "service_tiers", "default_tier"):
+        if name in changes and changes[name] is None:
+            raise APIError(400, f"{name}: may not be null", param=name)
+    t = await tenants.update_tenant(session, tenant_id, actor=admin.key_id, **changes)
+    _after_tenant_change(state, t)
+    return TenantPublic.from_row(t)
+
+
+@router.delete("/tenants/{tenant_id}")
+async def delete_tenant(tenant_id: str, state: StateDep, session: SessionDep,
+                        admin: AdminDep) -> DeletedPublic:
+    """Soft delete: keys revoked, private adapters deleted (off this replica's engines now,
+    unless a request still uses one: then at the next sweep, as on other replicas)."""
+    await tenants.delete_tenant(session, tenant_id, actor=admin.key_id)
+    state.keys.invalidate_tenant(tenant_id)
+    try:
+        await state.adapters.sweep()
+    except Exception:  # noqa: BLE001 - the periodic sweep tries again; the rows are gone
+        logger.warning("adapter sweep after deleting tenant %s failed", tenant_id, exc_info=True)
+    return DeletedPublic(id=tenant_id, object="tenant")
+
+
+@router.put("/tenants/{tenant_id}/quota")
+async def put_quota(tenant_id: str, body: QuotaBody, state: StateDep, session: SessionDep,
+                    admin: AdminDep) -> TenantPublic:
+    t = await tenants.set_quota(session, tenant_id, body.quota(), actor=admin.key_id)
+    _after_tenant_change(state, t)
+    return TenantPublic.from_row(t)

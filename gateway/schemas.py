@@ -1,0 +1,208 @@
+"""The admin console's JSON: request bodies (`*Create`, `*Patch`, unknown fields refused)
+and what routes answer (`*Public`), built from tenancy's rows by `from_row`."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any, Generic, Literal, Self, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from tenancy import api_keys, tenants
+from tenancy.quota import Quota
+
+Tier = Literal["default", "priority", "flex"]
+T = TypeVar("T")
+
+
+def iso(dt: datetime | None) -> str | None:
+    """A stored time as ISO 8601 with its offset (naive times are UTC)."""
+    if dt is None:
+        return None
+    return (dt if dt.tzinfo else dt.replace(tzinfo=UTC)).isoformat()
+
+
+# -- request bodies ----------------------------------------------------------------------------------
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class QuotaBody(_Strict):
+    requests_per_minute: int | None = Field(default=None, ge=0)
+    tokens_per_minute: int | None = Field(default=None, ge=0)
+    max_concurrent_requests: int | None = Field(default=None, ge=0)
+    daily_token_budget: int | None = Field(default=None, ge=0)
+    monthly_token_budget: int | None = Field(default=None, ge=0)
+
+    def quota(self) -> Quota:
+        return Quota(**self.model_dump())
+
+
+class TenantCreate(_Strict):
+    name: str = Field(min_length=1, max_length=64)
+    weight: float = Field(default=1.0, gt=0, le=1000)
+    service_tiers: list[Tier] | None = None
+    default_tier: Tier | None = None
+    models: list[str] | None = None
+    status: Literal["active", "suspended"] = "active"
+    quota: QuotaBody | None = None
+
+
+class TenantPatch(_Strict):
+    name: str | None = Field(default=None, min_length=1, max_length=64)
+    weight: float | None = Field(default=None, gt=0, le=1000)
+    service_tiers: list[Tier] | None = None
+    default_tier: Tier | None = None
+    models: list[str] | None = None
+    status: Literal["active", "suspended"] | None = None
+
+
+class KeyCreate(_Strict):
+    name: str = Field(min_length=1, max_length=128)
+    expires_at: datetime | None = None
+    scopes: list[Literal["inference", "admin"]] | None = None
+    quota: QuotaBody | None = None
+
+
+class AdminKeyCreate(_Strict):
+    name: str = Field(min_length=1, max_length=128)
+    expires_at: datetime | None = None
+
+
+class AdapterCreate(_Strict):
+    name: str = Field(min_length=1, max_length=64)
+    base_model: str = Field(min_length=1, max_length=128)
+    owner_tenant_id: str | None          # required; null: every tenant may use it
+    path: str = Field(min_length=1, max_length=1024)    # a directory under the adapter root
+
+
+# -- answers -----------------------------------------------------------------------------------------
+class QuotaPublic(BaseModel):
+    requests_per_minute: int | None
+    tokens_per_minute: int | None
+    max_concurrent_requests: int | None
+    daily_token_budget: int | None
+    monthly_token_budget: int | None
+
+    @classmethod
+    def of(cls, quota: Quota) -> QuotaPublic:
+        return cls(**quota.to_dict())
+
+
+class TenantPublic(BaseModel):
+    id: str
+    object: Literal["tenant"] = "tenant"
+    name: str
+    status: str
+    weight: float
+    service_tiers: list[str]
+    default_tier: str
+    models: list[str] | None
+    quota: QuotaPublic
+    created_at: str | None
+    updated_at: str | None
+
+    @classmethod
+    def from_row(cls, t: Any) -> TenantPublic:
+        return cls(id=t.id, name=t.name, status=t.status, weight=t.weight,
+                   service_tiers=list(t.service_tiers), default_tier=t.default_tier,
+                   models=list(t.models) if t.models is not None else None,
+                   quota=QuotaPublic.of(tenants.tenant_quota(t)),
+                   created_at=iso(t.created_at), updated_at=iso(t.updated_at))
+
+
+class KeyPublic(BaseModel):
+    id: str
+    object: Literal["api_key"] = "api_key"
+    name: str
+    prefix: str
+    tenant_id: str | None
+    scopes: list[str]
+    created_at: str | None
+    expires_at: str | None
+    revoked_at: str | None
+    last_used_at: str | None
+    quota: QuotaPublic
+
+    @classmethod
+    def from_row(cls, k: Any, **extra: Any) -> Self:
+        """The key's row; `extra`: the fields a subclass adds."""
+        return cls(id=k.id, name=k.name, prefix=k.prefix, tenant_id=k.tenant_id,
+                   scopes=list(k.scopes), created_at=iso(k.created_at),
+                   expires_at=iso(k.expires_at), revoked_at=iso(k.revoked_at),
+                   last_used_at=iso(k.last_used_at), quota=QuotaPublic.of(api_keys.key_quota(k)),
+                   **extra)
+
+
+class KeyCreatedPublic(KeyPublic):
+    key: str                       # the plaintext, shown this once
+
+
+class AdapterPublic(BaseModel):
+    id: str
+    object: Literal["adapter"] = "adapter"
+    name: str
+    base_model: str
+    owner_tenant_id: str | None
+    public: bool
+    path: str
+    rank: int
+    targets: list[str]
+    created_at: str | None
+    registered: bool               # served by this replica's engine now (others read it on first use)
+
+    @classmethod
+    def from_row(cls, a: Any, *, registered: bool, **extra: Any) -> Self:
+        """The adapter's row; `extra`: the fields a subclass adds."""
+        return cls(id=a.id, name=a.name, base_model=a.base_model,
+                   owner_tenant_id=a.owner_tenant_id, public=a.owner_tenant_id is None,
+                   path=a.path, rank=a.rank, targets=list(a.targets),
+                   created_at=iso(a.created_at), registered=registered, **extra)
+
+
+class AdapterUnloadedPublic(AdapterPublic):
+    unloaded: bool                 # its weights were in this replica's memory and are not now
+
+
+class AuditPublic(BaseModel):
+    id: int
+    actor: str
+    action: str
+    target_type: str
+    target_id: str | None
+    detail: dict[str, Any] | None
+    created_at: str | None
+
+    @classmethod
+    def from_row(cls, r: Any) -> AuditPublic:
+        return cls(id=r.id, actor=r.actor, action=r.action, target_type=r.target_type,
+                   target_id=r.target_id, detail=r.detail, created_at=iso(r.created_at))
+
+
+class ListPublic(BaseModel, Generic[T]):
+    object: Literal["list"] = "list"
+    data: list[T]
+
+
+class TenantPagePublic(ListPublic[TenantPublic]):
+    has_more: bool
+    last_id: str | None
+
+
+class DeletedPublic(BaseModel):
+    id: str
+    object: str
+    deleted: bool = True
+
+
+class AdapterDeletedPublic(BaseModel):
+    id: str
+    object: Literal["adapter"] = "adapter"
+    name: str
+    deleted: bool = True
+
+
+class RevokedPublic(BaseModel):
+    id: str
+    object: Literal["api_key"] = "api_key"
+    revoked: bool = True
