@@ -21,6 +21,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine import AsyncEngine
 from gateway import admin, openai_api
@@ -47,11 +48,11 @@ class RequestContext:
     """Gives every response an `x-request-id` (the client's own when it sent a sane one) and
     refuses bodies over `max_body_bytes` with 413 before any route reads them."""
 
-    def __init__(self, app: Any, max_body_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_body_bytes: int) -> None:
         self.app = app
         self.max_body = max_body_bytes
 
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
@@ -62,7 +63,7 @@ class RequestContext:
         scope.setdefault("state", {})["request_id"] = rid
         rid_header = (b"x-request-id", rid.encode())
 
-        async def send_with_id(message: dict) -> None:
+        async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
                 message["headers"] = [*message.get("headers", []), rid_header]
             await send(message)
@@ -99,7 +100,7 @@ class RequestContext:
             body = b"".join(body_chunks)
             replayed = False
 
-            async def replay() -> dict:
+            async def replay() -> Message:
                 nonlocal replayed
                 if not replayed:
                     replayed = True

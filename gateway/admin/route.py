@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
@@ -17,7 +17,7 @@ class AdminRoute(APIRoute):
     nothing (not even that a body was malformed) and gets 401/403 first. The principal is
     kept on the request, so a route's `AdminDep` reads it without a second lookup."""
 
-    def get_route_handler(self) -> Callable[[Request], Awaitable[Response]]:
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         handler = super().get_route_handler()
 
         async def authenticated(request: Request) -> Response:
