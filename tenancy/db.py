@@ -180,5 +180,6 @@ def _in_new_loop(factory: Callable[[], Coroutine[Any, Any, T]]) -> T:
 def schema_status(url: str) -> tuple[str | None, str]:
     """(current revision of the database, head revision of the code); equal when up to date."""
     head = head_revision()
-    assert head is not None, "no migration scripts found"
+    if head is None:
+        raise RuntimeError("no migration scripts found")
     return _in_new_loop(lambda: current_revision(url)), head

@@ -21,7 +21,7 @@ class TenancyError(Exception):
 class NotFound(TenancyError):
     """A resource (`what`, e.g. "tenant") with this id does not exist (or is deleted)."""
 
-    def __init__(self, what: str, id: str | None) -> None:  # noqa: A002 - the spec's name
+    def __init__(self, what: str, id: str | None) -> None:
         super().__init__(f"{what} {id!r} not found")
         self.what = what
         self.id = id

@@ -29,8 +29,7 @@ class Quota:
             if v is None:
                 continue
             if isinstance(v, bool) or not isinstance(v, int):
-                # ValueError, as for every bad value: callers catch one type and name the field
-                raise ValueError(f"{f.name}: must be an integer or null, got {v!r}")  # noqa: TRY004
+                raise ValueError(f"{f.name}: must be an integer or null, got {v!r}")
             if v < 0:
                 raise ValueError(f"{f.name}: must be >= 0, got {v}")
 

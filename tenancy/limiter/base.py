@@ -31,13 +31,14 @@ INSUFFICIENT_QUOTA = "insufficient_quota"
 
 # Indices of the Quota fields, as used by the Lua script and the in-process backend.
 RPM, TPM, CONC, DAY, MONTH = range(5)
-assert QUOTA_FIELDS == (
+if QUOTA_FIELDS != (
     "requests_per_minute",
     "tokens_per_minute",
     "max_concurrent_requests",
     "daily_token_budget",
     "monthly_token_budget",
-)
+):
+    raise ImportError("tenancy.limiter: the Quota fields changed; update RPM..MONTH and limiter.lua")
 
 _SCOPE_KEY = re.compile(r"^[A-Za-z0-9:_-]{1,200}$")
 _MAX_REQUEST_ID = 256

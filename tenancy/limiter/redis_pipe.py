@@ -51,8 +51,8 @@ class _Pipe(asyncio.Protocol):
                     waiter.set_result(reply)
         except (hiredis.ProtocolError, IndexError) as exc:  # garbage, or a reply nobody asked for
             self.lost = RedisConnectionError(f"bad reply from Redis: {exc!r}")
-            assert self.transport is not None
-            self.transport.abort()
+            if self.transport is not None:
+                self.transport.abort()
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self.lost is None:
@@ -90,9 +90,10 @@ class RedisPipe:
         return await self._send(pipe, args)
 
     async def _send(self, pipe: _Pipe, args: tuple) -> Any:
+        if pipe.transport is None:      # a pipe is only handed out once connected
+            raise RedisConnectionError(f"not connected to Redis at {self.where}")
         waiter = asyncio.get_running_loop().create_future()
         pipe.waiters.append(waiter)
-        assert pipe.transport is not None
         pipe.transport.write(hiredis.pack_command(args))
         reply = await waiter
         if isinstance(reply, hiredis.ReplyError):
@@ -116,9 +117,9 @@ class RedisPipe:
         try:
             async with asyncio.timeout(self.connect_timeout):
                 if self.path:
-                    _, pipe = await loop.create_unix_connection(_Pipe, self.path)
+                    transport, pipe = await loop.create_unix_connection(_Pipe, self.path)
                 else:
-                    _, pipe = await loop.create_connection(_Pipe, self.host, self.port, ssl=self.ssl)
+                    transport, pipe = await loop.create_connection(_Pipe, self.host, self.port, ssl=self.ssl)
         except (OSError, TimeoutError) as exc:
             raise RedisConnectionError(f"cannot connect to Redis at {self.where}: {exc or 'timed out'}") from None
         try:
@@ -128,8 +129,7 @@ class RedisPipe:
             if self.db:
                 await self._send(pipe, ("SELECT", self.db))
         except BaseException:
-            assert pipe.transport is not None
-            pipe.transport.abort()
+            transport.abort()
             raise
         self._pipe = pipe
         return pipe
@@ -147,7 +147,7 @@ class RedisScript:
     def __init__(self, pipe: RedisPipe, source: str) -> None:
         self.pipe = pipe
         self.source = source
-        self.sha = hashlib.sha1(source.encode()).hexdigest()
+        self.sha = hashlib.sha1(source.encode(), usedforsecurity=False).hexdigest()
 
     async def __call__(self, keys: list[str], args: list[Any]) -> Any:
         try:
