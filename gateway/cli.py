@@ -71,7 +71,7 @@ def demo_model(
     seed: Annotated[int, typer.Option(help="weights and nothing else depend on it")] = 0,
 ) -> None:
     """Write a small random-weight Hugging Face model with a tokenizer, offline."""
-    from engine.demo_model import write_demo_model
+    from engine import write_demo_model
 
     try:
         path = write_demo_model(out_dir, family=family, size=size, seed=seed)
@@ -91,7 +91,7 @@ def demo_adapter(
     """Write a random-weight PEFT LoRA adapter for a base model, offline."""
     import importlib.util
 
-    from engine.lora_demo import parse_targets, write_demo_adapter
+    from engine import parse_targets, write_demo_adapter
 
     if importlib.util.find_spec("peft") is None:
         typer.echo(f"lockgate demo-adapter: {LORA_DEMO_HINT}", err=True)
@@ -118,11 +118,15 @@ def quantize(
     method: Annotated[str, typer.Option(help="awq (AutoAWQ GEMM) or gptq (GPTQ v1)")] = "awq",
     group_size: Annotated[int, typer.Option(help="input channels per scale and zero point; -1: one group")] = 128,
     bits: Annotated[int, typer.Option(help="4, or 8 (gptq only)")] = 4,
-    desc_act: Annotated[bool, typer.Option("--desc-act", help="gptq: group channels by descending column norm")] = False,
-    sym: Annotated[bool | None, typer.Option("--sym/--asym", help="gptq: symmetric (default) or not; awq is asymmetric")] = None,
+    desc_act: Annotated[bool, typer.Option(
+        "--desc-act", help="gptq: group channels by descending column norm",
+    )] = False,
+    sym: Annotated[bool | None, typer.Option(
+        "--sym/--asym", help="gptq: symmetric (default) or not; awq is asymmetric",
+    )] = None,
 ) -> None:
     """Write an AWQ or GPTQ 4/8-bit checkpoint (round-to-nearest), as AutoAWQ / GPTQModel lay it out."""
-    from engine.quant.quantize import QuantizeSpec, quantize_model
+    from engine import QuantizeSpec, quantize_model
 
     try:
         spec = QuantizeSpec(method=method.lower(), bits=bits, group_size=group_size, desc_act=desc_act,  # type: ignore[arg-type]
@@ -155,7 +159,9 @@ def _settings(**overrides):
 @db_app.command("upgrade")
 def db_upgrade(
     revision: Annotated[str, typer.Argument(help="target revision")] = "head",
-    database_url: Annotated[str | None, typer.Option(help="default: LOCKGATE_DATABASE_URL or the embedded SQLite")] = None,
+    database_url: Annotated[str | None, typer.Option(
+        help="default: LOCKGATE_DATABASE_URL or the embedded SQLite",
+    )] = None,
 ) -> None:
     """Migrate the database to REVISION (default: head)."""
     from tenancy import db
@@ -180,13 +186,19 @@ def db_status(database_url: Annotated[str | None, typer.Option()] = None) -> Non
 
 @app.command("serve")
 def serve(
-    model: Annotated[list[str] | None, typer.Option("--model", help="NAME=DIR or DIR; repeat for several (default: the demo model)")] = None,
+    model: Annotated[list[str] | None, typer.Option(
+        "--model", help="NAME=DIR or DIR; repeat for several (default: the demo model)",
+    )] = None,
     host: Annotated[str | None, typer.Option(help="default 127.0.0.1")] = None,
     port: Annotated[int | None, typer.Option(help="default 8000")] = None,
     data_dir: Annotated[Path | None, typer.Option(help="default LOCKGATE_DATA_DIR or ~/.local/share/lockgate")] = None,
-    migrate: Annotated[bool, typer.Option("--migrate", help="run migrations on LOCKGATE_DATABASE_URL at start")] = False,
+    migrate: Annotated[bool, typer.Option(
+        "--migrate", help="run migrations on LOCKGATE_DATABASE_URL at start",
+    )] = False,
     shutdown_timeout: Annotated[float | None, typer.Option(help="seconds in-flight requests get after SIGTERM")] = None,
-    private_model: Annotated[list[str] | None, typer.Option("--private-model", help="a model served only to tenants that list it")] = None,
+    private_model: Annotated[list[str] | None, typer.Option(
+        "--private-model", help="a model served only to tenants that list it",
+    )] = None,
 ) -> None:
     """Run the gateway and its engine(s). With no configuration: SQLite, the in-process
     limiter and the demo model under the data directory."""

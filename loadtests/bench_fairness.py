@@ -30,8 +30,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from loadtests.bench_priority import (allowed_token_ids, default_model_dir, drop_all,
-                                      run_sides, warm_up)
+from loadtests.bench_priority import allowed_token_ids, default_model_dir, drop_all, run_sides, warm_up
 
 HEAVY, LIGHT = "heavy", "light"
 
@@ -116,7 +115,7 @@ def run_fairness_side(model_dir: str, policy: str, sizes: dict[str, Any]) -> dic
         return (ts.prefill_tokens * 1 + ts.decode_tokens * 2) / weights[tenant]
 
     # interleaved, so under fcfs neither tenant's whole load is simply ahead of the other's
-    for i in range(s.light_outstanding):
+    for _ in range(s.light_outstanding):
         for _ in range(s.heavy_ratio):
             add(HEAVY)
         add(LIGHT)

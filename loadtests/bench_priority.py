@@ -24,20 +24,21 @@ and only the composition of each step decides. `online_kv_reserve` is the
 runs; `--defaults` sets neither, leaving step sizing and everything else to the engine.
 
 The TTFT target is online-alone p99 + 2 x the median step of the mixed priority run, also
-shown with the median of the steps that batch prefill chunks with decodes. Steps are far from uniform under the flood (decode-only steps vs steps
-filled to `max_num_batched_tokens` with offline prefill), so the bench also prints the
-structural property behind the target, from step counts rather than times: how many steps
-started after each online request arrived before the one that gave its first token (0: it
-went into the very next step), and what the slowest requests waited for.
+shown with the median of the steps that batch prefill chunks with decodes. Steps are far from
+uniform under the flood (decode-only steps vs steps filled to `max_num_batched_tokens` with
+offline prefill), so the bench also prints the structural property behind the target, from
+step counts rather than times: how many steps started after each online request arrived
+before the one that gave its first token (0: it went into the very next step), and what the
+slowest requests waited for.
 """
 
 from __future__ import annotations
 
 import bisect
 import gc
-import multiprocessing
 import json
 import math
+import multiprocessing
 import random
 import statistics
 import time

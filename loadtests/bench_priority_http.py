@@ -27,6 +27,7 @@ from typing import Any
 from loadtests.harness.server import ServerProcess
 from loadtests.stats import percentile
 
+
 @dataclass(slots=True, frozen=True)
 class HttpSizes:
     duration_s: float = 30.0          # default-tier arrivals fall in this window

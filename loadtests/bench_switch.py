@@ -96,7 +96,8 @@ def bench_switch(
     name_a = probe.default
     budget = max(sizes_b.values()) + min(sizes_b.values()) // 2     # one model at a time
     del probe
-    echo(f"models: {name_a} = {a}, b = {b}; footprints {', '.join(f'{n} {v / 2**20:.0f} MiB' for n, v in sizes_b.items())}; "
+    footprints = ", ".join(f"{n} {v / 2**20:.0f} MiB" for n, v in sizes_b.items())
+    echo(f"models: {name_a} = {a}, b = {b}; footprints {footprints}; "
          f"budget {budget / 2**20:.0f} MiB (one at a time); switch_overhead {s.switch_overhead}")
 
     # 1. cold start vs loading from disk into a fresh engine

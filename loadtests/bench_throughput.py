@@ -76,7 +76,8 @@ def run_engine(model_dir: str, num_requests: int, seed: int, engine_kwargs: dict
                         use_progress_bar=False)
     elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
     tokens = [o.outputs[0].token_ids for o in outs]
-    assert all(len(t) == r.output_len for t, r in zip(tokens, work)), "engine missed a forced length"
+    if not all(len(t) == r.output_len for t, r in zip(tokens, work, strict=True)):
+        raise RuntimeError("engine missed a forced length")
     steps = core.timings.num_steps
     return {
         "elapsed_s": elapsed,
@@ -148,7 +149,8 @@ def run_ideal(model_dir: str, num_requests: int, seed: int, engine_kwargs: dict)
         n = -(-(len(r.prompt_token_ids) + r.output_len) // bs)
         tables.append(list(range(next_block, next_block + n)))
         next_block += n
-    assert next_block <= core.num_kv_blocks, "the ideal bound needs the whole workload resident"
+    if next_block > core.num_kv_blocks:
+        raise RuntimeError("the ideal bound needs the whole workload resident")
 
     def forward(pieces: list[tuple[int, list[int], int]]) -> torch.Tensor:
         """pieces: (request index, token ids, start position); returns last-position logits."""
@@ -194,7 +196,7 @@ def run_ideal(model_dir: str, num_requests: int, seed: int, engine_kwargs: dict)
         while live:
             logits = forward([(i, [tokens[i][-1]], len(work[i].prompt_token_ids) + len(tokens[i]) - 1)
                               for i in live])
-            for i, t in zip(live, logits.argmax(-1).tolist()):
+            for i, t in zip(live, logits.argmax(-1).tolist(), strict=True):
                 tokens[i].append(t)
             live = [i for i in live if len(tokens[i]) < work[i].output_len]
         elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
@@ -204,7 +206,7 @@ def run_ideal(model_dir: str, num_requests: int, seed: int, engine_kwargs: dict)
 
 def _prefill_step(forward, pieces, work, tokens) -> None:
     logits = forward(pieces)
-    for (i, toks, start), row in zip(pieces, logits):
+    for (i, toks, start), row in zip(pieces, logits, strict=True):
         if start + len(toks) == len(work[i].prompt_token_ids):   # prompt complete: first token
             tokens[i].append(int(row.argmax()))
 
@@ -292,11 +294,11 @@ def _report(results: dict[str, Any], echo) -> dict[str, Any]:
     total = sum(split.values()) or 1.0
     echo("engine step time split            : " + ", ".join(
         f"{k} {v:.2f}s ({100 * v / total:.0f}%)" for k, v in split.items()))
-    same = sum(a == b for a, b in zip(eng["tokens"], results["ideal"]["tokens"]))
+    same = sum(a == b for a, b in zip(eng["tokens"], results["ideal"]["tokens"], strict=True))
     echo(f"greedy tokens, engine vs ideal    : {same}/{len(eng['tokens'])} requests identical")
     report["match_ideal"] = same
     if "hf_static" in results:
-        same_hf = sum(a == b for a, b in zip(eng["tokens"], results["hf_static"]["tokens"]))
+        same_hf = sum(a == b for a, b in zip(eng["tokens"], results["hf_static"]["tokens"], strict=True))
         echo(f"greedy tokens, engine vs HF       : {same_hf}/{len(eng['tokens'])} requests identical "
              "(HF pads on the left: float noise may flip near-ties)")
         report["match_hf"] = same_hf

@@ -50,19 +50,33 @@ def bench_throughput(
 
 @bench_app.command("gateway")
 def bench_gateway(
-    database_url: Annotated[str, typer.Option(help="PostgreSQL to make a scratch database lockgate_bench_<pid> in (dropped afterwards)")] = "postgresql://postgres@127.0.0.1:5432/test",
-    redis_url: Annotated[str, typer.Option(help="Redis for the limiter (a unique key prefix, deleted afterwards)")] = "redis://127.0.0.1:6379/0",
-    rates: Annotated[str, typer.Option(help="request rates to step through, req/s, comma-separated")] = "100,200,300,400,500,600",
+    database_url: Annotated[str, typer.Option(
+        help="PostgreSQL to make a scratch database lockgate_bench_<pid> in (dropped afterwards)",
+    )] = "postgresql://postgres@127.0.0.1:5432/test",
+    redis_url: Annotated[str, typer.Option(
+        help="Redis for the limiter (a unique key prefix, deleted afterwards)",
+    )] = "redis://127.0.0.1:6379/0",
+    rates: Annotated[str, typer.Option(
+        help="request rates to step through, req/s, comma-separated",
+    )] = "100,200,300,400,500,600",
     duration: Annotated[float, typer.Option(min=0.5, help="seconds per rate")] = 5.0,
     clients: Annotated[int, typer.Option(min=1, help="load-generator processes (each sends rate/N)")] = 1,
-    repeats: Annotated[int, typer.Option(min=1, help="attempts per rate; the best (fewest errors, lowest p99) counts")] = 1,
-    model: Annotated[Path | None, typer.Option(help="model directory for the tokenizer (default: the tiny llama demo model)")] = None,
+    repeats: Annotated[int, typer.Option(
+        min=1, help="attempts per rate; the best (fewest errors, lowest p99) counts",
+    )] = 1,
+    model: Annotated[Path | None, typer.Option(
+        help="model directory for the tokenizer (default: the tiny llama demo model)",
+    )] = None,
     ref_rate: Annotated[float, typer.Option(help="the rate the added-latency targets are judged at")] = 300.0,
     floor: Annotated[bool, typer.Option(help="also time a bare uvicorn app at the reference rate")] = True,
     warmup: Annotated[float, typer.Option(min=0.0, help="seconds of unreported warm-up load")] = 2.0,
-    max_time: Annotated[float, typer.Option(min=1.0, help="skip rate steps that would end past this many seconds")] = 300.0,
+    max_time: Annotated[float, typer.Option(
+        min=1.0, help="skip rate steps that would end past this many seconds",
+    )] = 300.0,
     json_out: Annotated[Path | None, typer.Option("--json", help="also write the results here")] = None,
-    synchronous_commit: Annotated[bool, typer.Option("--synchronous-commit/--async-commit", help="usage rows: wait for the WAL flush (production default) or not")] = True,
+    synchronous_commit: Annotated[bool, typer.Option(
+        "--synchronous-commit/--async-commit", help="usage rows: wait for the WAL flush (production default) or not",
+    )] = True,
 ) -> None:
     """The gateway's added latency under open-loop load, vs its engine called directly.
 
@@ -99,24 +113,42 @@ def bench_priority(
     model: Annotated[Path | None, typer.Option(help="model directory (default: the small llama demo model)")] = None,
     duration: Annotated[float, typer.Option(min=1.0, help="seconds of the measured window of each run")] = 40.0,
     warmup: Annotated[float, typer.Option(min=0.0, help="seconds the flood runs alone before the window")] = 15.0,
-    drain: Annotated[float, typer.Option(min=0.0, help="at most this many seconds after the window for online requests still out")] = 30.0,
+    drain: Annotated[float, typer.Option(
+        min=0.0, help="at most this many seconds after the window for online requests still out",
+    )] = 30.0,
     online_rate: Annotated[float, typer.Option(min=0.01, help="online Poisson arrivals per second")] = 1.0,
     online_prompt: Annotated[tuple[int, int], typer.Option(help="online prompt length range MIN MAX")] = (56, 72),
-    online_output: Annotated[tuple[int, int], typer.Option(help="online output length range MIN MAX (forced)")] = (32, 64),
+    online_output: Annotated[tuple[int, int], typer.Option(
+        help="online output length range MIN MAX (forced)",
+    )] = (32, 64),
     offline_outstanding: Annotated[int, typer.Option(min=1, help="offline requests kept outstanding")] = 64,
     offline_prompt: Annotated[tuple[int, int], typer.Option(help="offline prompt length range MIN MAX")] = (512, 1024),
     offline_output: Annotated[int, typer.Option(min=1, help="offline output length (forced)")] = 256,
-    num_kv_blocks: Annotated[int, typer.Option(min=0, help="KV blocks (0: the engine's default); sized so about half the flood fits")] = 2304,
-    online_kv_reserve: Annotated[float, typer.Option(min=0.0, max=0.99, help="reserved_kv_fraction of class online")] = 0.1,
-    offline_prefill_budget: Annotated[int, typer.Option(min=0, help="prefill_token_budget of class offline, tokens per step (0: none)")] = 256,
+    num_kv_blocks: Annotated[int, typer.Option(
+        min=0, help="KV blocks (0: the engine's default); sized so about half the flood fits",
+    )] = 2304,
+    online_kv_reserve: Annotated[float, typer.Option(
+        min=0.0, max=0.99, help="reserved_kv_fraction of class online",
+    )] = 0.1,
+    offline_prefill_budget: Annotated[int, typer.Option(
+        min=0, help="prefill_token_budget of class offline, tokens per step (0: none)",
+    )] = 256,
     max_num_batched_tokens: Annotated[int, typer.Option(min=1)] = 2048,
     max_num_seqs: Annotated[int, typer.Option(min=1)] = 256,
     num_threads: Annotated[int, typer.Option(min=0, help="torch threads (0: torch's default)")] = 0,
     seed: Annotated[int, typer.Option()] = 0,
     json_out: Annotated[Path | None, typer.Option("--json", help="also write the results here")] = None,
-    defaults: Annotated[bool, typer.Option("--defaults", help="every scheduling knob at the engine's default: no online reserve, no offline prefill budget, default step targets")] = False,
-    tiers: Annotated[bool, typer.Option("--tiers", help="instead: priority requests arriving while online ones fill every sequence slot")] = False,
-    http: Annotated[bool, typer.Option("--http", help="instead: through a lockgate serve it starts on defaults, flex clients flooding, default clients streaming")] = False,
+    defaults: Annotated[bool, typer.Option(
+        "--defaults", help="every scheduling knob at the engine's default: no online reserve, "
+                           "no offline prefill budget, default step targets",
+    )] = False,
+    tiers: Annotated[bool, typer.Option(
+        "--tiers", help="instead: priority requests arriving while online ones fill every sequence slot",
+    )] = False,
+    http: Annotated[bool, typer.Option(
+        "--http", help="instead: through a lockgate serve it starts on defaults, flex clients flooding, "
+                       "default clients streaming",
+    )] = False,
 ) -> None:
     """Online trickle beside an offline flood: alone, fcfs, priority.
 
@@ -175,7 +207,9 @@ def bench_fairness(
     output: Annotated[tuple[int, int], typer.Option(help="output length range MIN MAX (forced)")] = (32, 128),
     heavy_weight: Annotated[float, typer.Option(min=0.001, help="the heavy tenant's fairness weight")] = 1.0,
     light_weight: Annotated[float, typer.Option(min=0.001, help="the light tenant's fairness weight")] = 1.0,
-    num_kv_blocks: Annotated[int, typer.Option(min=1, help="KV blocks: M of the VTC bound is blocks x block size")] = 256,
+    num_kv_blocks: Annotated[int, typer.Option(
+        min=1, help="KV blocks: M of the VTC bound is blocks x block size",
+    )] = 256,
     max_num_batched_tokens: Annotated[int, typer.Option(min=1)] = 2048,
     max_num_seqs: Annotated[int, typer.Option(min=1)] = 256,
     num_threads: Annotated[int, typer.Option(min=0, help="torch threads (0: torch's default)")] = 0,
@@ -210,7 +244,9 @@ def bench_prefix(
     prefix_len: Annotated[int, typer.Option(min=1, help="tokens of the shared system prompt")] = 1024,
     suffix: Annotated[tuple[int, int], typer.Option(help="own suffix length range MIN MAX")] = (16, 32),
     output_len: Annotated[int, typer.Option(min=1, help="output tokens per request (forced)")] = 8,
-    sequential: Annotated[bool, typer.Option("--sequential/--together", help="send the rest one after another instead of together")] = False,
+    sequential: Annotated[bool, typer.Option(
+        "--sequential/--together", help="send the rest one after another instead of together",
+    )] = False,
     max_num_batched_tokens: Annotated[int, typer.Option(min=1)] = 2048,
     num_threads: Annotated[int, typer.Option(min=0, help="torch threads (0: torch's default)")] = 0,
     seed: Annotated[int, typer.Option()] = 0,
@@ -238,7 +274,9 @@ def bench_prefix(
 
 @bench_app.command("lora")
 def bench_lora(
-    model: Annotated[Path | None, typer.Option(help="base model directory (default: the small llama demo model)")] = None,
+    model: Annotated[Path | None, typer.Option(
+        help="base model directory (default: the small llama demo model)",
+    )] = None,
     num_requests: Annotated[int, typer.Option(min=1)] = 64,
     num_adapters: Annotated[int, typer.Option(min=1, help="distinct adapters mixed in the batch (max_loras)")] = 8,
     rank: Annotated[int, typer.Option(min=1)] = 16,
@@ -266,14 +304,22 @@ def bench_lora(
 
 @bench_app.command("switch")
 def bench_switch(
-    model: Annotated[list[Path] | None, typer.Option(help="two model directories (default: two small demo models)")] = None,
+    model: Annotated[list[Path] | None, typer.Option(
+        help="two model directories (default: two small demo models)",
+    )] = None,
     num_online: Annotated[int, typer.Option(min=1, help="online requests for the cold model")] = 8,
     online_gap_s: Annotated[float, typer.Option(min=0.0, help="seconds between them")] = 1.0,
-    offline_flood: Annotated[int, typer.Option(min=1, help="offline requests kept outstanding on the other model")] = 64,
-    mix_outstanding: Annotated[int, typer.Option(min=1, help="offline requests kept outstanding per model in the mix")] = 32,
+    offline_flood: Annotated[int, typer.Option(
+        min=1, help="offline requests kept outstanding on the other model",
+    )] = 64,
+    mix_outstanding: Annotated[int, typer.Option(
+        min=1, help="offline requests kept outstanding per model in the mix",
+    )] = 32,
     mix_duration: Annotated[float, typer.Option(min=0.5, help="seconds of the mix (each model alone: half)")] = 8.0,
     output_len: Annotated[int, typer.Option(min=1)] = 32,
-    switch_overhead: Annotated[float, typer.Option(min=0.001, max=0.999, help="the pool's target share of time spent switching")] = 0.1,
+    switch_overhead: Annotated[float, typer.Option(
+        min=0.001, max=0.999, help="the pool's target share of time spent switching",
+    )] = 0.1,
     num_threads: Annotated[int, typer.Option(min=0, help="torch threads (0: torch's default)")] = 0,
     seed: Annotated[int, typer.Option()] = 0,
     json_out: Annotated[Path | None, typer.Option("--json", help="also write the results here")] = None,

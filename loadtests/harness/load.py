@@ -5,6 +5,7 @@ client processes that each send rate/n."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import json
 import math
@@ -125,10 +126,8 @@ async def http_step(url: str, key: str, rate: float, n: int, start_wall: float |
         primed = await asyncio.gather(*(call() for _ in range(prime)), return_exceptions=True)
         prime_ok = sum(1 for p in primed if p is None)
         freeze_heap()
-        if start_wall is None:
-            t0 = time.perf_counter() + 0.05
-        else:
-            t0 = time.perf_counter() + (start_wall - time.time())
+        # start at once, or at the wall-clock moment every client process shares
+        t0 = time.perf_counter() + (0.05 if start_wall is None else start_wall - time.time())
         out = await open_loop(call, rate, n, t0, offset)
     out["prime_ok"] = prime_ok
     return out
@@ -196,10 +195,8 @@ class Clients:
 
     def close(self) -> None:
         for pipe in self.pipes:
-            try:
+            with contextlib.suppress(BrokenPipeError, OSError):
                 pipe.send(None)
-            except (BrokenPipeError, OSError):
-                pass
         for p in self.procs:
             p.join(5)
             if p.is_alive():

@@ -133,9 +133,10 @@ def print_report(results: list[dict], direct: dict[float, dict], floor_res: dict
             and r["p99_ms"] < HELD_P99_MS]
     report["max_rate_p99_under_25ms"] = max(held) if held else None
     tried = ", ".join(f"{r['target_rps']:g}" for r in results)
+    at_top = held and max(held) == results[-1]["target_rps"]
     echo(f"highest rate held with p99 < {HELD_P99_MS:g} ms: "
          f"{f'{max(held):g} req/s' if held else 'none'} (of {tried}"
-         f"{'; the highest tried, so the gateway may hold more' if held and max(held) == results[-1]['target_rps'] else ''})")
+         f"{'; the highest tried, so the gateway may hold more' if at_top else ''})")
     limited = [r["target_rps"] for r in results if r["generator_limited"]]
     report["generator_limited_rates"] = limited
     if results:

@@ -108,8 +108,8 @@ def test_bench_lora_runs_both_sides_with_every_adapter_in_the_batch(tmp_path):
 def test_bench_switch_switches_and_keeps_the_budget(tmp_path):
     from loadtests.bench_switch import SwitchSizes, bench_switch
 
-    sizes = SwitchSizes(num_online=2, online_gap_s=0.05, offline_flood=6, mix_outstanding=4, mix_duration_s=1.0, prompt=(8, 24),
-                        output_len=4, num_kv_blocks=32)
+    sizes = SwitchSizes(num_online=2, online_gap_s=0.05, offline_flood=6, mix_outstanding=4, mix_duration_s=1.0,
+                        prompt=(8, 24), output_len=4, num_kv_blocks=32)
     out = bench_switch((demo_model("llama", "tiny", 0), demo_model("qwen2", "tiny", 1)), sizes=sizes,
                        echo=quiet, json_out=str(tmp_path / "switch.json"))
     assert out["switches"] >= 1 and out["cold_start_s"] > 0 and out["disk_load_s"] > 0

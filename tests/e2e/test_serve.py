@@ -224,7 +224,7 @@ def test_quick_start_serves_the_demo_model(tmp_path):
     srv = GatewayServer.start(tmp_path / "data", models={})
     try:
         assert (tmp_path / "data" / "models" / "demo" / "config.json").is_file()
-        t, key = srv.tenant()
+        _, key = srv.tenant()
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key=key, max_retries=0, timeout=60)
         assert [m.id for m in client.models.list().data] == ["demo"]
         r = client.chat.completions.create(model="demo", max_tokens=8,

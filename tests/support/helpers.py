@@ -5,8 +5,7 @@ from __future__ import annotations
 import atexit
 import shutil
 import tempfile
-from functools import lru_cache
-
+from functools import cache, lru_cache
 from pathlib import Path
 
 import torch
@@ -23,7 +22,7 @@ def _model_root() -> Path:
     return root
 
 
-@lru_cache(maxsize=None)
+@cache
 def demo_model(family: str = "llama", size: str = "tiny", seed: int = 0) -> str:
     """A demo model directory, written once per test session."""
     path = _model_root() / f"{family}-{size}-{seed}"
@@ -52,7 +51,7 @@ PROMPT_LENS = [1, 2, 7, 15, 16, 17, 31, 32, 33, 64, 100, 129, 200, 255, 256, 257
 MAX_TOKENS = [5, 17, 32, 9, 24, 1, 40, 12, 33, 20, 7, 28, 16, 3, 36, 11, 25, 30]
 
 
-@lru_cache(maxsize=None)
+@cache
 def hf_model(model_dir: str):
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
@@ -67,7 +66,7 @@ def hf_greedy(model_dir: str, prompt: list[int], max_tokens: int, ignore_eos: bo
     return list(_hf_greedy(model_dir, tuple(prompt), max_tokens, ignore_eos))
 
 
-@lru_cache(maxsize=None)
+@cache
 def _hf_greedy(model_dir: str, prompt: tuple[int, ...], max_tokens: int, ignore_eos: bool) -> tuple[int, ...]:
     model = hf_model(model_dir)
     ids = torch.tensor([prompt])
