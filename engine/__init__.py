@@ -10,7 +10,7 @@ directory's own `ModelConfig` and `Tokenizer`; and the model tools the command l
 """
 
 from engine.async_engine import AsyncEngine
-from engine.client import EngineAdmin, EngineClient, Prompt, RequestStream
+from engine.client import EngineAdmin, EngineClient, Prompt, RequestStream, ServedEngine
 from engine.config import EngineConfig, ModelConfig
 from engine.demo_model import write_demo_model
 from engine.errors import (
@@ -45,7 +45,8 @@ from engine.stats import (
 from engine.tokenizer import Tokenizer
 
 __all__ = [
-    "LLM", "AsyncEngine", "ModelView", "EngineClient", "EngineAdmin", "RequestStream", "Prompt",
+    "LLM", "AsyncEngine", "ModelView", "EngineClient", "EngineAdmin", "ServedEngine", "RequestStream",
+    "Prompt",
     "EngineConfig", "ModelConfig", "Tokenizer", "SamplingParams", "LoRARequest", "Adapter",
     "RequestOutput", "CompletionOutput", "RequestMetrics", "Logprob",
     "EngineStats", "QueueStats", "TenantClassStats", "KVStats", "CostModelStats", "LoRAStats",

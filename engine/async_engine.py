@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from engine.admission import Admission, Queued
-from engine.client import Prompt, RequestStream
+from engine.client import EngineAdmin, EngineClient, Prompt, RequestStream
 from engine.config import EngineConfig, ModelConfig
 from engine.cost_model import StepShape
 from engine.engine_core import EngineCore
@@ -36,7 +36,7 @@ from engine.tokenizer import Tokenizer
 logger = logging.getLogger(__name__)
 
 
-class AsyncEngine:
+class AsyncEngine(EngineClient, EngineAdmin):
     """The in-process engine: an `EngineClient` and `EngineAdmin` (engine/client.py)."""
 
     def __init__(self, model: str, **kwargs: Any) -> None:

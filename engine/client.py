@@ -126,3 +126,8 @@ class EngineAdmin(Protocol):
     def tenant_weights(self) -> dict[str, float]: ...
 
     def set_tenant_weight(self, tenant: str, weight: float) -> None: ...
+
+
+@runtime_checkable
+class ServedEngine(EngineClient, EngineAdmin, Protocol):
+    """Both faces: what a server holds for each model it serves."""

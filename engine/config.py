@@ -68,6 +68,15 @@ class EngineConfig:
     max_drain_s: float = 2.0              # after its turn, how long a model may finish what runs
 
     def __post_init__(self) -> None:
+        """Every setting checked (ValueError naming it), in this order."""
+        self._check_step_settings()
+        self._check_lora_and_models()
+        self._check_memory()
+        self._check_classes()
+        if not Path(self.model).is_dir():
+            raise ValueError(f"model must be a model directory; {self.model!r} is not one")
+
+    def _check_step_settings(self) -> None:
         if self.dtype not in ("auto", *DTYPES):
             raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda") and not str(self.device).startswith("cuda:"):
@@ -89,6 +98,8 @@ class EngineConfig:
             raise ValueError(f"step_time_multiple must be >= 1; got {self.step_time_multiple!r}")
         if self.urgent_window_s < 0:
             raise ValueError(f"urgent_window_s must be >= 0; got {self.urgent_window_s!r}")
+
+    def _check_lora_and_models(self) -> None:
         for name in ("max_loras", "max_lora_rank"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -113,6 +124,8 @@ class EngineConfig:
         for name in ("min_turn_s", "max_drain_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0; got {getattr(self, name)!r}")
+
+    def _check_memory(self) -> None:
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2; got {self.max_model_len}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
@@ -127,6 +140,8 @@ class EngineConfig:
             raise ValueError(
                 f"scheduling_policy must be 'priority' or 'fcfs'; got {self.scheduling_policy!r}"
             )
+
+    def _check_classes(self) -> None:
         self.service_classes = tuple(self.service_classes)
         if not self.service_classes or len(set(self.service_classes)) != len(self.service_classes):
             raise ValueError("service_classes must be a non-empty list of distinct names")
@@ -153,8 +168,6 @@ class EngineConfig:
                     raise ValueError(f"slo[{cls!r}][{key!r}] must be a number of milliseconds > 0; got {value!r}")
         if sum(self.reserved_kv_fraction.values()) >= 1.0:
             raise ValueError("reserved_kv_fraction: the shares must add up to less than 1")
-        if not Path(self.model).is_dir():
-            raise ValueError(f"model must be a model directory; {self.model!r} is not one")
 
     def step_target_s(self, cls: str) -> float | None:
         """The step-time target `slo` sets for class `cls` (a first token takes about two

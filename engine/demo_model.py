@@ -51,17 +51,25 @@ prompt for the gap statistics; greedy, 32 new tokens, KV cache):
 from __future__ import annotations
 
 import hashlib
-import itertools
 import json
 import math
 import operator
 import os
 import pathlib
-import random
-from functools import lru_cache
 from typing import Any
 
 import torch
+
+from engine.demo_tokenizer import (
+    CHAT_TEMPLATE,
+    ENDOFTEXT_ID,
+    IM_END_ID,
+    IM_START_ID,
+    SPECIAL_TOKENS,
+    build_tokenizer_json,
+    special_tokens_map,
+    tokenizer_config,
+)
 
 __all__ = [
     "FAMILIES",
@@ -103,26 +111,6 @@ SIZES: dict[str, dict[str, int]] = {
     ),
 }
 
-SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
-ENDOFTEXT_ID, IM_START_ID, IM_END_ID = 0, 1, 2  # the BPE trainer puts the special tokens first
-
-# ChatML. `content` is normally a string; a list of {"type": "text", "text": ...} parts is joined.
-CHAT_TEMPLATE = (
-    "{%- for message in messages -%}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' -}}"
-    "{%- if message['content'] is string -%}"
-    "{{- message['content'] -}}"
-    "{%- elif message['content'] -%}"
-    "{%- for part in message['content'] -%}"
-    "{%- if part['type'] == 'text' -%}{{- part['text'] -}}{%- endif -%}"
-    "{%- endfor -%}"
-    "{%- endif -%}"
-    "{{- '<|im_end|>\\n' -}}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
-)
-
-
 # --------------------------------------------------------------------------------------------
 # config
 # --------------------------------------------------------------------------------------------
@@ -156,6 +144,27 @@ def build_config(family: str, size: str) -> dict[str, Any]:
         eos_token_id=IM_END_ID,
         pad_token_id=ENDOFTEXT_ID,
     )
+    rope_theta, rope_scaling = _family_config(family, s["num_hidden_layers"], cfg)
+    cfg["rope_theta"] = rope_theta
+    cfg["rope_scaling"] = dict(rope_scaling) if rope_scaling else None
+    rope_parameters = {"rope_type": "default", "rope_theta": rope_theta}
+    if rope_scaling:
+        rope_parameters.update(rope_scaling)
+    cfg["rope_parameters"] = rope_parameters
+    return cfg
+
+
+def _generation_config() -> dict[str, Any]:
+    return {
+        "bos_token_id": None,
+        "do_sample": False,
+        "eos_token_id": [IM_END_ID, ENDOFTEXT_ID],
+        "pad_token_id": ENDOFTEXT_ID,
+    }
+
+
+def _family_config(family: str, n: int, cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """Add the family's own fields to `cfg` (for `n` layers); its RoPE theta and scaling."""
     if family == "llama":
         rope_theta = 10000.0
         rope_scaling: dict[str, Any] | None = {
@@ -176,7 +185,6 @@ def build_config(family: str, size: str) -> dict[str, Any]:
     elif family == "qwen2":
         rope_theta = 1000000.0
         rope_scaling = None
-        n = s["num_hidden_layers"]
         cfg.update(
             architectures=["Qwen2ForCausalLM"],
             model_type="qwen2",
@@ -195,159 +203,7 @@ def build_config(family: str, size: str) -> dict[str, Any]:
             tie_word_embeddings=False,
             sliding_window=None,
         )
-    cfg["rope_theta"] = rope_theta
-    cfg["rope_scaling"] = dict(rope_scaling) if rope_scaling else None
-    rope_parameters = {"rope_type": "default", "rope_theta": rope_theta}
-    if rope_scaling:
-        rope_parameters.update(rope_scaling)
-    cfg["rope_parameters"] = rope_parameters
-    return cfg
-
-
-# --------------------------------------------------------------------------------------------
-# tokenizer
-# --------------------------------------------------------------------------------------------
-
-_ONSETS = ("", "b", "c", "d", "f", "g", "h", "j", "k", "l", "m", "n", "p", "r", "s", "t", "v", "w",
-           "z", "br", "ch", "cl", "dr", "fl", "gr", "kr", "pl", "qu", "sh", "st", "th", "tr")
-_VOWELS = ("a", "e", "i", "o", "u", "ai", "ea", "ou", "y", "ie")
-_CODAS = ("", "", "", "n", "r", "s", "l", "m", "nd", "st", "ck", "ng", "x", "rt")
-_EXOTIC = ("café", "naïve", "Zürich", "straße", "façade", "smörgåsbord", "crème brûlée",
-           "São Paulo", "Ελληνικά", "Привет", "мир", "中文", "日本語", "東京", "北京欢迎你", "한국어",
-           "안녕하세요", "こんにちは", "🙂", "🚀", "👍🏽", "🎉", "❤️", "→", "≤", "∑", "€", "£", "½",
-           "مرحبا", "שלום", "हिन्दी")
-_PUNCT = (".", ",", "!", "?", ";", ":", "-", "...", "'s", "(", ")", '"', "/", "%", "&", "#", "@",
-          "*", "+", "=")
-_PRETOKENIZE_REGEX = (  # transformers' qwen2 PRETOKENIZE_REGEX
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"""
-    r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
-)
-_CORPUS_SEED = 20240607  # the corpus never depends on the model seed
-_CORPUS_LEXICON = 8000
-_CORPUS_SENTENCES = 4000
-
-
-@lru_cache(maxsize=1)
-def _corpus() -> tuple[str, ...]:
-    """Synthetic training text: Zipf-distributed pseudo-words built from syllables, with
-    capitals, digits, punctuation, newlines and some accented / CJK / emoji strings."""
-    rng = random.Random(_CORPUS_SEED)
-    lexicon: list[str] = []
-    seen: set[str] = set()
-    while len(lexicon) < _CORPUS_LEXICON:
-        k = rng.choice((1, 2, 2, 2, 3, 3, 3, 4, 4, 5))
-        w = "".join(
-            rng.choice(_ONSETS) + rng.choice(_VOWELS) + rng.choice(_CODAS) for _ in range(k)
-        )
-        if w not in seen:
-            seen.add(w)
-            lexicon.append(w)
-    cum = list(itertools.accumulate(1.0 / (r + 2.7) ** 1.07 for r in range(len(lexicon))))
-    out = []
-    for _ in range(_CORPUS_SENTENCES):
-        words = rng.choices(lexicon, cum_weights=cum, k=rng.randint(4, 18))
-        parts = []
-        for i, w in enumerate(words):
-            x = rng.random()
-            if i == 0 or x < 0.05:
-                w = w.capitalize()
-            if x > 0.97:
-                w = str(rng.randint(0, 99999))
-            elif x > 0.94:
-                w = rng.choice(_EXOTIC)
-            elif x > 0.92:
-                w = w + rng.choice(_PUNCT)
-            parts.append(w)
-        s = " ".join(parts) + rng.choice((".", ".", ".", "!", "?", ":", ""))
-        if rng.random() < 0.2:
-            s += "\n"
-        out.append(s)
-    return tuple(out)
-
-
-@lru_cache(maxsize=4)
-def build_tokenizer_json(vocab_size: int) -> str:
-    """Train the byte-level BPE (deterministic) and return its tokenizer.json text."""
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
-    from tokenizers import processors, trainers
-
-    # The pipeline is exactly Qwen2's (NFC, Qwen's split regex, byte-level without its own
-    # regex): transformers 5 builds a Qwen2Tokenizer for model_type qwen2 and re-creates that
-    # pipeline from vocab + merges, so any other pipeline would tokenize differently there.
-    tok = Tokenizer(models.BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
-    tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
-    tok.decoder = decoders.ByteLevel()
-    tok.post_processor = processors.ByteLevel(
-        add_prefix_space=False, trim_offsets=False, use_regex=False
-    )
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        min_frequency=2,
-        special_tokens=list(SPECIAL_TOKENS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(_corpus(), trainer)
-    if tok.get_vocab_size() != vocab_size:
-        raise RuntimeError(f"BPE reached {tok.get_vocab_size()} tokens, wanted {vocab_size}")
-    for i, t in enumerate(SPECIAL_TOKENS):
-        if tok.token_to_id(t) != i:
-            raise RuntimeError(f"special token {t} got id {tok.token_to_id(t)}, wanted {i}")
-    return tok.to_str(pretty=True) + "\n"
-
-
-def _tokenizer_config(model_max_length: int) -> dict[str, Any]:
-    added = {
-        str(i): {
-            "content": t,
-            "lstrip": False,
-            "normalized": False,
-            "rstrip": False,
-            "single_word": False,
-            "special": True,
-        }
-        for i, t in enumerate(SPECIAL_TOKENS)
-    }
-    return {
-        "add_bos_token": False,
-        "add_eos_token": False,
-        "add_prefix_space": False,
-        "added_tokens_decoder": added,
-        "additional_special_tokens": [SPECIAL_TOKENS[1], SPECIAL_TOKENS[2]],
-        "bos_token": None,
-        "chat_template": CHAT_TEMPLATE,
-        "clean_up_tokenization_spaces": False,
-        "eos_token": SPECIAL_TOKENS[IM_END_ID],
-        "errors": "replace",
-        "model_max_length": model_max_length,
-        "pad_token": SPECIAL_TOKENS[ENDOFTEXT_ID],
-        "split_special_tokens": False,
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "unk_token": None,
-    }
-
-
-def _special_tokens_map() -> dict[str, Any]:
-    return {
-        "additional_special_tokens": [SPECIAL_TOKENS[1], SPECIAL_TOKENS[2]],
-        "eos_token": SPECIAL_TOKENS[IM_END_ID],
-        "pad_token": SPECIAL_TOKENS[ENDOFTEXT_ID],
-    }
-
-
-def _generation_config() -> dict[str, Any]:
-    return {
-        "bos_token_id": None,
-        "do_sample": False,
-        "eos_token_id": [IM_END_ID, ENDOFTEXT_ID],
-        "pad_token_id": ENDOFTEXT_ID,
-    }
+    return rope_theta, rope_scaling
 
 
 # --------------------------------------------------------------------------------------------
@@ -420,17 +276,7 @@ def build_state_dict(family: str, size: str, seed: int = 0) -> dict[str, torch.T
         o_std = interp(_ATTN_OUT, i) / math.sqrt(nh * d)
         sd[p + "self_attn.o_proj.weight"] = normal((H, nh * d), o_std)
         if tied and i == 0 and _ANTI_COPY:
-            # One "anti-copy" kv group in layer 0: its query heads attend to keys of the same
-            # token (q = k projection) and write minus the value back (o = -v^T), so tokens
-            # already in the context are pushed down in the tied lm_head: the tied-embedding
-            # analogue of _ANTI_SELF, which keeps greedy out of "t t t" loops on short prompts.
-            group = nh // nkv
-            k0 = sd[p + "self_attn.k_proj.weight"][:d]
-            v0 = sd[p + "self_attn.v_proj.weight"][:d]
-            for h in range(group):
-                sd[p + "self_attn.q_proj.weight"][h * d : (h + 1) * d] = k0
-                o_block = (-_ANTI_COPY / group) * v0.T
-                sd[p + "self_attn.o_proj.weight"][:, h * d : (h + 1) * d] = o_block
+            _anti_copy_heads(sd, p, nh // nkv, d)
         sd[p + "post_attention_layernorm.weight"] = norm_weight()
         sd[p + "mlp.gate_proj.weight"] = normal((inter, H), 1.0 / math.sqrt(H))
         sd[p + "mlp.up_proj.weight"] = normal((inter, H), 1.0 / math.sqrt(H))
@@ -449,6 +295,19 @@ def build_state_dict(family: str, size: str, seed: int = 0) -> dict[str, torch.T
         head[: len(SPECIAL_TOKENS)] *= _SPECIAL_LOGIT_SCALE
         sd["lm_head.weight"] = head
     return {k: v.contiguous() for k, v in sd.items()}
+
+
+def _anti_copy_heads(sd: dict[str, torch.Tensor], prefix: str, group: int, d: int) -> None:
+    """One "anti-copy" kv group in a layer: its query heads attend to keys of the same token
+    (q = k projection) and write minus the value back (o = -v^T), so tokens already in the
+    context are pushed down in the tied lm_head: the tied-embedding analogue of _ANTI_SELF,
+    which keeps greedy out of "t t t" loops on short prompts."""
+    k0 = sd[prefix + "self_attn.k_proj.weight"][:d]
+    v0 = sd[prefix + "self_attn.v_proj.weight"][:d]
+    for h in range(group):
+        sd[prefix + "self_attn.q_proj.weight"][h * d : (h + 1) * d] = k0
+        o_block = (-_ANTI_COPY / group) * v0.T
+        sd[prefix + "self_attn.o_proj.weight"][:, h * d : (h + 1) * d] = o_block
 
 
 def random_prompts(
@@ -495,8 +354,8 @@ def write_demo_model(
     _dump_json(out / "config.json", cfg)
     _dump_json(out / "generation_config.json", _generation_config())
     (out / "tokenizer.json").write_text(build_tokenizer_json(cfg["vocab_size"]), encoding="utf-8")
-    _dump_json(out / "tokenizer_config.json", _tokenizer_config(cfg["max_position_embeddings"]))
-    _dump_json(out / "special_tokens_map.json", _special_tokens_map())
+    _dump_json(out / "tokenizer_config.json", tokenizer_config(cfg["max_position_embeddings"]))
+    _dump_json(out / "special_tokens_map.json", special_tokens_map())
     weights = save(build_state_dict(family, size, seed), metadata={"format": "pt"})
     (out / "model.safetensors").write_bytes(weights)
     return out

@@ -37,8 +37,8 @@ import torch
 from safetensors import safe_open
 
 from engine.errors import AdapterInUse, LoRAError
-from engine.stats import LoRAStats
 from engine.models.linear import LinearBase, LoRABatch, LoRASlots
+from engine.stats import LoRAStats
 
 logger = logging.getLogger(__name__)
 
@@ -66,10 +66,6 @@ class LoRARequest:
         if not isinstance(self.lora_path, str) or not self.lora_path:
             raise LoRAError(f"lora_path: must be a non-empty string, got {self.lora_path!r}")
 
-    @property
-    def adapter_id(self) -> int:
-        return self.lora_int_id
-
 
 @dataclass(slots=True)
 class Adapter:
@@ -95,6 +91,15 @@ def read_adapter(
 ) -> Adapter:
     """Parse and check an adapter against the base model's projections. Raises LoRAError
     naming the file or field; nothing is kept when it does."""
+    cfg, alpha = _read_config(request)
+    pairs = _read_tensors(Path(request.lora_path) / ADAPTER_WEIGHTS)
+    weights, max_r = _check_weights(pairs, projections, max_lora_rank, dtype)
+    targets = tuple(sorted({layer.rpartition(".")[2] for layer in weights}))
+    return Adapter(request, max_r, float(alpha), bool(cfg.get("use_rslora", False)), weights, targets)
+
+
+def _read_config(request: LoRARequest) -> tuple[dict, float]:
+    """The adapter directory's files present and its config supported: (config, lora_alpha)."""
     path = Path(request.lora_path)
     cfg_path, w_path = path / ADAPTER_CONFIG, path / ADAPTER_WEIGHTS
     if not path.is_dir():
@@ -124,11 +129,14 @@ def read_adapter(
     r_cfg, alpha = cfg.get("r"), cfg.get("lora_alpha")
     if isinstance(r_cfg, bool) or not isinstance(r_cfg, int) or r_cfg < 1:
         raise LoRAError(f"{ADAPTER_CONFIG}: r must be an integer >= 1, got {r_cfg!r}")
-    if alpha is None:
-        alpha = 8   # peft's default
+    alpha = 8 if alpha is None else alpha   # peft's default
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
         raise LoRAError(f"{ADAPTER_CONFIG}: lora_alpha must be a number, got {alpha!r}")
+    return cfg, alpha
 
+
+def _read_tensors(w_path: Path) -> dict[str, dict[str, torch.Tensor]]:
+    """Layer -> {"lora_A": A, "lora_B": B}, as the weights file holds them."""
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     try:
         with safe_open(str(w_path), framework="pt") as f:
@@ -143,7 +151,17 @@ def read_adapter(
         raise LoRAError(f"{ADAPTER_WEIGHTS}: cannot be read ({exc})") from None
     if not pairs:
         raise LoRAError(f"{ADAPTER_WEIGHTS}: holds no LoRA weights")
+    return pairs
 
+
+def _check_weights(
+    pairs: dict[str, dict[str, torch.Tensor]],
+    projections: dict[str, tuple[LinearBase, int]],
+    max_lora_rank: int,
+    dtype: torch.dtype,
+) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], int]:
+    """Each layer's A and B checked against the base model's projection: (weights in
+    `dtype`, the largest rank)."""
     weights: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     max_r = 0
     for layer, ab in sorted(pairs.items()):
@@ -171,8 +189,7 @@ def read_adapter(
             raise LoRAError(f"{ADAPTER_WEIGHTS}: layer {layer!r} holds non-finite values")
         weights[layer] = (a.to(dtype).contiguous(), b.to(dtype).contiguous())
         max_r = max(max_r, r)
-    targets = tuple(sorted({layer.rpartition(".")[2] for layer in weights}))
-    return Adapter(request, max_r, float(alpha), bool(cfg.get("use_rslora", False)), weights, targets)
+    return weights, max_r
 
 
 class LoRAManager:

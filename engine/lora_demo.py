@@ -73,8 +73,7 @@ def write_demo_adapter(
     if not (isinstance(alpha, (int, float)) and math.isfinite(alpha) and alpha > 0):
         raise ValueError(f"alpha must be a positive number, got {alpha!r}")
 
-    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
-    from safetensors.torch import save_file
+    from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
@@ -98,6 +97,13 @@ def write_demo_adapter(
         )
         model = get_peft_model(base, config)
 
+    _randomize(model, rank, alpha, seed, target_modules, base_dir)
+    return _save(model, pathlib.Path(out_dir), base_dir)
+
+
+def _randomize(model, rank: int, alpha: float, seed: int, target_modules: tuple[str, ...],
+               base_dir: pathlib.Path) -> None:
+    """Seeded A and B for every LoRA layer, B scaled so each delta is DELTA_RATIO of its base."""
     scaling = alpha / rank
     g = torch.Generator().manual_seed(seed)
     lora_layers = sorted(
@@ -116,7 +122,12 @@ def write_demo_adapter(
             a.copy_(torch.randn(a.shape, generator=g) / math.sqrt(in_features))
             b.copy_(torch.randn(b.shape, generator=g) * b_std)
 
-    out = pathlib.Path(out_dir)
+
+def _save(model, out: pathlib.Path, base_dir: pathlib.Path) -> pathlib.Path:
+    """The adapter as peft's save_pretrained writes it: weights and config."""
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import save_file
+
     out.mkdir(parents=True, exist_ok=True)
     state = get_peft_model_state_dict(model)
     tensors = {k: v.detach().to(torch.float32).contiguous().clone() for k, v in sorted(state.items())}

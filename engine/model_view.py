@@ -7,7 +7,7 @@ import dataclasses
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
-from engine.client import Prompt, RequestStream
+from engine.client import EngineAdmin, EngineClient, Prompt, RequestStream
 from engine.config import ModelConfig
 from engine.lora import Adapter, LoRARequest
 from engine.outputs import RequestOutput
@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from engine.async_engine import AsyncEngine
 
 
-class ModelView:
+class ModelView(EngineClient, EngineAdmin):
     """Requests submitted through it run on its model (or on one of its adapters,
     `model=<adapter>`), adapters added through it belong to it, and its stats, tokenizer
     and context are that model's. The queue, the step loop, the adapters' names and the

@@ -153,13 +153,13 @@ class AdapterCatalog:
 
     def is_current(self, engine: Any, name: str, adapter_id: str | None) -> bool:
         """Whether `engine` serves `name` as the adapter row `adapter_id`."""
-        known = getattr(engine, "loras", {}).get(name)
+        known = engine.loras.get(name)
         return known is not None and known.lora_int_id == self._int_ids.get(adapter_id or "")
 
     def remove_stale(self, engine: Any, name: str, adapter_id: str | None) -> None:
         """Take `name` off `engine` unless it is the row `adapter_id` (LoRAError while
         requests still use it)."""
-        if name in getattr(engine, "loras", {}) and not self.is_current(engine, name, adapter_id):
+        if name in engine.loras and not self.is_current(engine, name, adapter_id):
             engine.remove_lora(name)
 
     async def register(self, entry: ModelEntry, info: AdapterInfo) -> None:
@@ -180,7 +180,7 @@ class AdapterCatalog:
     async def sweep(self) -> None:
         """Take adapters whose row is gone (or replaced) off this replica's engines."""
         served = {(m.name, name): req for m in self.models.values()
-                  for name, req in getattr(m.engine, "loras", {}).items()}
+                  for name, req in m.engine.loras.items()}
         if not served:
             return
         async with self.sessions() as session:

@@ -26,6 +26,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from engine import AsyncEngine
 from gateway import admin, openai_api
 from gateway.errors import APIError, install_error_handlers
+from gateway.model_catalog import read_catalog
 from gateway.settings import Settings, parse_model_specs
 from gateway.state import AppState, Lifecycle, ModelEntry
 from tenancy import api_keys, db, keys, tenants
@@ -144,7 +145,7 @@ async def load_models(s: Settings, engine_factory: EngineFactory) -> dict[str, M
     """Start the engines of the configured models (the demo model when none is given)."""
     specs = parse_model_specs(s.models)
     if not specs:
-        from engine.demo_model import write_demo_model
+        from engine import write_demo_model
 
         path = s.data_dir / "models" / DEMO_MODEL
         if not (path / "config.json").is_file():
@@ -168,13 +169,11 @@ async def load_models(s: Settings, engine_factory: EngineFactory) -> dict[str, M
         for name, path in specs.items():
             engines[name] = engine_factory(str(path), **s.lora_engine_kwargs())
             await engines[name].start()
-    models = {}
-    for name, path in specs.items():
-        engine = engines[name]
-        # load the chat template's renderer now, not on the first request
-        await asyncio.to_thread(lambda e=engine: e.tokenizer.hf_tokenizer)
-        models[name] = ModelEntry(name, Path(path), engine, private=name in private)
-    return models
+    # tokenizers, chat templates (their renderers loaded now, not on the first request) and
+    # context lengths, from the model directories: the gateway's own, not the engine's
+    infos = await read_catalog(specs, max_model_len=s.lora_engine_kwargs().get("max_model_len"))
+    return {name: ModelEntry(name, Path(path), engines[name], infos[name], private=name in private)
+            for name, path in specs.items()}
 
 
 async def bootstrap_keys(state: AppState) -> None:
@@ -308,7 +307,7 @@ def create_app(settings: Settings | None = None, engine_factory: EngineFactory =
     @app.get("/ready", include_in_schema=False)
     async def ready(request: Request) -> JSONResponse:
         state: AppState = request.app.state.lockgate
-        checks = {"models": state.ready and all(m.engine.core is not None for m in state.models.values())}
+        checks = {"models": state.ready and all(m.engine.is_ready for m in state.models.values())}
         try:
             async with state.sessions() as session:
                 await db.ping(session)

@@ -1,15 +1,16 @@
-"""One admitted request's life: limiter admission, engine requests, settlement and usage.
+"""The API's service tiers (`TIERS`) and `RequestRun`: one admitted HTTP request's life
+(limiter admission, engine requests, settlement and usage).
 
-    job = Job(state, principal, entry, tier, prompts, params)
-    await job.admit()                           # 429 here; nothing queued yet
-    await job.submit(sheddable=not stream)      # 400/429/503 here; the engine has the request(s)
-    async for i, out in job.events(): ...       # 429/503 here if the engine shed it
-    usage = await job.finish("ok")              # usage row committed, reservation settled
+    run = RequestRun(state, principal, entry, tier, prompts, params, reserve_tokens)
+    await run.admit()                           # 429 here; nothing queued yet
+    await run.submit(sheddable=not stream)      # 400/429/503 here; the engine has the request(s)
+    async for i, out in run.events(): ...       # 429/503 here if the engine shed it
+    usage = await run.finish("ok")              # usage row committed, reservation settled
 
-A job ends exactly once, in one of two ways. `finish` (disconnect, error, success): the lease
+A run ends exactly once, in one of two ways. `finish` (disconnect, error, success): the lease
 is settled to the tokens processed and exactly one usage row is written. `refuse`, when the
 engine is overloaded (it refused a prompt at submit, or shed a queued one of a non-streaming
-job before any answer went out): the admission is cancelled (`Limiter.cancel`: no rate,
+request before any answer went out): the admission is cancelled (`Limiter.cancel`: no rate,
 lease or budget keeps it) and no usage row is written, as for a limiter's 429. Whichever
 comes first wins; the other is then a no-op.
 """
@@ -24,8 +25,15 @@ import time
 from collections.abc import Callable
 from datetime import UTC, datetime
 
-from engine import EngineDead, EngineOverloaded, PromptTooLong, RequestOutput, SamplingParams
-from engine.async_engine import RequestStream
+from engine import (
+    EngineDead,
+    EngineOverloaded,
+    InvalidRequest,
+    PromptTooLong,
+    RequestOutput,
+    RequestStream,
+    SamplingParams,
+)
 from gateway.errors import APIError
 from gateway.state import AppState, ModelEntry
 from tenancy.auth import Principal
@@ -77,8 +85,9 @@ def ratelimit_headers(d: Decision) -> dict[str, str]:
     return h
 
 
-def _engine_stopped(exc: EngineDead) -> APIError:
-    return APIError(503, f"The engine stopped: {exc}", code="engine_unavailable",
+def engine_unavailable(exc: EngineDead, what: str) -> APIError:
+    """The answer when the engine cannot serve: it `what` ("stopped", "is not running")."""
+    return APIError(503, f"The engine {what}: {exc}", code="engine_unavailable",
                     headers={"retry-after": "5"})
 
 
@@ -93,7 +102,7 @@ def overloaded(tier: str, exc: EngineOverloaded) -> APIError:
                     headers=headers)
 
 
-class Job:
+class RequestRun:
     def __init__(
         self,
         state: AppState,
@@ -134,7 +143,6 @@ class Job:
         scopes = [LimitScope(f"tenant:{p.tenant_id}", p.tenant_quota),
                   LimitScope(f"key:{p.key_id}", p.key_quota)]
         limiter = self.state.limiter
-        assert limiter is not None
         try:
             d = await limiter.acquire(self.id, scopes, self.reserve_tokens)
         except LimiterUnavailable as exc:   # the shared limiter is unreachable: refuse, don't guess
@@ -155,9 +163,9 @@ class Job:
             self.state.inflight[self.id] = self.lease
 
     async def submit(self, *, sheddable: bool) -> None:
-        """Hand every prompt to the engine. `sheddable` (a non-streaming job: nothing is
+        """Hand every prompt to the engine. `sheddable` (a non-streaming request: nothing is
         answered until it ends) lets the engine shed its queued prompts before they start.
-        On a refusal nothing stays queued and the job is over: refused (`refuse`) when the
+        On a refusal nothing stays queued and the run is over: refused (`refuse`) when the
         engine is overloaded, finished with an error row otherwise."""
         self.state.push_weight(self.principal.tenant_id, self.principal.weight)
         self.sheddable = sheddable
@@ -185,11 +193,9 @@ class Job:
         except PromptTooLong as exc:
             raise APIError(400, str(exc), param="messages", code="context_length_exceeded") from None
         except EngineDead as exc:
-            raise APIError(503, f"The engine is not running: {exc}", code="engine_unavailable",
-                           headers={"retry-after": "5"}) from None
-        except ValueError as exc:
-            param = str(exc).split(":", 1)[0].split(" ", 1)[0]
-            raise APIError(400, str(exc), param=param or None) from None
+            raise engine_unavailable(exc, "is not running") from None
+        except InvalidRequest as exc:
+            raise APIError(400, str(exc), param=exc.field) from None
 
     async def _pump(self, i: int, stream: RequestStream) -> None:
         try:
@@ -211,7 +217,7 @@ class Job:
                     self.finals[0] = out
                     yield 0, out
             except EngineDead as exc:
-                raise _engine_stopped(exc) from None
+                raise engine_unavailable(exc, "stopped") from None
             except EngineOverloaded as exc:
                 raise await self._shed(exc) from None
             self._open = 0
@@ -225,14 +231,14 @@ class Job:
                 self._open -= 1
             else:
                 if isinstance(item, EngineDead):
-                    raise _engine_stopped(item)
+                    raise engine_unavailable(item, "stopped")
                 if isinstance(item, EngineOverloaded):
                     raise await self._shed(item)
                 raise item
 
     async def _shed(self, exc: EngineOverloaded) -> BaseException:
         """A stream raised EngineOverloaded: the engine shed that prompt from its queue. A
-        sheddable job has answered nothing yet, so the whole job is refused (its other
+        sheddable run has answered nothing yet, so the whole run is refused (its other
         prompts closed) as if at submit. A stream that is not sheddable must never see this
         (its 200 went out): an engine fault, raised as it is."""
         if self.sheddable:
@@ -247,7 +253,7 @@ class Job:
 
     # -- the end ------------------------------------------------------------------------------
     async def refuse(self, exc: EngineOverloaded) -> APIError:
-        """End the job because the engine is overloaded (instead of `finish`; a no-op after
+        """End the run because the engine is overloaded (instead of `finish`; a no-op after
         it): streams closed, the admission cancelled so no rate, lease or budget counts it,
         no usage row. Returns the 429 (flex) or 503 to answer with."""
         if self._ended is None:
@@ -260,7 +266,6 @@ class Job:
                 if self.lease is not None:
                     lease, self.lease = self.lease, None
                     self.state.inflight.pop(self.id, None)
-                    assert self.state.limiter is not None
                     try:
                         await asyncio.shield(self.state.limiter.cancel(lease))
                     except Exception:  # noqa: BLE001 - the lease expires; the window keeps it
@@ -294,60 +299,29 @@ class Job:
             return self.usage or {}
         self._ended = asyncio.get_running_loop().create_future()
         error: BaseException | None = None
+        used = 0
         try:
             self._close_streams()
-            prompt, cached, completion = self.counts()
-            metrics = [o.metrics for o in self.finals.values() if o.metrics is not None]
-            scheduled = [m.first_scheduled_time for m in metrics if m.first_scheduled_time]
-            first_tok = [m.first_token_time for m in metrics if m.first_token_time]
             now = time.time()
-            if status == "ok":
-                used = prompt + completion
-            else:   # what the engine actually processed: prompts that started, tokens made
-                started = sum(len(self.prompts[i]) for i, o in self.finals.items()
-                              if o.metrics and o.metrics.first_scheduled_time)
-                used = started + completion
+            used = self._used_tokens(status)
             self.usage = self.usage_dict()
-            row = UsageRow(
-                request_id=self.id, tenant_id=self.principal.tenant_id,
-                api_key_id=self.principal.key_id, model=self.entry.name, service_tier=self.tier,
-                prompt_tokens=prompt, cached_tokens=cached, completion_tokens=completion,
-                status=status,
-                queue_ms=(min(scheduled) - self.t0) * 1000 if scheduled else (now - self.t0) * 1000,
-                ttft_ms=(min(first_tok) - self.t0) * 1000 if first_tok else None,
-                total_ms=(now - self.t0) * 1000,
-                created_at=datetime.now(UTC),
-            )
+            row = self._usage_row(status, now)
             # The usage commit and the lease settlement go out together (one wait, not two),
             # and the CPU work below (metrics, the caller's `while_committing`) is done while
             # they are in flight rather than after.
             settle = None
             if self.lease is not None:
                 self.state.inflight.pop(self.id, None)
-                assert self.state.limiter is not None
                 settle = asyncio.ensure_future(self.state.limiter.settle(self.lease, used))
                 self.lease = None
             committed = None
             try:
-                assert self.state.usage is not None
                 committed = self.state.usage.submit(row)
             except Exception as exc:  # noqa: BLE001
                 logger.error("usage row for request %s not committed: %r", self.id, exc)
                 error = exc
             await asyncio.sleep(0)      # the writer and the settlement send their commands
-            m = self.state.metrics
-            tenant = self.principal.tenant_name
-            m.child(m.requests, tenant, self.entry.name, self.tier, status).inc()
-            m.child(m.tokens, tenant, "prompt").inc(prompt)
-            m.child(m.tokens, tenant, "cached").inc(cached)
-            m.child(m.tokens, tenant, "completion").inc(completion)
-            m.child(m.e2e, self.tier).observe(now - self.t0)
-            if first_tok:
-                m.child(m.ttft, self.tier).observe(min(first_tok) - self.t0)
-                ends = [mm.finished_time for mm in metrics if mm.finished_time]
-                if completion > len(self.finals) and ends:
-                    m.child(m.tpot, self.tier).observe(
-                        (max(ends) - min(first_tok)) / (completion - len(self.finals)))
+            self._count(status, now)
             if while_committing is not None and error is None:
                 while_committing()
             if committed is not None:
@@ -365,8 +339,7 @@ class Job:
             if self.lease is not None:
                 self.state.inflight.pop(self.id, None)
                 try:
-                    assert self.state.limiter is not None
-                    await self.state.limiter.settle(self.lease, used if "used" in locals() else 0)
+                    await self.state.limiter.settle(self.lease, used)
                 except Exception:  # noqa: BLE001 - leases expire on their own
                     logger.warning("could not settle the lease of %s", self.id, exc_info=True)
             self._ended.set_result(None)
@@ -374,3 +347,51 @@ class Job:
             raise APIError(503, "The request's usage could not be recorded; it was not completed.",
                            code="usage_not_recorded", headers={"retry-after": "1"})
         return self.usage
+
+    def _used_tokens(self, status: str) -> int:
+        """What the lease settles to: everything on success, else what the engine actually
+        processed (prompts that started, tokens made)."""
+        prompt, _, completion = self.counts()
+        if status == "ok":
+            return prompt + completion
+        started = sum(len(self.prompts[i]) for i, o in self.finals.items()
+                      if o.metrics and o.metrics.first_scheduled_time)
+        return started + completion
+
+    def _times(self) -> tuple[list[float], list[float], list[float]]:
+        """The prompts' first-scheduled, first-token and finished times, where known."""
+        metrics = [o.metrics for o in self.finals.values() if o.metrics is not None]
+        return ([m.first_scheduled_time for m in metrics if m.first_scheduled_time],
+                [m.first_token_time for m in metrics if m.first_token_time],
+                [m.finished_time for m in metrics if m.finished_time])
+
+    def _usage_row(self, status: str, now: float) -> UsageRow:
+        prompt, cached, completion = self.counts()
+        scheduled, first_tok, _ = self._times()
+        return UsageRow(
+            request_id=self.id, tenant_id=self.principal.tenant_id,
+            api_key_id=self.principal.key_id, model=self.entry.name, service_tier=self.tier,
+            prompt_tokens=prompt, cached_tokens=cached, completion_tokens=completion,
+            status=status,
+            queue_ms=(min(scheduled) - self.t0) * 1000 if scheduled else (now - self.t0) * 1000,
+            ttft_ms=(min(first_tok) - self.t0) * 1000 if first_tok else None,
+            total_ms=(now - self.t0) * 1000,
+            created_at=datetime.now(UTC),
+        )
+
+    def _count(self, status: str, now: float) -> None:
+        """The run in the Prometheus metrics: requests, tokens, latencies."""
+        prompt, cached, completion = self.counts()
+        _, first_tok, ends = self._times()
+        m = self.state.metrics
+        tenant = self.principal.tenant_name
+        m.child(m.requests, tenant, self.entry.name, self.tier, status).inc()
+        m.child(m.tokens, tenant, "prompt").inc(prompt)
+        m.child(m.tokens, tenant, "cached").inc(cached)
+        m.child(m.tokens, tenant, "completion").inc(completion)
+        m.child(m.e2e, self.tier).observe(now - self.t0)
+        if first_tok:
+            m.child(m.ttft, self.tier).observe(min(first_tok) - self.t0)
+            if completion > len(self.finals) and ends:
+                m.child(m.tpot, self.tier).observe(
+                    (max(ends) - min(first_tok)) / (completion - len(self.finals)))

@@ -9,6 +9,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from engine import EngineStats
+
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 
@@ -16,7 +18,7 @@ _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5
 class _EngineCollector(Collector):
     """Reads the engines' latest stats at scrape time: queues, running, KV, preemptions."""
 
-    def __init__(self, stats: Callable[[], Iterable[tuple[str, dict]]]) -> None:
+    def __init__(self, stats: Callable[[], Iterable[tuple[str, EngineStats]]]) -> None:
         self._stats = stats
 
     def collect(self):
@@ -30,20 +32,20 @@ class _EngineCollector(Collector):
                                      labels=["model"])
         pre = CounterMetricFamily("lockgate_preemptions", "Sequences preempted", labels=["model"])
         for model, s in self._stats():
-            for cls, n in s.get("waiting_requests", {}).items():
+            for cls, n in s.waiting_requests.items():
                 waiting.add_metric([model, cls], n)
-            for cls, n in s.get("running", {}).items():
+            for cls, n in s.running.items():
                 running.add_metric([model, cls], n)
-            used, total = s.get("kv_blocks_used", 0), s.get("kv_blocks_total", 0)
+            used, total = s.kv.used, s.kv.total
             kv.add_metric([model, "used"], used)
-            kv.add_metric([model, "free"], s.get("kv_blocks_free", 0))
+            kv.add_metric([model, "free"], s.kv.free)
             kv_usage.add_metric([model], used / total if total else 0.0)
-            pre.add_metric([model], s.get("num_preemptions", 0))
+            pre.add_metric([model], s.num_preemptions)
         yield from (waiting, running, kv, kv_usage, pre)
 
 
 class Metrics:
-    def __init__(self, engine_stats: Callable[[], Iterable[tuple[str, dict]]]) -> None:
+    def __init__(self, engine_stats: Callable[[], Iterable[tuple[str, EngineStats]]]) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("lockgate_requests", "Requests by tenant, model, tier and status",

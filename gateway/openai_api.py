@@ -13,10 +13,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
-from engine import CompletionOutput, SamplingParams
+from engine import CompletionOutput, InvalidRequest, SamplingParams
 from gateway.auth import app_state, tenant_principal
 from gateway.errors import APIError, validation_error
-from gateway.jobs import Job, ratelimit_headers
+from gateway.jobs import RequestRun, ratelimit_headers
 from gateway.protocol import (
     UNSUPPORTED_CHAT,
     UNSUPPORTED_COMPLETION,
@@ -95,13 +95,13 @@ def sampling(req: Any, max_tokens: int, logprobs: int | None) -> SamplingParams:
                        param="min_tokens")
     try:
         return SamplingParams(**kw)
-    except ValueError as exc:
-        raise APIError(400, str(exc), param=str(exc).split(" ", 1)[0]) from None
+    except InvalidRequest as exc:
+        raise APIError(400, str(exc), param=exc.field) from None
 
 
 def max_tokens_for(state: AppState, entry: ModelEntry, prompt_len: int, requested: int | None,
                    param: str, prompt_param: str) -> int:
-    max_len = entry.engine.max_model_len
+    max_len = entry.info.max_model_len
     cap = state.settings.max_tokens_limit
     if requested is not None and cap is not None and requested > cap:
         raise APIError(400, f"{param}: at most {cap} on this server", param=param)
@@ -129,10 +129,6 @@ def check_draining(state: AppState) -> None:
 
 
 # -- output shapes --------------------------------------------------------------------------------
-def finish_reason(c: CompletionOutput) -> str | None:
-    return c.finish_reason
-
-
 def _bytes(s: str | None) -> list[int]:
     return list((s or "").encode("utf-8"))
 
@@ -184,8 +180,8 @@ async def wait_disconnect(request: Request) -> None:
             return
 
 
-async def run_or_disconnect(request: Request, job: Job, coro) -> Any:
-    """Run `coro` in this task; if the client goes away first, abort the job (engine
+async def run_or_disconnect(request: Request, run: RequestRun, coro) -> Any:
+    """Run `coro` in this task; if the client goes away first, abort the run (engine
     requests, lease) and answer 499. A watcher task reads the connection and cancels this
     task on a disconnect (one task a request, not two and an `asyncio.wait`)."""
     task = asyncio.current_task()
@@ -203,13 +199,13 @@ async def run_or_disconnect(request: Request, job: Job, coro) -> Any:
         return await coro
     except asyncio.CancelledError:
         if not state["gone"]:           # cancelled from outside (shutdown): finish, pass it on
-            await asyncio.shield(job.finish("cancelled"))
+            await asyncio.shield(run.finish("cancelled"))
             raise
         task.uncancel()
     finally:
         state["active"] = False
         watcher.cancel()
-    await job.finish("cancelled")
+    await run.finish("cancelled")
     raise APIError(499, "client closed the request", code="client_closed_request")
 
 
@@ -229,41 +225,41 @@ async def open_request(request: Request, principal: Principal, model: type[BaseM
     return state, req, entry, tier
 
 
-async def respond(request: Request, job: Job, req: Any, tier: str, id_prefix: str, obj: str,
+async def respond(request: Request, run: RequestRun, req: Any, tier: str, id_prefix: str, obj: str,
                   stream, choices) -> Response:
-    """Admit and submit `job`, then answer: an SSE stream (`stream(job, base, include_usage)`)
+    """Admit and submit `run`, then answer: an SSE stream (`stream(run, base, include_usage)`)
     or one JSON body whose choices `choices()` builds from the finished outputs (or the
-    refusal, if the engine shed the job from its queue first)."""
-    await job.admit()
+    refusal, if the engine shed the run from its queue first)."""
+    await run.admit()
     # a stream's 200 goes out at once, so the engine may not shed it later; a JSON answer
     # waits for the end, so a shed before then is still answered as a refusal
-    await job.submit(sheddable=not req.stream)
-    headers = {**ratelimit_headers(job.decision)} if job.decision else {}
-    base = {"id": f"{id_prefix}-{job.id}", "created": int(job.t0), "model": req.model,
+    await run.submit(sheddable=not req.stream)
+    headers = {**ratelimit_headers(run.decision)} if run.decision else {}
+    base = {"id": f"{id_prefix}-{run.id}", "created": int(run.t0), "model": req.model,
             "service_tier": tier, "system_fingerprint": None}
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return StreamingResponse(stream(job, base, include_usage), media_type="text/event-stream",
+        return StreamingResponse(stream(run, base, include_usage), media_type="text/event-stream",
                                  headers=headers)
 
     async def collect() -> JSONResponse:
-        async for _ in job.events():
+        async for _ in run.events():
             pass
         built: list[JSONResponse] = []
 
         def build() -> None:        # while the usage row is being committed
             built.append(JSONResponse({**base, "object": obj, "choices": choices(),
-                                       "usage": job.usage}, headers=headers))
+                                       "usage": run.usage}, headers=headers))
 
-        await job.finish("ok", build)
+        await run.finish("ok", build)
         return built[0]
 
     try:
-        return await run_or_disconnect(request, job, collect())
+        return await run_or_disconnect(request, run, collect())
     except APIError:
         raise
     except Exception:
-        await asyncio.shield(job.finish("error"))
+        await asyncio.shield(run.finish("error"))
         raise
 
 
@@ -277,18 +273,18 @@ async def chat_completions(request: Request, principal: Principal = Depends(tena
     if sum(len(m["content"]) for m in messages) > state.settings.max_prompt_chars:
         raise APIError(400, f"messages: longer than {state.settings.max_prompt_chars} characters",
                        param="messages")
-    tok = entry.engine.tokenizer
+    info = entry.info
     try:
-        text = tok.apply_chat_template(messages)
+        text = info.render_chat(messages)
     except Exception as exc:  # noqa: BLE001 - a template's own error is the client's input
         raise APIError(400, f"messages: the chat template refused them: {exc}", param="messages") from None
-    ids = tok.encode(text, add_special_tokens=False)
+    ids = info.encode(text, add_special_tokens=False)
     max_tokens = max_tokens_for(state, entry, len(ids), req.requested_max_tokens(),
                                 "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens",
                                 "messages")
     top = req.top_logprobs or 0
     params = sampling(req, max_tokens, top if req.logprobs else None)
-    job = Job(state, principal, entry, tier, [ids], [params], len(ids) + max_tokens * params.n,
+    run = RequestRun(state, principal, entry, tier, [ids], [params], len(ids) + max_tokens * params.n,
               req.cache_salt)
 
     def choices() -> list[dict]:
@@ -296,23 +292,23 @@ async def chat_completions(request: Request, principal: Principal = Depends(tena
             "index": c.index,
             "message": {"role": "assistant", "content": c.text, "refusal": None},
             "logprobs": chat_logprobs(c, 0, top),
-            "finish_reason": finish_reason(c),
-        } for c in job.finals[0].outputs]
+            "finish_reason": c.finish_reason,
+        } for c in run.finals[0].outputs]
 
-    return await respond(request, job, req, tier, "chatcmpl", "chat.completion",
+    return await respond(request, run, req, tier, "chatcmpl", "chat.completion",
                          lambda j, base, usage: chat_stream(j, base, top, usage, params.n), choices)
 
 
-async def sse_stream(job: Job, chunks, chunk: dict, include_usage: bool):
+async def sse_stream(run: RequestRun, chunks, chunk: dict, include_usage: bool):
     """The SSE body around `chunks` (the choices' chunks as they come): then the usage row
-    is committed and the lease settled (`job.finish`), then the usage chunk and
+    is committed and the lease settled (`run.finish`), then the usage chunk and
     `data: [DONE]`. A failure after the headers went out is reported in the stream; any
-    ending but success (a disconnect included) still finishes the job, shielded."""
+    ending but success (a disconnect included) still finishes the run, shielded."""
     status = "cancelled"
     try:
         async for data in chunks:
             yield data
-        usage = await job.finish("ok")
+        usage = await run.finish("ok")
         status = "ok"
         if include_usage:
             yield sse({**chunk, "choices": [], "usage": usage})
@@ -324,18 +320,18 @@ async def sse_stream(job: Job, chunks, chunk: dict, include_usage: bool):
         raise
     except Exception as exc:  # noqa: BLE001 - headers are gone; say it in the stream
         status = "error"
-        logger.exception("stream of %s failed", job.id)
+        logger.exception("stream of %s failed", run.id)
         yield sse(APIError(500, f"The stream failed: {type(exc).__name__}", code="internal_error").body())
     finally:
         if status != "ok":
             with anyio.CancelScope(shield=True):
                 try:
-                    await job.finish(status)
+                    await run.finish(status)
                 except APIError:
                     pass
 
 
-def chat_stream(job: Job, base: dict, top: int, include_usage: bool, n: int):
+def chat_stream(run: RequestRun, base: dict, top: int, include_usage: bool, n: int):
     chunk = {**base, "object": "chat.completion.chunk"}
     extra = {"usage": None} if include_usage else {}
 
@@ -344,7 +340,7 @@ def chat_stream(job: Job, base: dict, top: int, include_usage: bool, n: int):
         for i in range(n):
             yield sse({**chunk, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                              "logprobs": None, "finish_reason": None}], **extra})
-        async for _, out in job.events():
+        async for _, out in run.events():
             for c in out.outputs:
                 if not (c.delta_text or c.finish_reason or (c.logprobs and len(c.token_ids) > sent_tokens[c.index])):
                     continue
@@ -352,9 +348,9 @@ def chat_stream(job: Job, base: dict, top: int, include_usage: bool, n: int):
                 sent_tokens[c.index] = len(c.token_ids)
                 delta = {"content": c.delta_text} if c.delta_text else {}
                 yield sse({**chunk, "choices": [{"index": c.index, "delta": delta, "logprobs": lp,
-                                                 "finish_reason": finish_reason(c)}], **extra})
+                                                 "finish_reason": c.finish_reason}], **extra})
 
-    return sse_stream(job, chunks(), chunk, include_usage)
+    return sse_stream(run, chunks(), chunk, include_usage)
 
 
 # -- completions ----------------------------------------------------------------------------------
@@ -367,15 +363,15 @@ async def completions(request: Request, principal: Principal = Depends(tenant_pr
         raise APIError(400, "prompt: must not be empty", param="prompt")
     if len(prompts) > 16:
         raise APIError(400, "prompt: at most 16 prompts per request", param="prompt")
-    tok = entry.engine.tokenizer
-    vocab = tok.vocab_size
+    info = entry.info
+    vocab = info.vocab_size
     ids_list: list[list[int]] = []
     for k, p in enumerate(prompts):
         if isinstance(p, str):
             if len(p) > state.settings.max_prompt_chars:
                 raise APIError(400, f"prompt: longer than {state.settings.max_prompt_chars} characters",
                                param="prompt")
-            ids = tok.encode(p)
+            ids = info.encode(p)
         else:
             if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in p):
                 raise APIError(400, f"prompt[{k}]: token ids must be integers in [0, {vocab})",
@@ -393,24 +389,24 @@ async def completions(request: Request, principal: Principal = Depends(tenant_pr
         reserve += len(ids) + mt * sp.n
     n = params_list[0].n
     top = req.logprobs or 0
-    job = Job(state, principal, entry, tier, ids_list, params_list, reserve, req.cache_salt)
+    run = RequestRun(state, principal, entry, tier, ids_list, params_list, reserve, req.cache_salt)
 
     def choices() -> list[dict]:
         return [{"index": i * n + c.index, "text": c.text,
-                 "logprobs": completion_logprobs(c, 0, top, 0), "finish_reason": finish_reason(c)}
-                for i in range(len(ids_list)) for c in job.finals[i].outputs]
+                 "logprobs": completion_logprobs(c, 0, top, 0), "finish_reason": c.finish_reason}
+                for i in range(len(ids_list)) for c in run.finals[i].outputs]
 
-    return await respond(request, job, req, tier, "cmpl", "text_completion",
+    return await respond(request, run, req, tier, "cmpl", "text_completion",
                          lambda j, base, usage: completion_stream(j, base, top, usage, n), choices)
 
 
-def completion_stream(job: Job, base: dict, top: int, include_usage: bool, n: int):
+def completion_stream(run: RequestRun, base: dict, top: int, include_usage: bool, n: int):
     chunk = {**base, "object": "text_completion"}
     extra = {"usage": None} if include_usage else {}
 
     async def chunks():
         sent: dict[tuple[int, int], tuple[int, int]] = {}   # (prompt, choice) -> (tokens, chars)
-        async for i, out in job.events():
+        async for i, out in run.events():
             for c in out.outputs:
                 toks, chars = sent.get((i, c.index), (0, 0))
                 if not (c.delta_text or c.finish_reason or (c.logprobs and len(c.token_ids) > toks)):
@@ -418,17 +414,17 @@ def completion_stream(job: Job, base: dict, top: int, include_usage: bool, n: in
                 lp = completion_logprobs(c, toks, top, chars)
                 sent[(i, c.index)] = (len(c.token_ids), chars + len(c.delta_text))
                 yield sse({**chunk, "choices": [{"index": i * n + c.index, "text": c.delta_text,
-                                                 "logprobs": lp, "finish_reason": finish_reason(c)}],
+                                                 "logprobs": lp, "finish_reason": c.finish_reason}],
                            **extra})
 
-    return sse_stream(job, chunks(), chunk, include_usage)
+    return sse_stream(run, chunks(), chunk, include_usage)
 
 
 # -- models and usage --------------------------------------------------------------------------------
 def model_card(m: ModelEntry) -> dict:
     """A model's card; an adapter's names its base model as `parent` and `root`."""
     return {"id": m.name, "object": "model", "created": m.created, "owned_by": "lockgate",
-            "parent": m.parent, "root": m.parent or m.name, "max_model_len": m.engine.max_model_len}
+            "parent": m.parent, "root": m.parent or m.name, "max_model_len": m.info.max_model_len}
 
 
 @router.get("/v1/models")

@@ -15,11 +15,21 @@ from fastapi import Request
 from sqlalchemy.ext.asyncio import AsyncEngine as SAEngine
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from engine import AsyncEngine, LoRAError
+from engine import (
+    Adapter,
+    EngineStats,
+    LoRAError,
+    LoRARequest,
+    Prompt,
+    RequestStream,
+    SamplingParams,
+    ServedEngine,
+)
 from gateway.adapter_catalog import AdapterCatalog, AdapterInfo
 from gateway.errors import APIError
 from gateway.key_cache import KeyCache
 from gateway.metrics import Metrics
+from gateway.model_catalog import ModelInfo
 from gateway.settings import Settings
 from tenancy import api_keys, auth
 from tenancy.auth import Principal
@@ -35,28 +45,64 @@ logger = logging.getLogger(__name__)
 class ModelEntry:
     name: str
     path: Path
-    engine: AsyncEngine
+    engine: ServedEngine
+    info: ModelInfo                # tokenizer, chat template, context (an adapter's: its base's)
     private: bool = False          # served only to tenants that list it
     created: int = field(default_factory=lambda: int(time.time()))
     parent: str | None = None      # an adapter's base model; `engine` is then a BoundEngine
 
 
-class BoundEngine:
+class BoundEngine(ServedEngine):
     """A base model's engine bound to one adapter: what a request for the adapter submits
-    to (`submit(..., model=<adapter>)`); everything else is the base engine's."""
+    to (`submit(..., model=<adapter>)`, 404 once the adapter is gone); everything else is
+    the base engine's."""
 
-    def __init__(self, engine: AsyncEngine, adapter: str) -> None:
+    def __init__(self, engine: ServedEngine, adapter: str) -> None:
         self.engine = engine
         self.adapter = adapter
 
-    def submit(self, *args: Any, **kwargs: Any) -> Any:
+    def submit(self, prompt: Prompt, sampling_params: SamplingParams, request_id: str,
+               **kwargs: Any) -> RequestStream:
         if self.adapter not in self.engine.loras:      # deleted since it was resolved
             raise APIError(404, f"The model `{self.adapter}` does not exist or you do not have "
                            "access to it.", param="model", code="model_not_found")
-        return self.engine.submit(*args, model=self.adapter, **kwargs)
+        return self.engine.submit(prompt, sampling_params, request_id, model=self.adapter, **kwargs)
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.engine, name)
+    async def abort(self, request_id: str) -> None:
+        await self.engine.abort(request_id)
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    @property
+    def is_ready(self) -> bool:
+        return self.engine.is_ready
+
+    async def start(self) -> None:
+        await self.engine.start()
+
+    async def shutdown(self) -> None:
+        await self.engine.shutdown()
+
+    async def add_lora(self, lora_request: LoRARequest) -> Adapter:
+        return await self.engine.add_lora(lora_request)
+
+    def remove_lora(self, name: str) -> bool:
+        return self.engine.remove_lora(name)
+
+    def unload_lora(self, name: str) -> bool:
+        return self.engine.unload_lora(name)
+
+    @property
+    def loras(self) -> dict[str, LoRARequest]:
+        return self.engine.loras
+
+    @property
+    def tenant_weights(self) -> dict[str, float]:
+        return self.engine.tenant_weights
+
+    def set_tenant_weight(self, tenant: str, weight: float) -> None:
+        self.engine.set_tenant_weight(tenant, weight)
 
 
 @dataclass(slots=True)
@@ -105,8 +151,8 @@ class AppState:
         return self.lifecycle.draining
 
     # -- engines ----------------------------------------------------------------------------
-    def engine_stats(self) -> list[tuple[str, dict]]:
-        return [(name, m.engine.stats()) for name, m in self.models.items() if m.engine.core is not None]
+    def engine_stats(self) -> list[tuple[str, EngineStats]]:
+        return [(name, m.engine.stats()) for name, m in self.models.items() if m.engine.is_ready]
 
     def push_weight(self, tenant_id: str, weight: float) -> None:
         for m in self.models.values():
@@ -128,7 +174,7 @@ class AppState:
 
     def adapter_entry(self, info: AdapterInfo) -> ModelEntry:
         base = self.models[info.base_model]
-        return ModelEntry(info.name, base.path, BoundEngine(base.engine, info.name),  # type: ignore[arg-type]
+        return ModelEntry(info.name, base.path, BoundEngine(base.engine, info.name), base.info,
                           private=info.owner_tenant_id is not None, created=info.created,
                           parent=base.name)
 

@@ -7,13 +7,14 @@ gateway (the thing under test) without a model's compute in the way.
     async for out in stream: ...                # cumulative RequestOutputs, one per token
     stream.close()
 
-What it keeps of AsyncEngine's interface (what gateway/jobs.py and gateway/openai_api.py
-use): `submit(prompt, params, request_id, *, tenant, service_class, priority, model,
-cache_salt)` raising ValueError / PromptTooLong / EngineOverloaded / EngineDead before anything
-is queued and returning the same `RequestStream` class (async iteration, idempotent `close()`
-that aborts an unfinished request); `generate`, `abort`; `tokenizer` (the model directory's
-own), `model_config`, `max_model_len`, `stats()`, `tenant_weights`, `set_tenant_weight`,
-`start()`, `shutdown()`, `core` (None until started).
+It is an `EngineClient` and `EngineAdmin` (engine/client.py), as AsyncEngine is:
+`submit(prompt, params, request_id, *, tenant, service_class, priority, model, cache_salt,
+sheddable)` raising InvalidRequest / PromptTooLong / EngineOverloaded / EngineDead before
+anything is queued and returning a `RequestStream` (async iteration, idempotent `close()`
+that aborts an unfinished request); `generate`, `abort`, `stats()`, `is_ready`; `start()`,
+`shutdown()`, `tenant_weights`, `set_tenant_weight`, and adapters (it serves none:
+`add_lora` refuses with LoRAError). `tokenizer`, `model_config` and `max_model_len` are the
+model directory's own.
 
 What it does instead of generating: each request gets min(max_tokens, `max_output_tokens`)
 tokens (16 by default) taken from a fixed sentence encoded by the model's tokenizer, with
@@ -31,31 +32,35 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from engine.async_engine import RequestStream
-from engine.config import ModelConfig
+from engine import (
+    Adapter,
+    CompletionOutput,
+    EngineAdmin,
+    EngineClient,
+    EngineDead,
+    EngineOverloaded,
+    EngineStats,
+    InvalidRequest,
+    Logprob,
+    LoRAError,
+    LoRARequest,
+    ModelConfig,
+    Prompt,
+    RequestMetrics,
+    RequestOutput,
+    RequestStream,
+    SamplingParams,
+    Tokenizer,
+)
 from engine.engine_core import check_request
-from engine.errors import EngineDead, EngineOverloaded
 from engine.llm import to_token_ids
 from engine.request import EngineRequest
-from engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from engine.sampling_params import SamplingParams
-from engine.tokenizer import Tokenizer
 
 SENTENCE = (" The quick brown fox jumps over the lazy dog, and the gateway answers every"
             " request at once so that only its own overhead is left to measure.")
 
 
-class _InstantCore:
-    """What `engine.core` is once started: something that is not None, with stats."""
-
-    def __init__(self, engine: InstantEngine) -> None:
-        self._engine = engine
-
-    def stats(self) -> dict:
-        return self._engine.stats()
-
-
-class InstantEngine:
+class InstantEngine(EngineClient, EngineAdmin):
     def __init__(self, model: str | Path, *, max_output_tokens: int = 16,
                  per_token_outputs: bool = True, max_model_len: int | None = None,
                  max_waiting_per_class: int = 100_000,
@@ -75,7 +80,7 @@ class InstantEngine:
         self.max_waiting_per_class = max_waiting_per_class
         self.service_classes = tuple(service_classes)
         self.ignored_kwargs = dict(ignored)
-        self.core: _InstantCore | None = None
+        self._loaded = False
         self._tokenizer: Tokenizer | None = None
         self._model_config: ModelConfig | None = None
         self._max_model_len = 0
@@ -92,20 +97,15 @@ class InstantEngine:
 
     # -- life cycle -----------------------------------------------------------------------------
     async def start(self) -> None:
-        if self.core is None:
+        if not self._loaded:
             await asyncio.to_thread(self._load)
-            self.core = _InstantCore(self)
+            self._loaded = True
         self._running = True
 
     def _load(self) -> None:
         mc = ModelConfig.from_dir(self.model_dir)
         tok = Tokenizer(self.model_dir)
-        limit = self._max_model_len_setting
-        if limit is not None and limit > mc.max_position_embeddings:
-            raise ValueError(f"max_model_len {limit} exceeds the model's max_position_embeddings "
-                             f"{mc.max_position_embeddings}")
-        self._max_model_len = limit or mc.max_position_embeddings
-        mc.max_model_len = self._max_model_len
+        self._max_model_len = mc.context_length(self._max_model_len_setting)
         ids = tok.encode(SENTENCE, add_special_tokens=False)
         special = tok.special_token_ids | set(mc.eos_token_ids)
         ids = [t for t in ids if t not in special]
@@ -132,9 +132,9 @@ class InstantEngine:
     async def __aexit__(self, *exc: object) -> None:
         await self.shutdown()
 
-    # -- what the gateway reads -----------------------------------------------------------------
+    # -- the model directory's own --------------------------------------------------------------
     def _started(self) -> None:
-        if self.core is None:
+        if not self._loaded:
             raise RuntimeError("InstantEngine is not started; call `await engine.start()` first")
 
     @property
@@ -165,30 +165,40 @@ class InstantEngine:
             raise ValueError(f"weight: must be a number > 0, got {weight!r}")
         self._tenant_weights[tenant] = float(weight)
 
-    def stats(self) -> dict:
-        """AsyncEngine's stats keys; requests count as running while their stream is open."""
+    # -- EngineClient ---------------------------------------------------------------------------
+    @property
+    def is_ready(self) -> bool:
+        return self._loaded
+
+    def stats(self) -> EngineStats:
+        """Requests count as running while their stream is open; nothing waits, no KV."""
         running = Counter(cls for cls, _ in self._streams.values())
         classes = self.service_classes
-        return {
-            "running": {c: running.get(c, 0) for c in classes},
-            "waiting": {c: 0 for c in classes},
-            "waiting_requests": {c: 0 for c in classes},
-            "running_by_tenant": {},
-            "waiting_by_tenant": {},
-            "num_requests": len(self._streams),
-            "num_preemptions": 0,
-            "kv_blocks_total": 0,
-            "kv_blocks_used": 0,
-            "kv_blocks_free": 0,
-            "prefix_cache_queries": 0,
-            "prefix_cache_hits": 0,
-            "num_generated_tokens": self.num_generated_tokens,
-            "num_steps": 0,
-            "memory": {},
-        }
+        return EngineStats(
+            running={c: running.get(c, 0) for c in classes},
+            waiting={c: 0 for c in classes},
+            waiting_requests={c: 0 for c in classes},
+            num_requests=len(self._streams),
+            num_generated_tokens=self.num_generated_tokens,
+        )
+
+    # -- EngineAdmin: no adapters ------------------------------------------------------------------
+    async def add_lora(self, lora_request: LoRARequest) -> Adapter:
+        raise LoRAError(f"lora_name: {lora_request.lora_name!r}: the instant engine serves no adapters",
+                        field="lora_name")
+
+    def remove_lora(self, name: str) -> bool:
+        return False
+
+    def unload_lora(self, name: str) -> bool:
+        return False
+
+    @property
+    def loras(self) -> dict[str, LoRARequest]:
+        return {}
 
     # -- requests -------------------------------------------------------------------------------
-    async def generate(self, prompt: Any, sampling_params: SamplingParams, request_id: str,
+    async def generate(self, prompt: Prompt, sampling_params: SamplingParams, request_id: str,
                        **kwargs: Any) -> AsyncIterator[RequestOutput]:
         stream = self.submit(prompt, sampling_params, request_id, **kwargs)
         try:
@@ -199,7 +209,7 @@ class InstantEngine:
 
     def submit(
         self,
-        prompt: str | list[int] | dict[str, Any],
+        prompt: Prompt,
         sampling_params: SamplingParams,
         request_id: str,
         *,
@@ -212,7 +222,7 @@ class InstantEngine:
     ) -> RequestStream:
         self._started()
         tok = self.tokenizer
-        text, ids = to_token_ids(self, prompt)
+        text, ids = to_token_ids(tok, prompt)
         check_request(EngineRequest(request_id, ids, sampling_params, prompt=text, tenant=tenant,
                                     service_class=service_class, priority=priority, model=model,
                                     cache_salt=cache_salt),
@@ -223,15 +233,16 @@ class InstantEngine:
         if not self._running:
             raise EngineDead("engine is not running; call `await engine.start()` first")
         if request_id in self._streams:
-            raise ValueError(f"request_id: {request_id!r} is already in the engine")
+            raise InvalidRequest(f"request_id: {request_id!r} is already in the engine", field="request_id")
         if service_class not in self.service_classes:
-            raise ValueError(f"service_class: {service_class!r} is not one of {self.service_classes}")
+            raise InvalidRequest(f"service_class: {service_class!r} is not one of {self.service_classes}",
+                                 field="service_class")
         queue: asyncio.Queue = asyncio.Queue()
         for out in self._outputs(request_id, text, ids, sampling_params, tok):
             queue.put_nowait(out)
         self._streams[request_id] = (service_class, queue)
         self.num_submitted += 1
-        return RequestStream(self, request_id, queue)   # type: ignore[arg-type]
+        return RequestStream(request_id, queue, abort=self._abort_now, forget=self._forget)
 
     def _outputs(self, request_id: str, text: str | None, ids: list[int], sp: SamplingParams,
                  tok: Tokenizer) -> list[RequestOutput]:
@@ -277,14 +288,14 @@ class InstantEngine:
             alt += 1
         return entry
 
-    # RequestStream's hooks (AsyncEngine's names)
+    # the stream's hooks
     def _forget(self, request_id: str) -> None:
         if self._streams.pop(request_id, None) is not None:
             self.num_finished += 1
 
-    def _post_abort(self, request_id: str) -> None:
+    def _abort_now(self, request_id: str) -> None:
         if self._streams.pop(request_id, None) is not None:
             self.num_aborted += 1
 
     async def abort(self, request_id: str) -> None:
-        self._post_abort(request_id)
+        self._abort_now(request_id)

@@ -36,9 +36,9 @@ def adapter_public(a: Any, state: AppState) -> AdapterPublic:
 def _lora_error(exc: LoRAError, body: AdapterCreate) -> APIError:
     """The engine's refusal as a 400 naming the request's field it is about."""
     msg = str(exc)
-    if msg.startswith("lora_name"):
+    if exc.field == "lora_name":
         return APIError(400, f"name: {msg}", param="name")
-    if "another base model" in msg:
+    if exc.field == "base_model_name":
         return APIError(400, f"base_model: the adapter in {body.path!r} does not fit "
                         f"{body.base_model!r}: {msg}", param="base_model")
     return APIError(400, f"path: the adapter in {body.path!r} cannot be served: {msg}", param="path")

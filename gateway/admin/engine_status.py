@@ -3,12 +3,43 @@ model, and every served model and adapter with its residency."""
 
 from __future__ import annotations
 
+from dataclasses import asdict
+from typing import Any
+
 from fastapi import Request
 
+from engine import EngineStats
 from gateway.admin.route import admin_router
 from gateway.state import app_state
 
 router = admin_router()
+
+
+def _json(part: Any) -> dict | None:
+    return asdict(part) if part is not None else None
+
+
+def engine_json(s: EngineStats) -> dict:
+    """One model's engine as /admin/v1/engine shows it."""
+    return {
+        "waiting": s.waiting_requests,
+        "running": s.running,
+        "waiting_by_tenant": s.waiting_by_tenant,
+        "running_by_tenant": s.running_by_tenant,
+        "kv_blocks": {"total": s.kv.total, "used": s.kv.used, "free": s.kv.free},
+        "preemptions": s.num_preemptions,
+        "classes": {c: asdict(q) for c, q in s.classes.items()},
+        # per tenant and class, fairness counters too
+        "tenants": {t: {c: asdict(row) for c, row in by_class.items()} for t, by_class in s.tenants.items()},
+        "generated_tokens": s.num_generated_tokens,
+        "prefix_cache": {"queries": s.kv.prefix_cache_queries, "hits": s.kv.prefix_cache_hits},
+        "lora": _json(s.lora),     # in_slots, in_cpu, requests, slot_loads, disk_loads
+        # the engine's bounded queue: queued per class, bounds, refused / shed per tenant
+        "overload": _json(s.overload),
+        # the step-cost model step sizing uses: fitted seconds per unit of each feature,
+        # the median relative error of its recent predictions (each made before its step)
+        "cost_model": _json(s.cost_model),
+    }
 
 
 @router.get("/engine")
@@ -16,26 +47,7 @@ async def engine(request: Request) -> dict:
     state = app_state(request)
     out = {}
     for name, stats in state.engine_stats():
-        out[name] = {
-            "waiting": stats.get("waiting_requests", {}),
-            "running": stats.get("running", {}),
-            "waiting_by_tenant": stats.get("waiting_by_tenant", {}),
-            "running_by_tenant": stats.get("running_by_tenant", {}),
-            "kv_blocks": {"total": stats.get("kv_blocks_total"), "used": stats.get("kv_blocks_used"),
-                          "free": stats.get("kv_blocks_free")},
-            "preemptions": stats.get("num_preemptions", 0),
-            "classes": stats.get("classes", {}),
-            "tenants": stats.get("tenants", {}),     # per tenant and class, fairness counters too
-            "generated_tokens": stats.get("num_generated_tokens", 0),
-            "prefix_cache": {"queries": stats.get("prefix_cache_queries", 0),
-                             "hits": stats.get("prefix_cache_hits", 0)},
-            "lora": stats.get("lora"),     # in_slots, in_cpu, requests, slot_loads, disk_loads
-            # the engine's bounded queue: queued per class, bounds, refused / shed per tenant
-            "overload": stats.get("overload"),
-            # the step-cost model step sizing uses: fitted seconds per unit of each feature,
-            # the median relative error of its recent predictions (each made before its step)
-            "cost_model": stats.get("cost_model"),
-        }
+        out[name] = engine_json(stats)
     return {"object": "engine", "models": out, "inflight_requests": len(state.inflight),
             "draining": state.draining}
 
@@ -48,27 +60,27 @@ async def models(request: Request) -> dict:
     state = app_state(request)
     data = []
     for m in state.models.values():
-        stats = m.engine.stats() if m.engine.core is not None else {}
-        pool = stats.get("model_pool")
-        lora = stats.get("lora") or {}
-        memory = stats.get("memory", {})
+        stats = m.engine.stats() if m.engine.is_ready else EngineStats()
+        own = stats.residency
         data.append({
             "id": m.name, "object": "model", "path": str(m.path), "private": m.private,
-            "max_model_len": m.engine.max_model_len,
-            "resident": pool["resident"] if pool else m.engine.core is not None,
-            "memory_bytes": pool["memory_bytes"] if pool else sum(v for k, v in memory.items() if k != "total_bytes"),
-            "waiting": sum(stats.get("waiting_requests", {}).values()),
-            "running": sum(stats.get("running", {}).values()),
-            "loads": pool["loads"] if pool else 1, "offloads": pool["offloads"] if pool else 0,
-            "turns": pool["turns"] if pool else 0,
-            "pool": stats.get("pool"),
+            "max_model_len": m.info.max_model_len,
+            "resident": own.resident if own else m.engine.is_ready,
+            "memory_bytes": own.memory_bytes if own else sum(v for k, v in stats.memory.items() if k != "total_bytes"),
+            "waiting": sum(stats.waiting_requests.values()),
+            "running": sum(stats.running.values()),
+            "loads": own.loads if own else 1, "offloads": own.offloads if own else 0,
+            "turns": own.turns if own else 0,
+            "pool": {"memory": stats.pool.memory, "switches": stats.pool.switches,
+                     "switch_s": stats.pool.switch_s, "current_model": stats.pool.current_model}
+            if stats.pool else None,
         })
-        registered = getattr(m.engine, "loras", {})
-        for name, req in registered.items():
+        lora = stats.lora
+        for name, req in m.engine.loras.items():
             if (req.base_model_name or m.name) != m.name and req.base_model_name is not None:
                 continue
-            where = ("slot" if name in lora.get("in_slots", {}) else
-                     "host" if name in lora.get("in_cpu", []) else "disk")
+            where = ("slot" if lora and name in lora.in_slots else
+                     "host" if lora and name in lora.in_cpu else "disk")
             data.append({"id": name, "object": "model", "parent": m.name, "residency": where,
-                         "requests": lora.get("requests", {}).get(name, 0)})
+                         "requests": lora.requests.get(name, 0) if lora else 0})
     return {"object": "list", "data": data}
