@@ -90,7 +90,7 @@ def run_lora_side(model_dir: str, adapter_dirs: list[str] | None, sizes: dict[st
         "num_steps": core.timings.num_steps,
         "timings_s": timings,
         "max_adapters_running": max_adapters_in_step,
-        "lora_stats": stats.get("lora"),
+        "lora_stats": stats.to_dict()["lora"],
     }
 
 

@@ -92,7 +92,7 @@ def bench_switch(
     s = sizes or SwitchSizes()
     sp = SamplingParams(max_tokens=s.output_len, min_tokens=s.output_len, temperature=0.0, ignore_eos=True)
     probe = _pool(a, b, s, None)
-    sizes_b = {n: m["memory_bytes"] for n, m in probe.stats()["models"].items()}
+    sizes_b = {n: m.memory_bytes for n, m in probe.stats().pool.models.items()}
     name_a = probe.default
     budget = max(sizes_b.values()) + min(sizes_b.values()) // 2     # one model at a time
     del probe

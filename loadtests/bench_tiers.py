@@ -120,7 +120,7 @@ def run_tiers_side(model_dir: str, mode: str, sizes: dict[str, Any]) -> dict[str
                      "censored": sum(1 for _, st in prio if st.first_token_time is None)},
         "steps": {"in_window": len(steps), "median_s": percentile(steps, 50),
                   "p90_s": percentile(steps, 90)},
-        "preemptions": {c: row["preemptions"] for c, row in stats["classes"].items()},
+        "preemptions": {c: row.preemptions for c, row in stats.classes.items()},
         "online_finished": sum(1 for st in online if st.finished_time is not None),
         "preempted_online": preempted,
     }
