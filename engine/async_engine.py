@@ -321,7 +321,7 @@ class AsyncEngine(EngineClient, EngineAdmin):
     def _size_queue(self, core: StepEngine) -> None:
         """The queue's token bound from the KV cache and the cost model's full-step rate."""
         self._steps_since_sizing = 0
-        cores = core.cores.values() if isinstance(core, ModelPool) else [core]
+        cores = list(core.cores.values()) if isinstance(core, ModelPool) else [core.core_for(None)]
         kv_tokens = sum(c.num_kv_blocks * c.config.block_size for c in cores)
         rates = []
         for c in cores:

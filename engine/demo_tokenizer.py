@@ -91,8 +91,7 @@ def _corpus() -> tuple[str, ...]:
 @lru_cache(maxsize=4)
 def build_tokenizer_json(vocab_size: int) -> str:
     """Train the byte-level BPE (deterministic) and return its tokenizer.json text."""
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
-    from tokenizers import processors, trainers
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
     # The pipeline is exactly Qwen2's (NFC, Qwen's split regex, byte-level without its own
     # regex): transformers 5 builds a Qwen2Tokenizer for model_type qwen2 and re-creates that

@@ -7,8 +7,8 @@ import dataclasses
 import logging
 import os
 import time
-from pathlib import Path
 from collections import Counter
+from pathlib import Path
 
 import torch
 
@@ -21,7 +21,7 @@ from engine.model_runner import ModelRunner, StepTimings
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
 from engine.platform import tune_cpu_allocator
-from engine.request import EngineRequest, RequestState, Sequence, SeqStatus
+from engine.request import EngineRequest, RequestState, SeqStatus, Sequence
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.stats import EngineStats, KVStats, QueueStats, TenantClassStats

@@ -28,7 +28,7 @@ import logging
 import math
 import re
 import threading
-from collections import OrderedDict, Counter
+from collections import Counter, OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path

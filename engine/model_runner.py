@@ -13,7 +13,7 @@ from engine.kv_cache import KVCacheManager
 from engine.lora import LoRAManager
 from engine.models import AttentionMetadata, build_skeleton, load_model, tensor_bytes
 from engine.request import Sequence
-from engine.sampler import Sampler, SampleRow, SamplerOutput
+from engine.sampler import Sampler, SamplerOutput, SampleRow
 from engine.scheduler import SchedulerOutput
 
 

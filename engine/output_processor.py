@@ -5,7 +5,7 @@ incremental detokenization, logprobs, and the cumulative outputs with their delt
 from __future__ import annotations
 
 from engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from engine.request import RequestState, Sequence, SeqStatus
+from engine.request import RequestState, SeqStatus, Sequence
 from engine.sampler import SamplerOutput
 from engine.scheduler import Scheduler
 from engine.tokenizer import Tokenizer

@@ -31,7 +31,7 @@ from engine.config import EngineConfig
 from engine.cost_model import StepCostModel, StepShape
 from engine.fairness import DECODE_COST, PREFILL_COST, Fairness, TenantStats
 from engine.kv_cache import KVBlock, KVCacheManager
-from engine.request import RequestState, Sequence, SeqStatus
+from engine.request import RequestState, SeqStatus, Sequence
 from engine.step_sizing import StepSizer
 
 logger = logging.getLogger(__name__)

@@ -44,7 +44,7 @@ def read_model_info(name: str, path: str | Path, *, max_model_len: int | None = 
     config = ModelConfig.from_dir(path)
     context = config.context_length(max_model_len)
     tokenizer = Tokenizer(path)
-    tokenizer.hf_tokenizer   # noqa: B018 - load the chat template's renderer now
+    _ = tokenizer.hf_tokenizer   # load the chat template's renderer now
     return ModelInfo(name, path, config, tokenizer, context)
 
 
