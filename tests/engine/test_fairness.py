@@ -1,5 +1,5 @@
 """Tenant fairness, priority preemption, reserved KV and tenant-salted prefix caching, with
-a fake model runner (tests/test_scheduler.py's FakeEngine: every sampled token is 7). Each
+a fake model runner (tests/support/fake_engine.py's FakeEngine: every sampled token is 7). Each
 test is a worked example; the docstring does the arithmetic. Service (VTC): uncached prompt
 tokens x 1 + output tokens x 2, divided by the tenant's weight."""
 
@@ -11,7 +11,7 @@ import pytest
 
 from engine.request import SeqStatus
 from engine.scheduler import DECODE_COST, PREFILL_COST
-from tests.engine.test_scheduler import CLASSES, FakeEngine, names
+from tests.support.fake_engine import CLASSES, FakeEngine, names
 
 ONLINE = CLASSES.index("online")
 

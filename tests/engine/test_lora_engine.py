@@ -4,15 +4,15 @@ each request's greedy output equals HF transformers + peft running its adapter a
 from __future__ import annotations
 
 import json
-from functools import lru_cache
 from pathlib import Path
 
 import pytest
-import torch
 
 from engine import LLM, LoRAError, LoRARequest, SamplingParams
 from engine.lora_demo import write_demo_adapter
 from tests.support.helpers import demo_model, hf_greedy, random_prompts
+from tests.support.lora import peft_greedy
+from tests.support.quant import dequantize_checkpoint, run_quantize, write_hf_twin
 
 NEW_TOKENS = 12
 # rank, targets, seed, rslora: ranks differ (zero-padded in one slot tensor), targets differ
@@ -38,26 +38,6 @@ def adapters(base, tmp_path_factory) -> dict[str, LoRARequest]:
         path = write_demo_adapter(base, root / name, rank=rank, targets=targets, seed=seed)
         out[name] = LoRARequest(name, i, str(path))
     return out
-
-
-@lru_cache(maxsize=None)
-def _peft_model(base: str, path: str):
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32, local_files_only=True)
-    return PeftModel.from_pretrained(model, path, local_files_only=True).eval()
-
-
-def peft_greedy(base: str, path: str | None, prompt: list[int], n: int) -> list[int]:
-    if path is None:
-        return hf_greedy(base, prompt, n, ignore_eos=True)
-    model = _peft_model(base, path)
-    ids = torch.tensor([prompt])
-    with torch.inference_mode():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
-                             min_new_tokens=n, do_sample=False, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
 
 
 def greedy(n: int = NEW_TOKENS) -> SamplingParams:
@@ -272,8 +252,6 @@ async def test_adapter_that_fails_to_load_later_fails_its_request_only(base, ada
 def test_lora_on_a_quantized_base_matches_peft_on_the_dequantized_model(base, method, tmp_path):
     """An adapter on an AWQ / GPTQ base (made by `lockgate quantize`) equals HF + peft on the
     dequantized weights, in a batch that mixes it with the bare quantized base."""
-    from tests.engine.test_quant import dequantize_checkpoint, run_quantize, write_hf_twin
-
     quant_dir = tmp_path / "quant"
     run_quantize(base, str(quant_dir), *method)
     hf_dir = write_hf_twin(quant_dir, tmp_path / "hf", dequantize_checkpoint(quant_dir))

@@ -13,6 +13,7 @@ from engine.config import EngineConfig
 from engine.model_pool import ModelPool
 from engine.request import EngineRequest
 from tests.support.helpers import demo_model, hf_greedy, random_prompts
+from tests.support.quant import dequantize_checkpoint, run_quantize, write_hf_twin
 
 NEW = 8
 
@@ -120,8 +121,6 @@ def test_llm_with_models_and_bad_configs(dirs):
 def test_a_quantized_and_a_full_precision_model_share_the_budget(dirs, tmp_path):
     """An AWQ model (made by `lockgate quantize`) and a float one on a one-model budget:
     both answer as HF does (the AWQ one as HF on its dequantized weights), taking turns."""
-    from tests.engine.test_quant import dequantize_checkpoint, run_quantize, write_hf_twin
-
     quant = tmp_path / "awq"
     run_quantize(dirs["a"], str(quant), "--method", "awq", "--group-size", "32")
     twin = write_hf_twin(quant, tmp_path / "twin", dequantize_checkpoint(quant))

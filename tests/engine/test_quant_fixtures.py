@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 from kernels.quant import reference
 from engine.quant import AWQConfig, AWQLinear, GPTQConfig, GPTQLinear
 from kernels.quant import awq_dequantize, awq_matmul, gptq_dequantize, gptq_matmul
-from tests.engine.test_quant import assert_greedy_matches_hf, copy_tokenizer, write_hf_twin
+from tests.support.quant import assert_greedy_matches_hf, copy_tokenizer, write_hf_twin
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "quant"
 MANIFEST = json.loads((FIXTURES / "MANIFEST.json").read_text())

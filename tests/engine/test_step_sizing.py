@@ -13,7 +13,7 @@ from engine.config import EngineConfig
 from engine.request import EngineRequest
 from engine.sampling_params import SamplingParams
 from tests.support.helpers import assert_all_blocks_free, demo_model, hf_greedy, random_prompts
-from tests.engine.test_scheduler import FakeEngine
+from tests.support.fake_engine import FakeEngine
 
 # a synthetic machine: seconds per step as a function of what it does
 TRUE = {"const": 2e-3, "prefill_tokens": 5e-5, "seqs": 2e-4, "decode_kv_tokens": 1e-7,

@@ -20,7 +20,7 @@ from engine.lora_demo import write_demo_adapter
 from engine.tokenizer import Tokenizer
 from tests.support.gateway_server import GatewayServer, running_server
 from tests.support.helpers import demo_model, hf_greedy
-from tests.engine.test_lora_engine import peft_greedy
+from tests.support.lora import peft_greedy
 
 MAX_LORA_RANK = 8
 TTL = 1.0                       # LOCKGATE_ADAPTER_CACHE_TTL_S in these servers
