@@ -10,9 +10,9 @@ import weakref
 
 import pytest
 
-pytest_plugins = ["tests.support.services"]
-
 from engine.engine_core import EngineCore
+
+pytest_plugins = ["tests.support.services"]
 
 _CORES: "weakref.WeakSet[EngineCore]" = weakref.WeakSet()
 _init = EngineCore.__init__

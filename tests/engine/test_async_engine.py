@@ -30,7 +30,7 @@ def test_stream_deltas_add_up_and_never_split_characters():
     assert final.finished and not any(o.finished for o in outs[:-1])
     c = final.outputs[0]
     assert "".join(o.outputs[0].delta_text for o in outs) == c.text
-    assert sum((o.outputs[0].delta_token_ids for o in outs), []) == c.token_ids
+    assert [t for o in outs for t in o.outputs[0].delta_token_ids] == c.token_ids
     assert c.text == engine.tokenizer.decode(c.token_ids)
     # each output carries all tokens so far
     assert [len(o.outputs[0].token_ids) for o in outs] == sorted(len(o.outputs[0].token_ids) for o in outs)

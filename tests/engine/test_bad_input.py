@@ -93,10 +93,10 @@ def test_async_engine_rejects_bad_input_and_overload():
 
     async def main():
         async with AsyncEngine(d, max_waiting_per_class=2, max_num_seqs=1) as engine:
-            with pytest.raises(ValueError, match="^service_class"):
+            with pytest.raises(ValueError, match=r"^service_class"):
                 async for _ in engine.generate("hi", SamplingParams(), "x", service_class="gold"):
                     pass
-            with pytest.raises(ValueError, match="^max_tokens"):
+            with pytest.raises(ValueError, match=r"^max_tokens"):
                 SamplingParams(max_tokens=-1)
             # one running (max_num_seqs=1), two waiting: the fourth is refused at once
             params = SamplingParams(max_tokens=60, ignore_eos=True)
@@ -113,7 +113,7 @@ def test_async_engine_rejects_bad_input_and_overload():
             with pytest.raises(EngineOverloaded):
                 async for _ in engine.generate("one too many", params, "r3"):
                     pass
-            done = [await _drain(it)] + list(await asyncio.gather(*tasks))
+            done = [await _drain(it), *await asyncio.gather(*tasks)]
             assert [len(o.outputs[0].token_ids) for o in done] == [60, 60, 60]
             # and it keeps serving
             final = await _drain(engine.generate("after", SamplingParams(max_tokens=2), "r4"))
@@ -151,9 +151,9 @@ def test_request_fields_are_checked(llm, make, field):
 def test_sampling_params_checked_again_when_queued(llm):
     sp = SamplingParams(max_tokens=3)
     sp.n = 0                                   # changed after construction
-    with pytest.raises(ValueError, match="^n\\b"):
+    with pytest.raises(ValueError, match=r"^n\b"):
         llm.generate(["a"], sp, use_progress_bar=False)
-    with pytest.raises(ValueError, match="^sampling_params"):
+    with pytest.raises(ValueError, match=r"^sampling_params"):
         llm.generate(["a", "b"], [SamplingParams(), None], use_progress_bar=False)
     for bad in ({"temperature": float("nan")}, {"repetition_penalty": float("inf")}):
         with pytest.raises(ValueError, match="finite"):

@@ -311,7 +311,7 @@ def _batched_greedy(model, rows, new=NEW_TOKENS):
         if t == new - 1:
             break
         mask = torch.cat([mask, torch.ones(B, 1, dtype=torch.long)], 1)
-        cache = out[cache_kw] if cache_kw in out.keys() else out["past_key_values"]
+        cache = out[cache_kw] if cache_kw in out else out["past_key_values"]
         out = model(input_ids=toks[-1][:, None], position_ids=nxt[:, None], attention_mask=mask,
                     use_cache=True, **{cache_kw: cache})
         nxt = nxt + 1
@@ -346,7 +346,7 @@ def test_greedy_is_decisive_diverse_and_context_dependent(tiny, family):
     rest = toks[n_base:]
     rev, rest = rest[: len(long8)], rest[len(long8) :]
     first, masked = rest[: len(long16)], rest[len(long16) :]
-    by_prompt = {id(p): c for p, c in zip(prompts, base)}
+    by_prompt = {id(p): c for p, c in zip(prompts, base, strict=True)}
 
     # 1. decisive: every generated step's top-1 / top-2 gap is far above float noise
     g = gaps[:n_base].flatten()
@@ -360,11 +360,11 @@ def test_greedy_is_decisive_diverse_and_context_dependent(tiny, family):
         assert len(set(c)) >= 8, c
 
     # 3. context-dependent
-    n_rev = sum(r != by_prompt[id(p)] for p, r in zip(long8, rev))
+    n_rev = sum(r != by_prompt[id(p)] for p, r in zip(long8, rev, strict=True))
     assert n_rev >= 0.75 * len(long8)
-    n_first = sum(r != by_prompt[id(p)] for p, r in zip(long16, first))
+    n_first = sum(r != by_prompt[id(p)] for p, r in zip(long16, first, strict=True))
     assert n_first >= 0.6 * len(long16)
-    n_mask = sum(r != by_prompt[id(p)] for p, r in zip(long8, masked))
+    n_mask = sum(r != by_prompt[id(p)] for p, r in zip(long8, masked, strict=True))
     assert n_mask >= 0.75 * len(long8)
 
     # 4. EOS is rare

@@ -9,7 +9,13 @@ import pytest
 
 from engine import LLM, AsyncEngine, SamplingParams
 from tests.support.helpers import (
-    FAMILIES, MAX_TOKENS, PROMPT_LENS, assert_all_blocks_free, demo_model, hf_greedy, random_prompts,
+    FAMILIES,
+    MAX_TOKENS,
+    PROMPT_LENS,
+    assert_all_blocks_free,
+    demo_model,
+    hf_greedy,
+    random_prompts,
 )
 
 
@@ -20,11 +26,11 @@ def run(llm: LLM, prompts, max_tokens):
 
 
 def expected(model_dir, prompts, max_tokens):
-    return [hf_greedy(model_dir, p, m) for p, m in zip(prompts, max_tokens)]
+    return [hf_greedy(model_dir, p, m) for p, m in zip(prompts, max_tokens, strict=True)]
 
 
 def num_matching(got, want) -> int:
-    return sum(g == w for g, w in zip(got, want))
+    return sum(g == w for g, w in zip(got, want, strict=True))
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -37,7 +43,7 @@ def test_greedy_matches_hf_each_family(family):
     llm = LLM(d)
     got, outs = run(llm, prompts, MAX_TOKENS)
     assert got == want
-    for o, p in zip(outs, prompts):
+    for o, p in zip(outs, prompts, strict=True):
         assert o.prompt_token_ids == p
         assert o.outputs[0].finish_reason in ("stop", "length")
     assert_all_blocks_free(llm.engine)
@@ -88,7 +94,7 @@ def test_prefix_caching_hits_and_matches(caching):
     d = demo_model("llama")
     first = random_prompts(d, [40, 100, 170, 64], seed=4)
     extra = random_prompts(d, [5, 9, 3, 20], seed=5)
-    second = [a + b for a, b in zip(first, extra)]
+    second = [a + b for a, b in zip(first, extra, strict=True)]
     llm = LLM(d, enable_prefix_caching=caching)
     m1, m2 = [10, 6, 8, 12], [7, 11, 5, 9]
     got1, _ = run(llm, first, m1)

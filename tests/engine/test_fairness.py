@@ -122,7 +122,7 @@ def test_vtc_bound_holds_at_every_step(tmp_path, weights):
     by at most VTC's bound 2 x max(w_p x L_input, w_q x M), w_p = 1, w_q = 2, with L_input
     the longest prompt (48) and M the most tokens the running batch can hold: 40 blocks of 4
     = 160. Bound: 2 x max(48, 320) = 640. Over the run, service is shared by weight."""
-    rng = random.Random(7)
+    rng = random.Random(7)  # noqa: S311 - a seeded test workload, not a secret
     longest, num_blocks, bs = 48, 40, 4
     eng = FakeEngine(tmp_path, num_blocks=num_blocks, block_size=bs, max_num_batched_tokens=32,
                      max_num_seqs=8)
@@ -289,7 +289,7 @@ def test_randomized_tenants_classes_and_aborts(tmp_path):
     3, random lengths and aborts, with a reserve for online. At every step: the invariants
     (no block leaked or freed twice, budgets), no offline sequence running while an online
     one waits with budget left, and the fairness counters never decrease."""
-    rng = random.Random(99)
+    rng = random.Random(99)  # noqa: S311 - a seeded test workload, not a secret
     eng = FakeEngine(tmp_path, num_blocks=48, block_size=4, max_num_batched_tokens=24,
                      max_num_seqs=6, reserved_kv_fraction={"online": 0.125})
     tenants = {f"t{i}": rng.choice([0.5, 1.0, 2.0]) for i in range(4)}

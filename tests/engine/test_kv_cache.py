@@ -56,12 +56,12 @@ def seq_of(tokens, salt=None, model=None, max_tokens=16):
 
 def test_hash_chain_depends_on_the_whole_prefix_salt_and_model():
     kv = KVCacheManager(16, 4)
-    a, b = seq_of(list(range(12))), seq_of([99] + list(range(1, 12)))
+    a, b = seq_of(list(range(12))), seq_of([99, *range(1, 12)])
     kv.update_hashes(a)
     kv.update_hashes(b)
     assert len(a.block_hashes) == 3
     # same tokens in block 1 and 2, but the first block differs: every hash differs
-    assert all(x != y for x, y in zip(a.block_hashes, b.block_hashes))
+    assert all(x != y for x, y in zip(a.block_hashes, b.block_hashes, strict=True))
     for other in (seq_of(list(range(12)), salt="s"), seq_of(list(range(12)), model="lora-1")):
         kv.update_hashes(other)
         assert other.block_hashes[0] != a.block_hashes[0]
@@ -74,7 +74,7 @@ def test_manager_allocates_exactly_what_tokens_need_and_shares_hits():
     assert kv.try_allocate(a, 10) and len(kv.blocks_of(a)) == 3     # ceil(10 / 4)
     a.num_computed_tokens = 10
     kv.cache_full_blocks(a)                                         # blocks 0 and 1 are full
-    b = seq_of(list(range(8)) + [50, 51, 52])
+    b = seq_of([*range(8), 50, 51, 52])
     hits = kv.get_computed_blocks(b)
     assert hits == kv.blocks_of(a)[:2]
     b.num_computed_tokens = 8
@@ -108,7 +108,7 @@ def test_sequences_get_consecutive_blocks_and_room_to_grow():
     # blocks start a run of their own
     a.num_computed_tokens = 11
     kv.cache_full_blocks(a)
-    c = seq_with(list(range(4)) + [7, 7, 7], max_tokens=8)
+    c = seq_with([*range(4), 7, 7, 7], max_tokens=8)
     hits = kv.get_computed_blocks(c)
     assert [x.block_id for x in hits] == [0]
     c.num_computed_tokens = 4
@@ -148,7 +148,7 @@ def test_a_hit_on_a_cached_prefix_continues_right_after_it_when_the_next_block_i
     a.num_computed_tokens = 9
     kv.cache_full_blocks(a)
     kv.free(a)                                      # 0, 1 stay cached; 2 is clean again
-    b = seq_with(list(range(8)) + [50, 51, 52], max_tokens=9)   # 20 tokens: 5 blocks
+    b = seq_with([*range(8), 50, 51, 52], max_tokens=9)   # 20 tokens: 5 blocks
     hits = kv.get_computed_blocks(b)
     b.num_computed_tokens = 8
     assert kv.try_allocate(b, 3, hits)

@@ -55,7 +55,7 @@ def test_mixed_batch_matches_peft_per_adapter(base, adapters):
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(), lora_request=loras,
                         use_progress_bar=False)
     changed = 0
-    for name, prompt, out in zip(names, prompts, outs):
+    for name, prompt, out in zip(names, prompts, outs, strict=True):
         path = adapters[name].lora_path if name else None
         want = peft_greedy(base, path, prompt, NEW_TOKENS)
         assert out.outputs[0].token_ids == want, f"adapter {name}"
@@ -85,7 +85,7 @@ def test_more_adapters_than_slots_take_turns(base, adapters):
         return runner_prepare(sched, kv)
 
     core.runner.prepare = spy
-    for i, (name, prompt) in enumerate(zip(order, prompts)):
+    for i, (name, prompt) in enumerate(zip(order, prompts, strict=True)):
         llm.add_lora(adapters[name])
         core.add_request(_request(str(i), prompt, adapters[name]))
     outs = {}
@@ -95,7 +95,7 @@ def test_more_adapters_than_slots_take_turns(base, adapters):
                 outs[out.request_id] = out
                 finish_order.append(order[int(out.request_id)])
     assert max(len(s) for s in seen_per_step) <= 2
-    for i, (name, prompt) in enumerate(zip(order, prompts)):
+    for i, (name, prompt) in enumerate(zip(order, prompts, strict=True)):
         assert outs[str(i)].outputs[0].token_ids == peft_greedy(base, adapters[name].lora_path, prompt, NEW_TOKENS)
     # rotation: the four later adapters all finish before the popular adapter's last request
     last_qv = len(finish_order) - 1 - finish_order[::-1].index("qv")
@@ -130,7 +130,7 @@ def test_bad_adapters_are_refused_and_the_engine_keeps_serving(base, adapters, t
     llm = LLM(base, dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=8, num_kv_blocks=64)
     prompt = {"prompt_token_ids": random_prompts(base, [10], seed=14)[0]}
     # rank over max_lora_rank
-    with pytest.raises(LoRAError, match="rank 16 .* exceeds max_lora_rank 8"):
+    with pytest.raises(LoRAError, match=r"rank 16 .* exceeds max_lora_rank 8"):
         llm.generate(prompt, greedy(), lora_request=adapters["mlp"])
     # an adapter of another base model (qwen2 tiny has other shapes or layers)
     other_base = demo_model("llama", "small", 0)
@@ -142,7 +142,7 @@ def test_bad_adapters_are_refused_and_the_engine_keeps_serving(base, adapters, t
     corrupt.mkdir()
     (corrupt / "adapter_config.json").write_text((Path(adapters["qv"].lora_path) / "adapter_config.json").read_text())
     (corrupt / "adapter_model.safetensors").write_bytes(b"\x10\x00\x00\x00not a safetensors file")
-    with pytest.raises(LoRAError, match="adapter_model.safetensors: cannot be read"):
+    with pytest.raises(LoRAError, match=r"adapter_model\.safetensors: cannot be read"):
         llm.generate(prompt, greedy(), lora_request=LoRARequest("corrupt", 21, str(corrupt)))
     # missing directory, bad config, DoRA, one id for two adapters, LoRA not enabled
     with pytest.raises(LoRAError, match="is not a directory"):
@@ -151,7 +151,8 @@ def test_bad_adapters_are_refused_and_the_engine_keeps_serving(base, adapters, t
     dora.mkdir()
     cfg = json.loads((Path(adapters["qv"].lora_path) / "adapter_config.json").read_text())
     (dora / "adapter_config.json").write_text(json.dumps({**cfg, "use_dora": True}))
-    (dora / "adapter_model.safetensors").write_bytes((Path(adapters["qv"].lora_path) / "adapter_model.safetensors").read_bytes())
+    weights = Path(adapters["qv"].lora_path) / "adapter_model.safetensors"
+    (dora / "adapter_model.safetensors").write_bytes(weights.read_bytes())
     with pytest.raises(LoRAError, match="use_dora"):
         llm.add_lora(LoRARequest("dora", 23, str(dora)))
     llm.add_lora(adapters["qv"])
@@ -163,7 +164,8 @@ def test_bad_adapters_are_refused_and_the_engine_keeps_serving(base, adapters, t
     stats = llm.engine.stats().lora
     assert set(stats.in_cpu) == {"qv"} and stats.requests == {}
     out = llm.generate([prompt, prompt], greedy(), lora_request=[adapters["qv"], None])
-    assert out[0].outputs[0].token_ids == peft_greedy(base, adapters["qv"].lora_path, prompt["prompt_token_ids"], NEW_TOKENS)
+    assert out[0].outputs[0].token_ids == peft_greedy(base, adapters["qv"].lora_path, prompt["prompt_token_ids"],
+                                                      NEW_TOKENS)
     assert out[1].outputs[0].token_ids == hf_greedy(base, prompt["prompt_token_ids"], NEW_TOKENS, ignore_eos=True)
     plain = LLM(base, dtype="float32", num_kv_blocks=16)
     with pytest.raises(ValueError, match="enable_lora"):
@@ -182,7 +184,7 @@ def test_rslora_scaling_matches_peft(base, adapters, tmp_path):
     llm = LLM(base, dtype="float32", enable_lora=True, num_kv_blocks=32)
     req = LoRARequest("rs", 30, str(rs))
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(), lora_request=req)
-    for prompt, out in zip(prompts, outs):
+    for prompt, out in zip(prompts, outs, strict=True):
         assert out.outputs[0].token_ids == peft_greedy(base, str(rs), prompt, NEW_TOKENS)
 
 
@@ -261,7 +263,7 @@ def test_lora_on_a_quantized_base_matches_peft_on_the_dequantized_model(base, me
     llm = LLM(str(quant_dir), dtype="float32", enable_lora=True, num_kv_blocks=32)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(),
                         lora_request=[req, None, req], use_progress_bar=False)
-    for i, (prompt, out) in enumerate(zip(prompts, outs)):
+    for i, (prompt, out) in enumerate(zip(prompts, outs, strict=True)):
         want = (peft_greedy(str(hf_dir), str(adapter), prompt, NEW_TOKENS) if i != 1
                 else hf_greedy(str(hf_dir), prompt, NEW_TOKENS, ignore_eos=True))
         assert out.outputs[0].token_ids == want, i
@@ -287,4 +289,5 @@ def test_llm_raises_when_an_evicted_adapter_cannot_be_read_again(base, adapters,
     assert not llm.engine.has_unfinished and llm.engine.kv.num_used_blocks == 0
     assert llm.engine.stats().lora.requests == {}
     out = llm.generate(prompt, greedy(), lora_request=adapters["qv"])[0]
-    assert out.outputs[0].token_ids == peft_greedy(base, adapters["qv"].lora_path, prompt["prompt_token_ids"], NEW_TOKENS)
+    assert out.outputs[0].token_ids == peft_greedy(base, adapters["qv"].lora_path, prompt["prompt_token_ids"],
+                                                   NEW_TOKENS)

@@ -3,7 +3,8 @@ the engine serves them, and greedy output equals HF transformers run on the same
 dequantized to float (the oracle sees exactly the weights the packed tensors represent).
 
 The format itself (bit order, zero offset, g_idx) is checked against the real packers in
-test_quant_fixtures.py; here a checkpoint's float twin is made with kernels/quant's reference.
+test_quant_fixtures.py; here a checkpoint's float twin is made with kernels/quant's reference
+(tests/support/quant.py).
 """
 
 from __future__ import annotations
@@ -143,7 +144,8 @@ def test_bad_gptq_checkpoint_is_refused_at_load(gptq_dir, tmp_path, config_edit,
     [
         ({"quant_method": "awq", "bits": 4, "group_size": 32, "version": "gemv"}, r"version: 'gemv' is not supported"),
         ({"quant_method": "awq", "bits": 4, "group_size": 32, "version": "marlin"}, r"version: 'marlin'"),
-        ({"quant_method": "awq", "w_bit": 8, "q_group_size": 32, "version": "GEMM"}, r"w_bit: 8 is not supported|bits: 8"),
+        ({"quant_method": "awq", "w_bit": 8, "q_group_size": 32, "version": "GEMM"},
+         r"w_bit: 8 is not supported|bits: 8"),
         ({"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": False}, r"zero_point: False"),
         ({"quant_method": "awq", "bits": 4, "group_size": 32, "modules_to_not_convert": ["mlp.down_proj"]},
          r"modules_to_not_convert"),
@@ -159,8 +161,10 @@ def test_unsupported_quantization_config_names_the_field(config, message):
 
 def test_awq_config_accepts_autoawq_names():
     """AutoAWQ's own quant_config.json names (w_bit, q_group_size, version "GEMM")."""
-    factory = linear_factory({"quant_method": "awq", "w_bit": 4, "q_group_size": 32, "version": "GEMM", "zero_point": True})
+    factory = linear_factory({"quant_method": "awq", "w_bit": 4, "q_group_size": 32, "version": "GEMM",
+                              "zero_point": True})
     assert isinstance(factory(64, [64, 32, 32], True), AWQLinear)
     with pytest.raises(ValueError, match="group_size: 48 does not divide in_features 64"):
         AWQLinear(64, [64], False, AWQConfig(group_size=48))
-    assert isinstance(linear_factory({"quant_method": "gptq", "bits": 8, "group_size": -1})(64, [64], False), GPTQLinear)
+    gptq_factory = linear_factory({"quant_method": "gptq", "bits": 8, "group_size": -1})
+    assert isinstance(gptq_factory(64, [64], False), GPTQLinear)

@@ -29,7 +29,7 @@ def gen(llm, prompts, params):
 def test_seeded_sampling_is_the_same_alone_and_in_a_full_batch(llm):
     prompts = prompts_of(8)
     params = [SamplingParams(max_tokens=20, temperature=1.0, top_p=0.95, seed=1000 + i) for i in range(8)]
-    alone = [gen(llm, [p], sp)[0].outputs[0].token_ids for p, sp in zip(prompts, params)]
+    alone = [gen(llm, [p], sp)[0].outputs[0].token_ids for p, sp in zip(prompts, params, strict=True)]
     # the same requests among unseeded and greedy neighbours, in another order
     noise = random_prompts(demo_model("llama"), [50, 3, 90, 17], seed=99)
     mixed_prompts = noise[:2] + prompts[::-1] + noise[2:]
@@ -41,7 +41,7 @@ def test_seeded_sampling_is_the_same_alone_and_in_a_full_batch(llm):
     # and different seeds give different tokens on most prompts
     other = gen(llm, prompts, [SamplingParams(max_tokens=20, temperature=1.0, top_p=0.95, seed=7 + i)
                                for i in range(8)])
-    differ = sum(o.outputs[0].token_ids != a for o, a in zip(other, alone))
+    differ = sum(o.outputs[0].token_ids != a for o, a in zip(other, alone, strict=True))
     assert differ >= 6
     assert_all_blocks_free(llm.engine)
 
@@ -76,11 +76,11 @@ def test_logprobs_agree_with_the_model(llm):
         ids = torch.tensor([prompt + out.token_ids])
         ref = torch.log_softmax(hf_model(d)(ids).logits[0].float(), dim=-1)
     total = 0.0
-    for i, (tok, entry) in enumerate(zip(out.token_ids, out.logprobs)):
+    for i, (tok, entry) in enumerate(zip(out.token_ids, out.logprobs, strict=True)):
         row = ref[len(prompt) - 1 + i]
         assert entry[tok].rank == 1
         assert math.isclose(entry[tok].logprob, row[tok].item(), abs_tol=1e-4)
-        assert len(entry) == 3 and list(entry)[0] == tok      # greedy: chosen is the top-1
+        assert len(entry) == 3 and next(iter(entry)) == tok      # greedy: chosen is the top-1
         total += entry[tok].logprob
     assert math.isclose(out.cumulative_logprob, total, abs_tol=1e-4)
 

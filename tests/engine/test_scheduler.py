@@ -10,6 +10,7 @@ import pytest
 from engine.request import SeqStatus
 from tests.support.fake_engine import CLASSES, FakeEngine, names
 
+
 def test_decodes_first_then_prefill_chunks(tmp_path):
     """Budget 10 tokens, blocks of 4. A (6-token prompt) and B (20-token prompt) arrive.
     step 1: A prefills 6, B gets the remaining 4 as a first chunk.
@@ -66,7 +67,8 @@ def test_online_request_preempts_offline_work(tmp_path):
     preempted for it. Under fcfs the online request waits instead."""
     for policy in ("priority", "fcfs"):
         eng = FakeEngine(tmp_path, num_blocks=8, max_num_batched_tokens=64, scheduling_policy=policy)
-        off1, off2 = eng.add(14, 2, cls="offline"), eng.add(14, 2, cls="offline")
+        eng.add(14, 2, cls="offline")
+        off2 = eng.add(14, 2, cls="offline")
         eng.step()
         assert eng.kv.num_free_blocks == 0
         on = eng.add(5, 2, cls="online")
@@ -118,7 +120,7 @@ def test_prefix_cache_hit_reuses_blocks_and_lru_evicts_tail_first(tmp_path):
     prompt = list(range(500, 513))
     eng.add(13, 1, prompt=prompt)
     eng.run()
-    b = eng.add(15, 1, prompt=prompt[:12] + [1, 2, 3])
+    b = eng.add(15, 1, prompt=[*prompt[:12], 1, 2, 3])
     out = eng.step()
     assert b.num_cached_tokens == 12 and names(out) == [("r1", 3)]
     eng.run()
@@ -133,7 +135,7 @@ def test_randomized_invariants(tmp_path, policy):
     """Thousands of steps with random arrivals, classes, n, lengths and aborts; at every
     step: no block leaked or freed twice, budgets kept, blocks match tokens, and (priority)
     no offline sequence runs while an online one waits with budget left."""
-    rng = random.Random(1234)
+    rng = random.Random(1234)  # noqa: S311 - a seeded test workload, not a secret
     eng = FakeEngine(tmp_path, num_blocks=40, block_size=4, max_num_batched_tokens=24,
                      max_num_seqs=6, scheduling_policy=policy)
     states = []
@@ -176,7 +178,7 @@ def test_randomized_adapters_never_exceed_max_loras_and_all_get_served(tmp_path)
     run (check_invariants), and at the end every request of every adapter has finished."""
     from engine.lora import LoRARequest
 
-    rng = random.Random(99)
+    rng = random.Random(99)  # noqa: S311 - a seeded test workload, not a secret
     eng = FakeEngine(tmp_path, num_blocks=48, block_size=4, max_num_batched_tokens=24, max_num_seqs=6,
                      enable_lora=True, max_loras=2)
     adapters = [None] + [LoRARequest(f"a{i}", i, "/unused") for i in range(1, 7)]

@@ -2,18 +2,19 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
 
 import engine.scheduler as scheduler_mod
+from engine.config import EngineConfig
 from engine.cost_model import MIN_SAMPLES, StepCostModel, StepShape
 from engine.engine_core import EngineCore
-from engine.config import EngineConfig
 from engine.request import EngineRequest
 from engine.sampling_params import SamplingParams
-from tests.support.helpers import assert_all_blocks_free, demo_model, hf_greedy, random_prompts
 from tests.support.fake_engine import FakeEngine
+from tests.support.helpers import assert_all_blocks_free, demo_model, hf_greedy, random_prompts
 
 # a synthetic machine: seconds per step as a function of what it does
 TRUE = {"const": 2e-3, "prefill_tokens": 5e-5, "seqs": 2e-4, "decode_kv_tokens": 1e-7,
@@ -38,7 +39,7 @@ def random_shape(rng: random.Random) -> StepShape:
 
 
 def trained(noise: float = 0.02, steps: int = 400, seed: int = 0) -> StepCostModel:
-    rng = random.Random(seed)
+    rng = random.Random(seed)  # noqa: S311 - a seeded test workload, not a secret
     model = StepCostModel()
     for _ in range(steps):
         shape = random_shape(rng)
@@ -58,7 +59,7 @@ def test_cost_model_converges_on_a_synthetic_step_time():
     for name, value in TRUE.items():
         assert coef[name] == pytest.approx(value, rel=0.10 if name not in ("seqs", "sampled") else 0.3), name
     assert model.prediction_error() < 0.03
-    rng = random.Random(1)
+    rng = random.Random(1)  # noqa: S311 - a seeded test workload, not a secret
     for _ in range(50):
         shape = random_shape(rng)
         assert model.predict(shape) == pytest.approx(true_time(shape), rel=0.05)
@@ -73,7 +74,7 @@ def test_cost_model_predicts_nothing_until_it_has_seen_enough_and_follows_a_chan
         model.observe(shape, 0.01 + 1e-4 * (i % 3))
     model = trained(steps=300)
     # the machine gets twice as slow: old steps fade, the fit follows
-    rng = random.Random(5)
+    rng = random.Random(5)  # noqa: S311 - a seeded test workload, not a secret
     for _ in range(800):
         s = random_shape(rng)
         model.observe(s, 2 * true_time(s), model.predict(s))
@@ -231,7 +232,7 @@ def test_preempted_online_requests_match_hf(monkeypatch):
             if o.finished:
                 outs[o.request_id] = o
     assert sum(o.metrics.num_preemptions for o in outs.values()) >= 1
-    for rid, prompt in zip(("on0", "on1", "vip"), prompts):
+    for rid, prompt in zip(("on0", "on1", "vip"), prompts, strict=True):
         assert outs[rid].outputs[0].token_ids == hf_greedy(d, prompt, 16, ignore_eos=True), rid
     assert_all_blocks_free(core)
 
@@ -287,4 +288,4 @@ def test_a_stream_of_urgent_prompts_does_not_stop_less_urgent_decodes(tmp_path, 
     for _ in range(20):
         eng.add(30, 2, cls="online", tenant="chat")
         ran.append(off.seqs[0] in dict(eng.step().scheduled))
-    assert ran.count(True) == 10 and all(a != b for a, b in zip(ran, ran[1:]))
+    assert ran.count(True) == 10 and all(a != b for a, b in itertools.pairwise(ran))

@@ -17,7 +17,7 @@ def test_mixed_tenants_classes_and_preemption_match_hf():
     llm = LLM(d, num_kv_blocks=22, max_num_batched_tokens=96)
     core = llm.engine
     weights = {"t0": 1.0, "t1": 2.0, "t2": 0.5}
-    for i, (p, m) in enumerate(zip(prompts, MAX_TOKENS)):
+    for i, (p, m) in enumerate(zip(prompts, MAX_TOKENS, strict=True)):
         tenant = f"t{i % 3}"
         core.add_request(EngineRequest(
             f"q{i}", p, SamplingParams(max_tokens=m, temperature=0.0), tenant=tenant,
@@ -29,7 +29,7 @@ def test_mixed_tenants_classes_and_preemption_match_hf():
             if out.finished:
                 done[out.request_id] = out
     got = [done[f"q{i}"].outputs[0].token_ids for i in range(len(prompts))]
-    want = [hf_greedy(d, p, m) for p, m in zip(prompts, MAX_TOKENS)]
+    want = [hf_greedy(d, p, m) for p, m in zip(prompts, MAX_TOKENS, strict=True)]
     assert got == want
     stats = core.stats()
     assert stats.num_preemptions > 0

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import shutil
 import time
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import httpx
@@ -35,7 +35,7 @@ SOURCES = {
 }
 
 
-@lru_cache(maxsize=None)
+@cache
 def source(name: str) -> Path:
     """A demo adapter, written once per session outside any adapter root."""
     import tempfile
@@ -141,7 +141,7 @@ def wait_for(predicate, timeout: float = 5.0, what: str = "") -> None:
 
 # -- registration, visibility, use ------------------------------------------------------------------
 def test_register_list_and_see_by_tenant(server, tenants, registered):
-    a, key_a, b, key_b = tenants
+    a, key_a, _, key_b = tenants
     pub, own = registered["pub"], registered["own"]
     assert pub["object"] == "adapter" and pub["public"] and pub["owner_tenant_id"] is None
     assert own["owner_tenant_id"] == a["id"] and not own["public"]
@@ -196,7 +196,7 @@ def test_adapter_chat_matches_peft(server, tenants, registered):
 
 # -- bad registrations -------------------------------------------------------------------------------
 def test_bad_registrations_are_400s_naming_the_field(server, tenants, registered, tmp_path):
-    a, key_a, _, _ = tenants
+    _, key_a, _, _ = tenants
     root = server.adapter_root
     install(root, "big")
     install(root, "foreign")

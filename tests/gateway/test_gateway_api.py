@@ -222,7 +222,7 @@ def test_raw_http_errors(server, tenant):
 
 
 def test_service_tiers(server):
-    t, key = server.tenant(service_tiers=["default", "flex"])
+    _, key = server.tenant(service_tiers=["default", "flex"])
     c = client(server, key)
     msgs = [{"role": "user", "content": "tier"}]
     r = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=2, service_tier="flex")
@@ -233,13 +233,13 @@ def test_service_tiers(server):
         c.chat.completions.create(model="tiny", messages=msgs, max_tokens=2, service_tier="priority")
     assert e.value.body["param"] == "service_tier"
     # a flex-only tenant runs flex by default
-    t2, key2 = server.tenant(service_tiers=["flex"], default_tier="flex")
+    _, key2 = server.tenant(service_tiers=["flex"], default_tier="flex")
     r = client(server, key2).chat.completions.create(model="tiny", messages=msgs, max_tokens=2)
     assert r.service_tier == "flex"
 
 
 def test_rate_limit_error_and_headers(server):
-    t, key = server.tenant(quota={"requests_per_minute": 2})
+    _, key = server.tenant(quota={"requests_per_minute": 2})
     c = client(server, key)
     msgs = [{"role": "user", "content": "limited"}]
     raw = c.chat.completions.with_raw_response.create(model="tiny", messages=msgs, max_tokens=1)
@@ -255,7 +255,7 @@ def test_rate_limit_error_and_headers(server):
 
 
 def test_budget_is_insufficient_quota(server):
-    t, key = server.tenant(quota={"daily_token_budget": 40})
+    _, key = server.tenant(quota={"daily_token_budget": 40})
     c = client(server, key)
     with pytest.raises(openai.RateLimitError) as e:
         c.completions.create(model="tiny", prompt="a b c", max_tokens=64)

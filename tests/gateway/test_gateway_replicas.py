@@ -228,7 +228,7 @@ def test_max_concurrent_requests_never_exceeded(pair):
     for s, lines in results:
         if s == 200:
             assert lines[-1] == "data: [DONE]"
-            assert '"completion_tokens":%d' % max_tokens in lines[-2]
+            assert f'"completion_tokens":{max_tokens}' in lines[-2]
     assert samples
     peak_tenant = max(n for n, _ in samples)
     peak_inflight = max(n for _, n in samples)
@@ -266,17 +266,17 @@ def test_disconnect_settles_tokens_per_minute_reservation(pair):
     probe = 100
     tpm = len(PROMPT) + big + probe - 1          # the probe fits only once `big` is settled
     t, key = pair.tenant(quota={"tokens_per_minute": tpm})
-    with httpx.Client(base_url=pair.a.url, headers=auth(key), timeout=60) as c:
-        with c.stream("POST", "/v1/completions", json=completion_body(big, stream=True)) as r:
-            assert r.status_code == 200, r.read()
-            lines = r.iter_lines()   # kept: a dropped line iterator closes the connection
-            _first_token(lines)
-            # while the reservation stands, the probe cannot get in on either replica
-            blocked = httpx.post(pair.b.url + "/v1/completions", headers=auth(key), timeout=60,
-                                 json=completion_body(probe))
-            assert blocked.status_code == 429 and error_code(blocked) == "rate_limit_exceeded"
-            assert "tokens_per_minute" in blocked.json()["error"]["message"]
-        # leaving the block closed the connection mid-stream
+    with (httpx.Client(base_url=pair.a.url, headers=auth(key), timeout=60) as c,
+          c.stream("POST", "/v1/completions", json=completion_body(big, stream=True)) as r):
+        assert r.status_code == 200, r.read()
+        lines = r.iter_lines()   # kept: a dropped line iterator closes the connection
+        _first_token(lines)
+        # while the reservation stands, the probe cannot get in on either replica
+        blocked = httpx.post(pair.b.url + "/v1/completions", headers=auth(key), timeout=60,
+                             json=completion_body(probe))
+        assert blocked.status_code == 429 and error_code(blocked) == "rate_limit_exceeded"
+        assert "tokens_per_minute" in blocked.json()["error"]["message"]
+    # leaving the block closed the connection mid-stream
     t0 = time.monotonic()
     r = _poll_admitted(pair.b.url, key, completion_body(probe))
     assert r.status_code == 200, r.text
@@ -293,15 +293,15 @@ def test_disconnect_frees_concurrency_lease(pair):
     """max_concurrent_requests=1: a stream on one replica holds the lease (the other replica
     refuses); dropping the stream frees it, and the other replica admits within seconds."""
     t, key = pair.tenant(quota={"max_concurrent_requests": 1})
-    with httpx.Client(base_url=pair.b.url, headers=auth(key), timeout=60) as c:
-        with c.stream("POST", "/v1/completions", json=completion_body(1500, stream=True)) as r:
-            assert r.status_code == 200, r.read()
-            lines = r.iter_lines()   # kept: a dropped line iterator closes the connection
-            _first_token(lines)
-            blocked = httpx.post(pair.a.url + "/v1/completions", headers=auth(key), timeout=60,
-                                 json=completion_body(1))
-            assert blocked.status_code == 429 and error_code(blocked) == "rate_limit_exceeded"
-            assert "max_concurrent_requests" in blocked.json()["error"]["message"]
+    with (httpx.Client(base_url=pair.b.url, headers=auth(key), timeout=60) as c,
+          c.stream("POST", "/v1/completions", json=completion_body(1500, stream=True)) as r):
+        assert r.status_code == 200, r.read()
+        lines = r.iter_lines()   # kept: a dropped line iterator closes the connection
+        _first_token(lines)
+        blocked = httpx.post(pair.a.url + "/v1/completions", headers=auth(key), timeout=60,
+                             json=completion_body(1))
+        assert blocked.status_code == 429 and error_code(blocked) == "rate_limit_exceeded"
+        assert "max_concurrent_requests" in blocked.json()["error"]["message"]
     t0 = time.monotonic()
     r = _poll_admitted(pair.a.url, key, completion_body(1))
     assert r.status_code == 200, r.text

@@ -234,7 +234,7 @@ def db_dump(srv: GatewayServer) -> dict[str, list[tuple]]:
     conninfo = _pg_conninfo(srv)
     if conninfo is None:
         tables = [r[0] for r in db_query(srv, "SELECT name FROM sqlite_master WHERE type = 'table'")]
-        return {t: db_query(srv, f'SELECT * FROM "{t}"') for t in tables}
+        return {t: db_query(srv, f'SELECT * FROM "{t}"') for t in tables}  # noqa: S608 - names from sqlite_master
     import psycopg
     from psycopg import sql
 
@@ -309,7 +309,7 @@ def test_private_model_and_usage_isolation(ctx, tenants):
 def test_path_parameter_routes_refuse_another_tenants_objects(ctx, tenants, app_routes):
     """Every route with a path parameter, called with A's key on B's tenant, key and model:
     never 2xx, never B's data, and B is unchanged afterwards."""
-    a, key_a, b, key_b = tenants
+    _, key_a, b, key_b = tenants
     b_keys = ctx.srv.admin.get(f"/tenants/{b['id']}/keys").json()["data"]
     b_key = next(k for k in b_keys if key_b.startswith(keymod.KEY_PREFIX + k["prefix"]))
     values = {"tenant_id": b["id"], "key_id": b_key["id"], "model_id": "b-private",
@@ -681,7 +681,7 @@ def test_revocation_reaches_every_replica(ctx, tmp_path_factory):
         assert r.status_code == 200 and r.json()["revoked"] is True
         times = {}
         for srv in servers:
-            ok, elapsed = poll(lambda: status(srv, k["key"]).status_code == 401)
+            ok, elapsed = poll(lambda srv=srv: status(srv, k["key"]).status_code == 401)
             times[srv.url] = round(elapsed, 2)
             assert ok and elapsed < 5, f"revoked key still accepted by {srv.url} after {elapsed:.2f}s"
             assert err(status(srv, k["key"]))["code"] == "revoked"

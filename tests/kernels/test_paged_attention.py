@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from kernels.paged_attention import paged_attention, write_kv_cache
 
@@ -50,16 +49,16 @@ def test_matches_dense_attention(block_size, heads, layout):
         vs.append(torch.randn(ctx, num_kv_heads, head_dim))
     width = max(len(t) for t in tables)
     bt = torch.tensor([t + [0] * (width - len(t)) for t in tables])
-    for t, k, v in zip(tables, ks, vs):
+    for t, k, v in zip(tables, ks, vs, strict=True):
         slots = torch.tensor([t[p // block_size] * block_size + p % block_size for p in range(len(k))])
         write_kv_cache(k, v, kc, vc, slots)
     starts = [0]
-    for ctx, q_len in seqs:
+    for _, q_len in seqs:
         qs.append(torch.randn(q_len, num_heads, head_dim))
         starts.append(starts[-1] + q_len)
     out = paged_attention(torch.cat(qs), kc, vc, bt, torch.tensor([c for c, _ in seqs]),
                           torch.tensor(starts), head_dim**-0.5)
     assert torch.isfinite(out).all()
-    for i, (q, k, v) in enumerate(zip(qs, ks, vs)):
+    for i, (q, k, v) in enumerate(zip(qs, ks, vs, strict=True)):
         torch.testing.assert_close(out[starts[i]:starts[i + 1]], dense(q, k, v, head_dim**-0.5),
                                    atol=1e-5, rtol=1e-5)

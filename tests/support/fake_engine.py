@@ -39,7 +39,7 @@ class FakeEngine:
         out = self.sched.schedule()
         self.check(out)
         self.sched.update(out)
-        for seq, num in out.scheduled:
+        for seq, _ in out.scheduled:
             if seq.num_computed_tokens == seq.num_tokens:
                 seq.token_ids.append(7)
                 # as EngineCore: a sequence stops when it fills the whole cache

@@ -4,14 +4,14 @@ tests/gateway/test_gateway_adapters.py."""
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache
 
 import torch
 
 from tests.support.helpers import hf_greedy
 
 
-@lru_cache(maxsize=None)
+@cache
 def _peft_model(base: str, path: str):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM

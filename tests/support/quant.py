@@ -23,7 +23,7 @@ MAX_TOKENS = [12, 16, 9, 16, 5, 16, 11, 16]
 QUANT_SUFFIXES = ("qweight", "qzeros", "scales", "g_idx")
 
 
-# -- shared with test_quant_fixtures.py -----------------------------------------------------------
+# -- a checkpoint's float twin and the greedy comparison ------------------------------------------
 def copy_tokenizer(family: str, dst: Path) -> None:
     """Tokenizer and generation files of the demo model of `family` (byte-identical per family)."""
     for f in Path(demo_model(family)).iterdir():
@@ -51,7 +51,7 @@ def write_hf_twin(quant_dir: Path, dst: Path, dequantized: dict[str, torch.Tenso
 def assert_greedy_matches_hf(quant_dir: Path, hf_dir: Path, seed: int = 1) -> LLM:
     """Several prompts of 1-300 tokens, greedy, one generate call: token for token equal."""
     prompts = random_prompts(str(hf_dir), PROMPT_LENS, seed=seed)
-    want = [hf_greedy(str(hf_dir), p, m) for p, m in zip(prompts, MAX_TOKENS)]
+    want = [hf_greedy(str(hf_dir), p, m) for p, m in zip(prompts, MAX_TOKENS, strict=True)]
     assert len({tuple(w) for w in want}) == len(want), "continuations should differ"
     llm = LLM(model=str(quant_dir), dtype="float32", block_size=16)
     params = [SamplingParams(max_tokens=m, temperature=0.0) for m in MAX_TOKENS]

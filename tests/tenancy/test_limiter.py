@@ -784,13 +784,13 @@ async def test_bad_input(backend):
         await lim.acquire("r1", [s], -1)
     with pytest.raises(ValueError, match="tokens"):
         await lim.acquire("r1", [s], 1.5)
-    with pytest.raises(ValueError, match="scope.key"):
+    with pytest.raises(ValueError, match=r"scope\.key"):
         LimitScope("tenant:bad key", Quota())
-    with pytest.raises(ValueError, match="scope.key"):
+    with pytest.raises(ValueError, match=r"scope\.key"):
         LimitScope("tenant:{x}", Quota())
-    with pytest.raises(ValueError, match="scope.key"):
+    with pytest.raises(ValueError, match=r"scope\.key"):
         LimitScope("", Quota())
-    with pytest.raises(ValueError, match="scope.quota"):
+    with pytest.raises(ValueError, match=r"scope\.quota"):
         LimitScope("tenant:t1", {"requests_per_minute": 1})
     with pytest.raises(ValueError, match="request_id"):
         await lim.acquire("", [s], 1)

@@ -213,7 +213,7 @@ async def test_tenant_crud(sessions):
             pages.append([x.id for x in page])
             after = page[-1].id
         assert [len(p) for p in pages] == [3, 3, 1]
-        assert sum(pages, []) == ids
+        assert [i for page in pages for i in page] == ids
         with pytest.raises(Invalid) as info:
             await tenants.list_tenants(s, limit=0)
         assert info.value.field == "limit"
@@ -338,7 +338,7 @@ async def test_invalid_tenant_input_names_field_and_changes_nothing(sessions):
 async def test_soft_delete_keeps_usage_and_revokes_keys(sessions):
     t = await new_tenant(sessions, "acme")
     keep = await new_tenant(sessions, "keep")
-    (k1, p1), (k2, p2) = await new_key(sessions, t.id), await new_key(sessions, t.id, name="k2")
+    (k1, p1), (k2, _) = await new_key(sessions, t.id), await new_key(sessions, t.id, name="k2")
     _, p_keep = await new_key(sessions, keep.id)
     async with sessions() as s:
         await api_keys.revoke_key(s, k2.id, actor=ACTOR)
