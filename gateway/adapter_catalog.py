@@ -5,6 +5,7 @@ and row together."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import time
@@ -42,14 +43,6 @@ class AdapterInfo:
     def from_row(cls, row: Any) -> AdapterInfo:
         return cls(row.id, row.name, row.base_model, row.owner_tenant_id, row.path, row.rank,
                    tuple(row.targets), int(row.created_at.timestamp()))
-
-
-class AdapterInUse(Exception):
-    """The engine still runs requests on the adapter `name`, so it cannot be taken off now."""
-
-    def __init__(self, name: str, cause: LoRAError) -> None:
-        super().__init__(str(cause))
-        self.name = name
 
 
 class AdapterRefused(Exception):
@@ -157,8 +150,8 @@ class AdapterCatalog:
         return known is not None and known.lora_int_id == self._int_ids.get(adapter_id or "")
 
     def remove_stale(self, engine: Any, name: str, adapter_id: str | None) -> None:
-        """Take `name` off `engine` unless it is the row `adapter_id` (LoRAError while
-        requests still use it)."""
+        """Take `name` off `engine` unless it is the row `adapter_id` (the engine's
+        AdapterInUse while requests still use it)."""
         if name in engine.loras and not self.is_current(engine, name, adapter_id):
             engine.remove_lora(name)
 
@@ -189,10 +182,8 @@ class AdapterCatalog:
             if self._int_ids.get(ids.get(name, "")) == req.lora_int_id:
                 continue
             self.drop(name)
-            try:
+            with contextlib.suppress(LoRAError):      # requests still use it: the next sweep tries again
                 self.models[model].engine.remove_lora(name)
-            except LoRAError:
-                pass                      # requests still use it: the next sweep tries again
 
     async def watch(self) -> None:
         """Sweep every `ttl` seconds, until cancelled."""
@@ -200,7 +191,7 @@ class AdapterCatalog:
             await asyncio.sleep(self.ttl)
             try:
                 await self.sweep()
-            except Exception:  # noqa: BLE001 - the next sweep tries again
+            except Exception:  # any failure, logged: the next sweep tries again
                 logger.warning("adapter sweep failed", exc_info=True)
 
     # -- registering and deleting ------------------------------------------------------------------
@@ -209,15 +200,12 @@ class AdapterCatalog:
         """Register a new adapter on `base`: check the path and the name, have the engine read
         it, then insert the row; if the insert fails the engine forgets the adapter again, so
         nothing is left half-registered. Returns the row. Raises Invalid or Conflict (the
-        request), AdapterInUse (a deleted namesake still runs requests here) or
-        AdapterRefused (the engine cannot read it)."""
+        request), the engine's AdapterInUse (a deleted namesake still runs requests here)
+        or AdapterRefused (the engine cannot read it)."""
         adapter_id = new_adapter_id()
         rel, _ = adapters.adapter_path(self.adapter_root, path)
         await adapters.check_new_adapter(session, name=name, owner_tenant_id=owner_tenant_id)
-        try:
-            self.remove_stale(base.engine, name, None)   # a deleted namesake, still served
-        except LoRAError as exc:
-            raise AdapterInUse(name, exc) from None
+        self.remove_stale(base.engine, name, None)   # a deleted namesake, still served
         try:
             adapter = await base.engine.add_lora(self.lora_request(adapter_id, name, rel))
         except LoRAError as exc:
@@ -236,17 +224,14 @@ class AdapterCatalog:
         return row
 
     async def delete(self, session: AsyncSession, row: Any, *, actor: str) -> None:
-        """Take the adapter `row` off this replica's engine (AdapterInUse while requests use
-        it), then delete the row; it resolves to nothing here from the start, and on other
-        replicas within `ttl`."""
+        """Take the adapter `row` off this replica's engine (the engine's AdapterInUse while
+        requests use it), then delete the row; it resolves to nothing here from the start,
+        and on other replicas within `ttl`."""
         name, entry = row.name, self.models.get(row.base_model)
         self.deleting.add(name)
         try:
             if entry is not None:
-                try:
-                    self.remove_stale(entry.engine, name, None)
-                except LoRAError as exc:
-                    raise AdapterInUse(name, exc) from None
+                self.remove_stale(entry.engine, name, None)
             await adapters.delete_adapter(session, row.id, actor=actor)
             self.mark_missing(name)
             self.forget_int_id(row.id)

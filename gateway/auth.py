@@ -11,7 +11,7 @@ from gateway.state import app_state
 from tenancy.auth import Principal
 from tenancy.errors import AuthError
 
-__all__ = ["admin_principal", "app_state", "bearer", "principal", "tenant_principal"]
+__all__ = ["admin_principal", "bearer", "principal", "tenant_principal"]
 
 _AUTH_MESSAGES = {
     "missing": "You didn't provide an API key. Send it as 'Authorization: Bearer lg-...'.",

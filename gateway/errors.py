@@ -78,7 +78,7 @@ def validation_error(exc: RequestValidationError) -> APIError:
         param = None          # the location is a character offset, not a field
     if kind == "extra_forbidden":
         msg = f"Unrecognized request argument supplied: {param}"
-    elif kind == "json_invalid" or param is None and "JSON" in str(first.get("msg", "")):
+    elif kind == "json_invalid" or (param is None and "JSON" in str(first.get("msg", ""))):
         msg = f"The request body is not valid JSON: {first.get('msg')}"
     else:
         msg = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))

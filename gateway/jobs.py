@@ -114,8 +114,12 @@ class RequestRun:
         reserve_tokens: int,
         cache_salt: str | None = None,
     ) -> None:
+        if principal.tenant_id is None or principal.tenant_name is None:
+            raise ValueError(f"key {principal.key_id} belongs to no tenant: a request runs for a tenant")
         self.state = state
         self.principal = principal
+        self.tenant_id: str = principal.tenant_id
+        self.tenant_name: str = principal.tenant_name
         self.entry = entry
         self.tier = tier
         self.service_class, self.priority = TIERS[tier]
@@ -151,7 +155,7 @@ class RequestRun:
                            code="limiter_unavailable", headers={"retry-after": "1"}) from None
         self.decision = d
         if not d.allowed:
-            self.state.metrics.rejections.labels(p.tenant_name, d.limit or "unknown").inc()
+            self.state.metrics.rejections.labels(self.tenant_name, d.limit or "unknown").inc()
             headers = ratelimit_headers(d)
             if d.retry_after is not None:
                 headers["retry-after"] = str(max(1, int(-(-d.retry_after // 1))))
@@ -167,7 +171,7 @@ class RequestRun:
         answered until it ends) lets the engine shed its queued prompts before they start.
         On a refusal nothing stays queued and the run is over: refused (`refuse`) when the
         engine is overloaded, finished with an error row otherwise."""
-        self.state.push_weight(self.principal.tenant_id, self.principal.weight)
+        self.state.push_weight(self.tenant_id, self.principal.weight)
         self.sheddable = sheddable
         try:
             self._queue_prompts()
@@ -182,12 +186,11 @@ class RequestRun:
                 self._pumps.append(asyncio.get_running_loop().create_task(self._pump(i, stream)))
 
     def _queue_prompts(self) -> None:
-        p = self.principal
         engine = self.entry.engine
         try:
             for i, (ids, sp) in enumerate(zip(self.prompts, self.params, strict=True)):
                 self.streams.append(engine.submit(
-                    ids, sp, f"{self.id}-{i}", tenant=p.tenant_id, service_class=self.service_class,
+                    ids, sp, f"{self.id}-{i}", tenant=self.tenant_id, service_class=self.service_class,
                     priority=self.priority, cache_salt=self.cache_salt, sheddable=self.sheddable,
                 ))
         except PromptTooLong as exc:
@@ -261,14 +264,14 @@ class RequestRun:
             try:
                 self._close_streams()
                 m = self.state.metrics
-                m.child(m.overload_refusals, self.principal.tenant_name, self.tier,
+                m.child(m.overload_refusals, self.tenant_name, self.tier,
                         "shed" if exc.shed else "refused").inc()
                 if self.lease is not None:
                     lease, self.lease = self.lease, None
                     self.state.inflight.pop(self.id, None)
                     try:
                         await asyncio.shield(self.state.limiter.cancel(lease))
-                    except Exception:  # noqa: BLE001 - the lease expires; the window keeps it
+                    except Exception:  # any failure: the lease expires; the window keeps it
                         logger.warning("could not cancel the admission of %s", self.id,
                                        exc_info=True)
             finally:
@@ -317,7 +320,7 @@ class RequestRun:
             committed = None
             try:
                 committed = self.state.usage.submit(row)
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:  # noqa: BLE001 - whatever the writer raises: 503, below
                 logger.error("usage row for request %s not committed: %r", self.id, exc)
                 error = exc
             await asyncio.sleep(0)      # the writer and the settlement send their commands
@@ -327,20 +330,20 @@ class RequestRun:
             if committed is not None:
                 try:
                     await committed
-                except Exception as exc:  # noqa: BLE001
+                except Exception as exc:  # noqa: BLE001 - whatever the commit raises: 503, below
                     logger.error("usage row for request %s not committed: %r", self.id, exc)
                     error = exc
             if settle is not None:
                 try:
                     await settle
-                except Exception:  # noqa: BLE001 - leases expire on their own
+                except Exception:  # any failure: leases expire on their own
                     logger.warning("could not settle the lease of %s", self.id, exc_info=True)
         finally:
             if self.lease is not None:
                 self.state.inflight.pop(self.id, None)
                 try:
                     await self.state.limiter.settle(self.lease, used)
-                except Exception:  # noqa: BLE001 - leases expire on their own
+                except Exception:  # any failure: leases expire on their own
                     logger.warning("could not settle the lease of %s", self.id, exc_info=True)
             self._ended.set_result(None)
         if error is not None:
@@ -369,7 +372,7 @@ class RequestRun:
         prompt, cached, completion = self.counts()
         scheduled, first_tok, _ = self._times()
         return UsageRow(
-            request_id=self.id, tenant_id=self.principal.tenant_id,
+            request_id=self.id, tenant_id=self.tenant_id,
             api_key_id=self.principal.key_id, model=self.entry.name, service_tier=self.tier,
             prompt_tokens=prompt, cached_tokens=cached, completion_tokens=completion,
             status=status,
@@ -384,7 +387,7 @@ class RequestRun:
         prompt, cached, completion = self.counts()
         _, first_tok, ends = self._times()
         m = self.state.metrics
-        tenant = self.principal.tenant_name
+        tenant = self.tenant_name
         m.child(m.requests, tenant, self.entry.name, self.tier, status).inc()
         m.child(m.tokens, tenant, "prompt").inc(prompt)
         m.child(m.tokens, tenant, "cached").inc(cached)

@@ -73,7 +73,7 @@ class KeyCache:
         """Look `key` up; the result or the error goes to `fut` (never raised here)."""
         try:
             principal = await lookup(key)
-        except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on fut
+        except BaseException as exc:  # whatever it is: handed to whoever waits on fut
             self._entries.pop(d, None)
             if not fut.done():
                 fut.set_exception(exc)

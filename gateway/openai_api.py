@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 from typing import Any
 
 import anyio
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
-from engine import CompletionOutput, InvalidRequest, SamplingParams
-from gateway.auth import app_state, tenant_principal
+from engine import CompletionOutput, InvalidRequest, Logprob, SamplingParams
+from gateway.deps import StateDep, TenantDep
 from gateway.errors import APIError, validation_error
 from gateway.jobs import RequestRun, ratelimit_headers
 from gateway.protocol import (
@@ -133,6 +134,12 @@ def _bytes(s: str | None) -> list[int]:
     return list((s or "").encode("utf-8"))
 
 
+def _ranked(entry: dict[int, Logprob], top: int) -> list[Logprob]:
+    """The entries ranked 1..`top`, best first."""
+    ranked = [(v.rank, v) for v in entry.values() if v.rank is not None and v.rank <= top]
+    return [v for _, v in sorted(ranked, key=lambda rv: rv[0])][:top]
+
+
 def chat_logprobs(c: CompletionOutput, start: int, top: int) -> dict | None:
     if c.logprobs is None:
         return None
@@ -141,12 +148,11 @@ def chat_logprobs(c: CompletionOutput, start: int, top: int) -> dict | None:
         entry = c.logprobs[pos]
         tok = c.token_ids[pos]
         chosen = entry[tok]
-        tops = sorted((v for v in entry.values() if v.rank is not None and v.rank <= top),
-                      key=lambda v: v.rank)
+        tops = _ranked(entry, top)
         content.append({
             "token": chosen.decoded_token, "logprob": chosen.logprob, "bytes": _bytes(chosen.decoded_token),
             "top_logprobs": [{"token": v.decoded_token, "logprob": v.logprob,
-                              "bytes": _bytes(v.decoded_token)} for v in tops[:top]],
+                              "bytes": _bytes(v.decoded_token)} for v in tops],
         })
     return {"content": content, "refusal": None}
 
@@ -161,8 +167,7 @@ def completion_logprobs(c: CompletionOutput, start: int, top: int, text_offset: 
         chosen = entry[c.token_ids[pos]]
         tokens.append(chosen.decoded_token)
         lps.append(chosen.logprob)
-        best = sorted((v for v in entry.values() if v.rank is not None and v.rank <= top),
-                      key=lambda v: v.rank)[:top]
+        best = _ranked(entry, top)
         tops.append({v.decoded_token: v.logprob for v in best} if top else None)
         offsets.append(off)
         off += len(chosen.decoded_token or "")
@@ -185,7 +190,8 @@ async def run_or_disconnect(request: Request, run: RequestRun, coro) -> Any:
     requests, lease) and answer 499. A watcher task reads the connection and cancels this
     task on a disconnect (one task a request, not two and an `asyncio.wait`)."""
     task = asyncio.current_task()
-    assert task is not None
+    if task is None:
+        raise RuntimeError("run_or_disconnect runs inside the request's task")
     state = {"active": True, "gone": False}
 
     def on_watcher_done(w: asyncio.Future) -> None:
@@ -209,10 +215,9 @@ async def run_or_disconnect(request: Request, run: RequestRun, coro) -> Any:
     raise APIError(499, "client closed the request", code="client_closed_request")
 
 
-async def open_request(request: Request, principal: Principal, model: type[BaseModel],
-                       unsupported: tuple[str, ...]) -> tuple[AppState, Any, ModelEntry, str]:
+async def open_request(request: Request, state: AppState, principal: Principal, model: type[BaseModel],
+                       unsupported: tuple[str, ...]) -> tuple[Any, ModelEntry, str]:
     """What both inference routes do first: draining check, body, model, tier, limits."""
-    state = app_state(request)
     check_draining(state)
     data = await read_json(request)
     refuse_unsupported(data, unsupported)
@@ -222,7 +227,7 @@ async def open_request(request: Request, principal: Principal, model: type[BaseM
     check_common(state, req)
     if entry.parent is not None:
         await state.use_adapter(entry)
-    return state, req, entry, tier
+    return req, entry, tier
 
 
 async def respond(request: Request, run: RequestRun, req: Any, tier: str, id_prefix: str, obj: str,
@@ -265,9 +270,8 @@ async def respond(request: Request, run: RequestRun, req: Any, tier: str, id_pre
 
 # -- chat ------------------------------------------------------------------------------------------
 @router.post("/v1/chat/completions")
-async def chat_completions(request: Request, principal: Principal = Depends(tenant_principal)):
-    state, req, entry, tier = await open_request(request, principal, ChatCompletionRequest,
-                                                 UNSUPPORTED_CHAT)
+async def chat_completions(request: Request, principal: TenantDep, state: StateDep):
+    req, entry, tier = await open_request(request, state, principal, ChatCompletionRequest, UNSUPPORTED_CHAT)
     messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text(),
                  **({"name": m.name} if m.name else {})} for m in req.messages]
     if sum(len(m["content"]) for m in messages) > state.settings.max_prompt_chars:
@@ -318,17 +322,14 @@ async def sse_stream(run: RequestRun, chunks, chunk: dict, include_usage: bool):
         yield sse(exc.body())
     except asyncio.CancelledError:
         raise
-    except Exception as exc:  # noqa: BLE001 - headers are gone; say it in the stream
+    except Exception as exc:  # any failure, logged: the headers are gone; say it in the stream
         status = "error"
         logger.exception("stream of %s failed", run.id)
         yield sse(APIError(500, f"The stream failed: {type(exc).__name__}", code="internal_error").body())
     finally:
         if status != "ok":
-            with anyio.CancelScope(shield=True):
-                try:
-                    await run.finish(status)
-                except APIError:
-                    pass
+            with anyio.CancelScope(shield=True), contextlib.suppress(APIError):
+                await run.finish(status)
 
 
 def chat_stream(run: RequestRun, base: dict, top: int, include_usage: bool, n: int):
@@ -355,9 +356,8 @@ def chat_stream(run: RequestRun, base: dict, top: int, include_usage: bool, n: i
 
 # -- completions ----------------------------------------------------------------------------------
 @router.post("/v1/completions")
-async def completions(request: Request, principal: Principal = Depends(tenant_principal)):
-    state, req, entry, tier = await open_request(request, principal, CompletionRequest,
-                                                 UNSUPPORTED_COMPLETION)
+async def completions(request: Request, principal: TenantDep, state: StateDep):
+    req, entry, tier = await open_request(request, state, principal, CompletionRequest, UNSUPPORTED_COMPLETION)
     prompts = req.prompts()
     if not prompts:
         raise APIError(400, "prompt: must not be empty", param="prompt")
@@ -428,22 +428,21 @@ def model_card(m: ModelEntry) -> dict:
 
 
 @router.get("/v1/models")
-async def list_models(request: Request, principal: Principal = Depends(tenant_principal)):
-    state = app_state(request)
+async def list_models(principal: TenantDep, state: StateDep):
     entries = state.visible_models(principal) + await state.visible_adapters(principal)
     return {"object": "list", "data": [model_card(m) for m in entries]}
 
 
 @router.get("/v1/models/{model_id:path}")
-async def get_model(model_id: str, request: Request, principal: Principal = Depends(tenant_principal)):
-    return model_card(await resolve_model(app_state(request), principal, model_id))
+async def get_model(model_id: str, principal: TenantDep, state: StateDep):
+    return model_card(await resolve_model(state, principal, model_id))
 
 
 @router.get("/v1/usage")
-async def tenant_usage(request: Request, principal: Principal = Depends(tenant_principal)) -> Response:
+async def tenant_usage(request: Request, principal: TenantDep, state: StateDep) -> Response:
     tenant_id = request.query_params.get("tenant_id")
     if tenant_id not in (None, "", principal.tenant_id):
         raise APIError(403, "A tenant's key reads only its own usage.", param="tenant_id",
                        code="permission_denied")
-    return await usage_response(app_state(request), request, principal.tenant_id)
+    return await usage_response(state, request, principal.tenant_id)
 

@@ -122,8 +122,7 @@ class CompletionRequest(_Sampling):
         p = self.prompt
         if isinstance(p, str):
             return [p]
-        if not p:
-            return []
-        if all(isinstance(x, int) for x in p):
-            return [list(p)]          # one prompt of token ids
-        return list(p)                # several prompts: strings or id lists
+        ids = [x for x in p if isinstance(x, int)]    # the list is of one kind (validated)
+        if ids and len(ids) == len(p):
+            return [ids]              # one prompt of token ids
+        return [x for x in p if not isinstance(x, int)]   # several prompts: strings or id lists

@@ -179,7 +179,9 @@ class AppState:
                           parent=base.name)
 
     async def visible_adapters(self, principal: Principal) -> list[ModelEntry]:
-        assert principal.tenant_id is not None
+        """The adapters `principal` may use (none for a key of no tenant, as in `find_model`)."""
+        if principal.tenant_id is None:
+            return []
         infos = await self.adapters.listing(principal.tenant_id)
         return [self.adapter_entry(i) for i in infos if self.adapter_visible(principal, i)]
 
@@ -232,7 +234,7 @@ class AppState:
             try:
                 async with self.sessions() as session:
                     await api_keys.touch_key(session, key_id, datetime.now(UTC))
-            except Exception:  # noqa: BLE001 - last-used is best effort
+            except Exception:  # any failure, logged: last-used is best effort
                 logger.warning("could not record last use of key %s", key_id, exc_info=True)
 
         self.spawn(touch())

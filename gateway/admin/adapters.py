@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine import LoRAError
-from gateway.adapter_catalog import AdapterInUse, AdapterRefused
+from engine import AdapterInUse, LoRAError
+from gateway.adapter_catalog import AdapterRefused
 from gateway.admin.route import admin_router
 from gateway.deps import AdminDep, SessionDep, StateDep
 from gateway.errors import APIError
@@ -44,7 +44,7 @@ def _lora_error(exc: LoRAError, body: AdapterCreate) -> APIError:
     return APIError(400, f"path: the adapter in {body.path!r} cannot be served: {msg}", param="path")
 
 
-def _in_use(exc: AdapterInUse | LoRAError, name: str) -> APIError:
+def _in_use(exc: LoRAError, name: str) -> APIError:
     return APIError(409, f"adapter {name!r} is in use by requests on this replica; retry when "
                     f"they have finished ({exc})", code="adapter_in_use")
 
@@ -63,7 +63,7 @@ async def create_adapter(body: AdapterCreate, state: StateDep, session: SessionD
         row = await state.adapters.create(session, base, name=body.name, path=body.path,
                                           owner_tenant_id=body.owner_tenant_id, actor=admin.key_id)
     except AdapterInUse as exc:
-        raise _in_use(exc, exc.name) from None
+        raise _in_use(exc, body.name) from None
     except AdapterRefused as exc:
         raise _lora_error(exc.cause, body) from None
     return adapter_public(row, state)
@@ -104,5 +104,5 @@ async def delete_adapter(adapter_id: str, state: StateDep, session: SessionDep,
     try:
         await state.adapters.delete(session, a, actor=admin.key_id)
     except AdapterInUse as exc:
-        raise _in_use(exc, exc.name) from None
+        raise _in_use(exc, a.name) from None
     return AdapterDeletedPublic(id=adapter_id, name=a.name)
