@@ -45,13 +45,10 @@ from engine.stats import (
 from engine.tokenizer import Tokenizer
 
 __all__ = [
-    "LLM", "AsyncEngine", "ModelView", "EngineClient", "EngineAdmin", "ServedEngine", "RequestStream",
-    "Prompt",
-    "EngineConfig", "ModelConfig", "Tokenizer", "SamplingParams", "LoRARequest", "Adapter",
-    "RequestOutput", "CompletionOutput", "RequestMetrics", "Logprob",
-    "EngineStats", "QueueStats", "TenantClassStats", "KVStats", "CostModelStats", "LoRAStats",
-    "OverloadStats", "QueueBounds", "PoolStats", "PooledModelStats",
-    "EngineError", "InvalidRequest", "PromptTooLong", "UnknownModel", "LoRAError", "AdapterInUse",
-    "EngineOverloaded", "EngineDead",
-    "write_demo_model", "write_demo_adapter", "parse_targets", "QuantizeSpec", "quantize_model",
+    "LLM", "Adapter", "AdapterInUse", "AsyncEngine", "CompletionOutput", "CostModelStats", "EngineAdmin",
+    "EngineClient", "EngineConfig", "EngineDead", "EngineError", "EngineOverloaded", "EngineStats", "InvalidRequest",
+    "KVStats", "LoRAError", "LoRARequest", "LoRAStats", "Logprob", "ModelConfig", "ModelView", "OverloadStats",
+    "PoolStats", "PooledModelStats", "Prompt", "PromptTooLong", "QuantizeSpec", "QueueBounds", "QueueStats",
+    "RequestMetrics", "RequestOutput", "RequestStream", "SamplingParams", "ServedEngine", "TenantClassStats",
+    "Tokenizer", "UnknownModel", "parse_targets", "quantize_model", "write_demo_adapter", "write_demo_model",
 ]

@@ -9,6 +9,7 @@ streams cumulative outputs to the caller's event loop as tokens arrive.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import threading
@@ -360,9 +361,11 @@ class AsyncEngine(EngineClient, EngineAdmin):
                 drained += 1
                 if payload.request_id not in self._streams:
                     continue    # the caller went away before the request got in
+                # validated already (a race on request ids at most); whatever it raises goes to
+                # that request's caller, never up into the step loop that serves the others
                 try:
                     core.add_request(payload)
-                except Exception as exc:  # validated already; a race on request ids at most
+                except Exception as exc:  # noqa: BLE001 - delivered to the caller, who raises it
                     self._deliver(payload.request_id, exc)
             elif kind == "shed":
                 self._shed(core, payload)
@@ -377,7 +380,5 @@ class AsyncEngine(EngineClient, EngineAdmin):
         if target is None:
             return
         loop, queue = target
-        try:
+        with contextlib.suppress(RuntimeError):  # the caller's loop may be closed
             loop.call_soon_threadsafe(queue.put_nowait, item)
-        except RuntimeError:  # the caller's loop is closed
-            pass

@@ -53,7 +53,7 @@ class StepShape:
     def features(self) -> tuple[float, ...]:
         raw = (1.0, self.prefill_tokens, self.num_seqs, self.decode_kv_tokens,
                self.prefill_attention, self.sampled)
-        return tuple(v / s for v, s in zip(raw, _SCALE))
+        return tuple(v / s for v, s in zip(raw, _SCALE, strict=True))
 
 
 class StepCostModel:
@@ -71,20 +71,25 @@ class StepCostModel:
 
     @property
     def ready(self) -> bool:
-        return self._w is not None and self.num_samples >= MIN_SAMPLES
+        return self._ready_weights() is not None
+
+    def _ready_weights(self) -> list[float] | None:
+        """The coefficients once enough steps were seen, else None."""
+        return self._w if self.num_samples >= MIN_SAMPLES else None
 
     def predict(self, shape: StepShape) -> float | None:
         """Seconds the step will take; None until enough steps were seen."""
-        if not self.ready:
+        w = self._ready_weights()
+        if w is None:
             return None
-        return max(0.0, sum(w * x for w, x in zip(self._w, shape.features())))
+        return max(0.0, sum(wi * x for wi, x in zip(w, shape.features(), strict=True)))
 
     def prefill_room(self, seconds: float, computed: int) -> int:
         """How many prefill tokens of a sequence with `computed` tokens already in the cache
         fit in `seconds` more of step time (its own overhead and sampling included)."""
-        if not self.ready or seconds <= 0:
+        w = self._ready_weights()
+        if w is None or seconds <= 0:
             return 0
-        w = self._w
         a = w[4] / _SCALE[4]
         b = w[1] / _SCALE[1] + w[4] * computed / _SCALE[4]
         c = w[2] / _SCALE[2] + w[5] / _SCALE[5]
@@ -101,11 +106,12 @@ class StepCostModel:
 
     def chunk_time(self, num_tokens: int, computed: int = 0) -> float | None:
         """Seconds one more prefill chunk of `num_tokens` adds to a step (sampled at its end)."""
-        if not self.ready:
+        w = self._ready_weights()
+        if w is None:
             return None
         shape = StepShape()
         shape.add_prefill(num_tokens, computed, True)
-        return sum(w * x for w, x in zip(self._w[1:], shape.features()[1:]))
+        return sum(wi * x for wi, x in zip(w[1:], shape.features()[1:], strict=True))
 
     def observe(self, shape: StepShape, seconds: float, predicted: float | None = None) -> None:
         """Fold in one step that took `seconds`; `predicted` (what `predict` said before the
@@ -138,7 +144,7 @@ class StepCostModel:
         """Seconds per unit of each feature (per token, per sequence, ...)."""
         if self._w is None:
             return None
-        return {name: w / s for name, w, s in zip(FEATURES, self._w, _SCALE)}
+        return {name: w / s for name, w, s in zip(FEATURES, self._w, _SCALE, strict=True)}
 
     def prediction_error(self) -> float | None:
         """Median of |predicted - measured| / measured over the recent predicted steps."""
@@ -161,7 +167,7 @@ def _nonneg_lstsq(a: list[list[float]], b: list[float], ridge: float) -> list[fl
         w_active = _solve([[a[i][j] for j in active] for i in active], [b[i] for i in active],
                           ridge * scale)
         w = [0.0] * k
-        for idx, v in zip(active, w_active):
+        for idx, v in zip(active, w_active, strict=True):
             w[idx] = v
         negative = [i for i in active if w[i] < 0 and i != 0]
         if not negative:
@@ -173,7 +179,7 @@ def _nonneg_lstsq(a: list[list[float]], b: list[float], ridge: float) -> list[fl
 def _solve(a: list[list[float]], b: list[float], ridge: float) -> list[float]:
     """Gaussian elimination with partial pivoting on a copy of (A + ridge I | b)."""
     n = len(b)
-    m = [row[:] + [b[i]] for i, row in enumerate(a)]
+    m = [[*row, b[i]] for i, row in enumerate(a)]
     for i in range(n):
         m[i][i] += ridge
     for col in range(n):

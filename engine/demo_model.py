@@ -72,16 +72,16 @@ from engine.demo_tokenizer import (
 )
 
 __all__ = [
+    "CHAT_TEMPLATE",
+    "ENDOFTEXT_ID",
     "FAMILIES",
+    "IM_END_ID",
+    "IM_START_ID",
     "SIZES",
     "SPECIAL_TOKENS",
-    "ENDOFTEXT_ID",
-    "IM_START_ID",
-    "IM_END_ID",
-    "CHAT_TEMPLATE",
     "build_config",
-    "build_tokenizer_json",
     "build_state_dict",
+    "build_tokenizer_json",
     "random_prompts",
     "write_demo_model",
 ]

@@ -56,7 +56,7 @@ def check_request(req: EngineRequest, vocab_size: int, max_model_len: int) -> No
                              field="tenant_weight")
     for name in ("tenant", "model", "cache_salt", "share_group"):
         value = getattr(req, name)
-        if value is not None and not isinstance(value, str) or (name == "tenant" and not value):
+        if (value is not None and not isinstance(value, str)) or (name == "tenant" and not value):
             raise InvalidRequest(
                 f"{name}: must be a{' non-empty' if name == 'tenant' else ''} string, got {value!r}",
                 field=name)
@@ -101,7 +101,8 @@ class EngineCore:
         if config.enable_lora:
             self.lora = self.runner.enable_lora(
                 max_loras=config.max_loras, max_lora_rank=config.max_lora_rank,
-                max_cpu_loras=config.max_cpu_loras,
+                # EngineConfig fills None in with max_loras
+                max_cpu_loras=config.max_loras if config.max_cpu_loras is None else config.max_cpu_loras,
             )
         bs = config.block_size
         self.memory: MemoryBudget | None = None
@@ -233,10 +234,7 @@ class EngineCore:
         if req.model is not None and req.model not in self.served_model_names:
             raise UnknownModel(f"model: {req.model!r} is not served by this engine")
         if req.lora_request is not None:
-            if self.lora is None:
-                raise InvalidRequest("lora_request: LoRA is not enabled on this engine (enable_lora=True)",
-                                     field="lora_request")
-            self.lora.check_request(req.lora_request)
+            self._lora_manager().check_request(req.lora_request)
 
     @property
     def model_name(self) -> str:
@@ -258,7 +256,7 @@ class EngineCore:
             state.seqs.append(seq)
         self.requests[req.request_id] = state
         if req.lora_request is not None:
-            self.lora.acquire(req.lora_request)
+            self._lora_manager().acquire(req.lora_request)
         self.scheduler.add(state)
         return state
 
@@ -270,13 +268,16 @@ class EngineCore:
 
     def add_lora(self, lora_request: LoRARequest) -> Adapter:
         """Read and check an adapter into host memory (blocking); the checked adapter."""
+        return self._lora_manager().load(lora_request)
+
+    def _lora_manager(self) -> LoRAManager:
         if self.lora is None:
             raise InvalidRequest("lora_request: LoRA is not enabled on this engine (enable_lora=True)",
                                  field="lora_request")
-        return self.lora.load(lora_request)
+        return self.lora
 
-    def _fail_adapter_requests(self) -> None:
-        for aid, exc in self.lora.take_failures().items():
+    def _fail_adapter_requests(self, lora: LoRAManager) -> None:
+        for aid, exc in lora.take_failures().items():
             for state in [s for s in self.requests.values() if s.req.lora_id == aid]:
                 for seq in state.seqs:
                     if seq.status is not SeqStatus.FINISHED:
@@ -304,7 +305,7 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         if self.lora is not None:
-            self._fail_adapter_requests()
+            self._fail_adapter_requests(self.lora)
         sched = self.scheduler.schedule()
         t1 = time.perf_counter()
         self.timings.schedule += t1 - t0

@@ -72,7 +72,7 @@ class LLM:
         tenant: str = "default",
         cache_salt: str | None = None,
         share_group: str | None = None,
-        lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
+        lora_request: LoRARequest | list[LoRARequest | None] | tuple[LoRARequest | None, ...] | None = None,
         model: str | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs in input order. `use_tqdm` is vLLM's
@@ -104,7 +104,7 @@ class LLM:
             raise InvalidRequest(f"lora_request: {len(loras)} given for {len(prompts)} prompts; "
                                  "pass one or one each", field="lora_request")
         requests = []
-        for prompt, sp, lora in zip(prompts, params, loras):   # validate all before queueing any
+        for prompt, sp, lora in zip(prompts, params, loras, strict=True):   # validate all before queueing any
             text, ids = to_token_ids(self.engine.core_for(model).tokenizer, prompt)
             req = EngineRequest(str(next(self._ids)), ids, sp, prompt=text, model=model,
                                 service_class=service_class, priority=priority, tenant=tenant,

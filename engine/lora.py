@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from engine.errors import AdapterInUse, LoRAError
 from engine.models.linear import LinearBase, LoRABatch, LoRASlots
@@ -140,14 +140,14 @@ def _read_tensors(w_path: Path) -> dict[str, dict[str, torch.Tensor]]:
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     try:
         with safe_open(str(w_path), framework="pt") as f:
-            for name in f.keys():
+            for name in f.keys():  # noqa: SIM118 - a safetensors handle, not a dict: keys() is its API
                 m = _LORA_TENSOR.fullmatch(name.removeprefix("base_model.model.").removeprefix("model."))
                 if m is None:
                     raise LoRAError(f"{ADAPTER_WEIGHTS}: tensor {name!r} is not a LoRA A/B weight this engine reads")
                 pairs.setdefault(m["layer"], {})[m["kind"]] = f.get_tensor(name)
     except LoRAError:
         raise
-    except Exception as exc:   # safetensors raises its own error types on a corrupt file
+    except (SafetensorError, OSError) as exc:   # a corrupt file, or one that cannot be opened
         raise LoRAError(f"{ADAPTER_WEIGHTS}: cannot be read ({exc})") from None
     if not pairs:
         raise LoRAError(f"{ADAPTER_WEIGHTS}: holds no LoRA weights")
@@ -190,6 +190,13 @@ def _check_weights(
         weights[layer] = (a.to(dtype).contiguous(), b.to(dtype).contiguous())
         max_r = max(max_r, r)
     return weights, max_r
+
+
+def _bound_slots(module: LinearBase) -> LoRASlots:
+    """The device slots `bind` gave `module`."""
+    if module.lora is None:
+        raise RuntimeError(f"{type(module).__name__} has no LoRA slots: the model is not bound")
+    return module.lora
 
 
 class LoRAManager:
@@ -316,7 +323,7 @@ class LoRAManager:
     def _load_async(self, req: LoRARequest) -> None:
         try:
             self.load(req)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - any failure is kept and raised to the requests that wait on it
             logger.warning("adapter %s could not be loaded: %s", req.lora_name, exc)
             with self._lock:
                 self._failed[req.lora_int_id] = exc
@@ -392,7 +399,7 @@ class LoRAManager:
         rm = self.max_lora_rank
         for layer, (a, b) in adapter.weights.items():
             module, part = self.live[layer]
-            lora = module.lora
+            lora = _bound_slots(module)
             r, lo = a.shape[0], module.offsets[part]
             lora.lora_a[slot, part * rm: part * rm + r].copy_(a)
             b_dst = lora.lora_bt[slot, part * rm: part * rm + r, lo: lo + module.out_sizes[part]]
@@ -404,7 +411,7 @@ class LoRAManager:
 
     def _clear_slot(self, slot: int) -> None:
         for module in self.modules:
-            lora = module.lora
+            lora = _bound_slots(module)
             if slot in lora.targeted:
                 lora.lora_a[slot].zero_()
                 lora.lora_bt[slot].zero_()

@@ -24,11 +24,11 @@ import math
 import os
 import pathlib
 import warnings
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 
-__all__ = ["TARGET_MODULES", "SHORT_TARGETS", "DELTA_RATIO", "parse_targets", "write_demo_adapter"]
+__all__ = ["DELTA_RATIO", "SHORT_TARGETS", "TARGET_MODULES", "parse_targets", "write_demo_adapter"]
 
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 SHORT_TARGETS = {name.removesuffix("_proj"): name for name in TARGET_MODULES}  # q -> q_proj, ...
@@ -89,7 +89,7 @@ def write_demo_adapter(
         base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32, local_files_only=True)
         config = LoraConfig(
             r=rank,
-            lora_alpha=alpha,
+            lora_alpha=alpha,  # type: ignore[arg-type]  # peft annotates int; it divides a float alpha as is
             target_modules=list(target_modules),
             lora_dropout=0.0,
             bias="none",

@@ -82,8 +82,7 @@ class ModelPool:
             for name, path in specs.items()
         }
         self.default = next(iter(self.cores))
-        first = self.cores[self.default]
-        self.device = first.device
+        self.device = self.cores[self.default].device
         footprints = {n: sum(c.footprint().values()) for n, c in self.cores.items()}
         if config.memory_budget is not None:
             total = config.memory_budget

@@ -11,7 +11,7 @@ import torch
 from engine.config import ModelConfig
 from engine.kv_cache import KVCacheManager
 from engine.lora import LoRAManager
-from engine.models import AttentionMetadata, build_skeleton, load_model, tensor_bytes
+from engine.models import AttentionMetadata, LlamaForCausalLM, build_skeleton, load_model, tensor_bytes
 from engine.request import Sequence
 from engine.sampler import Sampler, SamplerOutput, SampleRow
 from engine.scheduler import SchedulerOutput
@@ -59,7 +59,7 @@ class ModelRunner:
         # loading, and what adapters are checked against
         self.skeleton = build_skeleton(model_config, dtype)
         self.weight_bytes = tensor_bytes(self.skeleton)
-        self.model: torch.nn.Module | None = None
+        self.model: LlamaForCausalLM | None = None
         self.sampler = Sampler(seed, device)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.block_size = 0
@@ -130,7 +130,8 @@ class ModelRunner:
             return scheduled
         slot_of = lora.activate(ids)
         ordered = sorted(scheduled, key=lambda item: item[0].state.req.lora_id)
-        starts, slots = [0], []
+        starts: list[int] = [0]
+        slots: list[int] = []
         for seq, num_new in ordered:
             aid = seq.state.req.lora_id
             slot = slot_of[aid] if aid else -1
@@ -198,10 +199,16 @@ class ModelRunner:
             sample_rows=rows,
         )
 
+    def _loaded(self) -> LlamaForCausalLM:
+        if self.model is None:
+            raise RuntimeError("the model is offloaded: load() it before running a step")
+        return self.model
+
     @torch.inference_mode()
     def forward_logits(self, inp: ModelInput) -> torch.Tensor:
-        hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)
-        return self.model.compute_logits(hidden[inp.logits_indices])
+        model = self._loaded()
+        hidden = model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)
+        return model.compute_logits(hidden[inp.logits_indices])
 
     @torch.inference_mode()
     def execute(
@@ -212,7 +219,7 @@ class ModelRunner:
         t1 = time.perf_counter()
         logits = self.forward_logits(inp) if inp.sample_seqs else None
         if logits is None:
-            self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)
+            self._loaded()(inp.input_ids, inp.positions, self.kv_caches, inp.meta)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         t2 = time.perf_counter()

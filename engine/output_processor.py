@@ -39,7 +39,7 @@ class OutputProcessor:
                       touched: dict[str, RequestState]) -> None:
         """Append each sequence's sampled token and finish those that stop; every request
         touched lands in `touched`."""
-        for seq, token, lp in zip(seqs, out.token_ids, out.logprobs):
+        for seq, token, lp in zip(seqs, out.token_ids, out.logprobs, strict=True):
             state = seq.state
             touched[state.request_id] = state
             if state.first_token_time is None:
@@ -57,10 +57,12 @@ class OutputProcessor:
             self._flush_text(seq, seq.num_output_tokens - 1)
             self.scheduler.finish(seq, "stop")
             return
-        if may_stop and token in p.stop_token_ids:
+        if may_stop and p.stop_token_ids and token in p.stop_token_ids:
             self._flush_text(seq, seq.num_output_tokens - 1)
             self.scheduler.finish(seq, "stop", token)
             return
+        if seq.decode_stream is None:
+            raise RuntimeError(f"{seq.seq_id}: no detokenizer, the sequence was never started")
         delta = self.tokenizer.step_stream(seq.decode_stream, token)
         if delta:
             seq.text += delta
@@ -99,13 +101,14 @@ class OutputProcessor:
         return True
 
     def _record_logprobs(self, seq: Sequence, token: int, lp: tuple) -> None:
+        if seq.logprobs is None:
+            raise RuntimeError(f"{seq.seq_id}: logprobs sampled for a sequence that did not ask for them")
         chosen, rank, top = lp
         seq.cumulative_logprob += chosen
         entry = {token: Logprob(chosen, rank, self.tokenizer.decode([token], False))}
         for i, (tid, val) in enumerate(top):
             if tid not in entry:
                 entry[tid] = Logprob(val, i + 1, self.tokenizer.decode([tid], False))
-        assert seq.logprobs is not None
         seq.logprobs.append(entry)
 
     def output(self, state: RequestState) -> RequestOutput:

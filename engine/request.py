@@ -11,8 +11,11 @@ from typing import TYPE_CHECKING
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from tokenizers.decoders import DecodeStream
+
     from engine.kv_cache.block_pool import BlockHash
     from engine.lora import LoRARequest
+    from engine.outputs import Logprob
 
 
 @dataclass(slots=True, frozen=True)
@@ -90,8 +93,8 @@ class Sequence:
     num_sent_tokens: int = 0
     num_text_tokens: int = 0                    # output tokens the text so far accounts for
     cumulative_logprob: float = 0.0
-    logprobs: list[dict[int, tuple[float, int]]] | None = None
-    decode_stream: object | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
+    decode_stream: DecodeStream | None = None
 
     @property
     def seq_id(self) -> str:

@@ -74,7 +74,7 @@ class Sampler:
                 top: list[tuple[int, float]] = []
                 if r.params.logprobs > 0:
                     vals, ids = row.topk(r.params.logprobs)
-                    top = list(zip(ids.tolist(), vals.tolist()))
+                    top = list(zip(ids.tolist(), vals.tolist(), strict=True))
                 out_logprobs[i] = (lp, rank, top)
         return SamplerOutput(token_ids, out_logprobs)
 

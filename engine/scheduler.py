@@ -43,7 +43,8 @@ class StepBudget:
     num_tokens: int = 0
 
     def take(self, num_tokens: int) -> None:
-        assert 0 < num_tokens <= self.tokens_left
+        if not 0 < num_tokens <= self.tokens_left:
+            raise ValueError(f"step budget: cannot take {num_tokens} tokens, {self.tokens_left} left")
         self.tokens_left -= num_tokens
         self.num_tokens += num_tokens
 

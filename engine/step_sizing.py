@@ -111,7 +111,8 @@ class StepSizer:
         if self.min_prefill_rank < seq.state.class_rank:
             return 0
         cost = self.cost
-        if not cost.ready:
+        predicted = cost.predict(self.shape)    # None until the cost model is fitted
+        if predicted is None:
             return max(0, FALLBACK_BACKGROUND_PREFILL - self.background_tokens)
         if self.target is None:   # fixed at the first less urgent chunk: the urgent part is known
             explicit = self.step_target_by_rank[self.urgent_rank]
@@ -121,10 +122,11 @@ class StepSizer:
                 # a multiple of the urgent part, and never less than that part plus a
                 # chunk of `min_background_chunk` tokens: less urgent prefill keeps moving
                 # at a useful rate even beside a single urgent decode
-                urgent = cost.predict(self.shape)
-                self.target = max(self.step_time_multiple * urgent,
-                                  urgent + cost.chunk_time(self.min_background_chunk))
-        room = cost.prefill_room(self.target - cost.predict(self.shape), seq.num_computed_tokens)
+                chunk = cost.chunk_time(self.min_background_chunk)
+                if chunk is None:
+                    raise RuntimeError("cost model: predicts a step but not a chunk")
+                self.target = max(self.step_time_multiple * predicted, predicted + chunk)
+        room = cost.prefill_room(self.target - predicted, seq.num_computed_tokens)
         if self.background_tokens == 0:   # background work always moves, a block at least
             room = max(room, self.block_size)
         return room
@@ -164,7 +166,8 @@ class StepSizer:
 
     def charge_prefill(self, rank: int, num_tokens: int) -> None:
         """`num_tokens` of prefill of class `rank` went into the step (negative: a refund)."""
-        if self.prefill_left[rank] is not None:
-            self.prefill_left[rank] -= num_tokens
+        left = self.prefill_left[rank]
+        if left is not None:
+            self.prefill_left[rank] = left - num_tokens
         if num_tokens > 0 and rank < self.min_prefill_rank:
             self.min_prefill_rank = rank

@@ -133,21 +133,19 @@ class InstantEngine(EngineClient, EngineAdmin):
         await self.shutdown()
 
     # -- the model directory's own --------------------------------------------------------------
-    def _started(self) -> None:
-        if not self._loaded:
+    def _started(self) -> tuple[Tokenizer, ModelConfig]:
+        """The model directory's tokenizer and config, read by `start`."""
+        if not self._loaded or self._tokenizer is None or self._model_config is None:
             raise RuntimeError("InstantEngine is not started; call `await engine.start()` first")
+        return self._tokenizer, self._model_config
 
     @property
     def tokenizer(self) -> Tokenizer:
-        self._started()
-        assert self._tokenizer is not None
-        return self._tokenizer
+        return self._started()[0]
 
     @property
     def model_config(self) -> ModelConfig:
-        self._started()
-        assert self._model_config is not None
-        return self._model_config
+        return self._started()[1]
 
     @property
     def max_model_len(self) -> int:

@@ -27,7 +27,7 @@ BlockHash = bytes
 
 
 class KVBlock:
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free", "next_free", "tier")
+    __slots__ = ("block_hash", "block_id", "next_free", "prev_free", "ref_cnt", "tier")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
@@ -76,7 +76,8 @@ class FreeBlockQueue:
     def _link(self, block: KVBlock, prev: KVBlock | None, nxt: KVBlock | None) -> None:
         if block.prev_free is not None or block.next_free is not None:
             raise ValueError(f"{block} is already in the free queue")
-        assert prev is not None and nxt is not None
+        if prev is None or nxt is None:
+            raise ValueError("a free block links between two queued blocks, got an unlinked neighbour")
         block.prev_free, block.next_free = prev, nxt
         prev.next_free = block
         nxt.prev_free = block
@@ -144,9 +145,10 @@ class BlockPool:
         were mostly freed with it, so this evicts about what `allocate` would)."""
         start = self.clean.find(b"\x01" * want)
         if start < 0:
-            start = self._run_at_eviction_head(want)
-            if start is None:
+            at_head = self._run_at_eviction_head(want)
+            if at_head is None:
                 return []
+            start = at_head
         out = [self._take(self.blocks[i]) for i in range(start, start + num_blocks)]
         if want > num_blocks:
             self.extents[owner] = (start + num_blocks, start + want)
@@ -160,7 +162,7 @@ class BlockPool:
         reserved for `owner` or clean (an unreserved cached block is left to the LRU). An
         owner without a reservation yet (its first blocks were a shared prefix) reserves
         the clean blocks that follow, up to `want` blocks in all."""
-        out = []
+        out: list[KVBlock] = []
         i = last_id + 1
         while len(out) < num_blocks and i < self.num_blocks:
             block = self.blocks[i]
@@ -201,7 +203,7 @@ class BlockPool:
             if n == tries:
                 break
             for start in (head.block_id - want + 1, head.block_id):
-                if 0 <= start and start + want <= self.num_blocks and all(
+                if start >= 0 and start + want <= self.num_blocks and all(
                         self.blocks[i].ref_cnt == 0 and not self.reserved_by[i]
                         and self.blocks[i].tier <= head.tier for i in range(start, start + want)):
                     return start

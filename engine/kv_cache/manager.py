@@ -148,9 +148,10 @@ class KVCacheManager:
             more = pool.allocate_run(rest, room, owner)
             new += more or (pool.allocate_run(rest, rest, owner) if room > rest else [])
         if len(new) < num:           # no free run: any free blocks (attention gathers them)
-            rest = pool.allocate(num - len(new))
-            assert rest is not None
-            new += rest
+            scattered = pool.allocate(num - len(new))
+            if scattered is None:
+                raise RuntimeError(f"KV cache: {num} free blocks were checked, fewer are free")
+            new += scattered
         return new
 
     def cache_full_blocks(self, seq: Sequence) -> None:

@@ -1,5 +1,5 @@
 from engine.models.llama import AttentionMetadata, LlamaForCausalLM
 from engine.models.loader import MODEL_CLASSES, build_skeleton, load_model, tensor_bytes
 
-__all__ = ["AttentionMetadata", "LlamaForCausalLM", "MODEL_CLASSES", "build_skeleton", "load_model",
+__all__ = ["MODEL_CLASSES", "AttentionMetadata", "LlamaForCausalLM", "build_skeleton", "load_model",
            "tensor_bytes"]

@@ -121,9 +121,9 @@ class DenseLinear(LinearBase):
         return F.linear(x, self.weight, self.bias)
 
     def load_part(self, part: int, name: str, tensor: torch.Tensor) -> None:
-        if name not in ("weight", "bias") or (name == "bias" and self.bias is None):
+        param = self.weight if name == "weight" else self.bias if name == "bias" else None
+        if param is None:
             raise ValueError(f"unexpected tensor {name!r} for a dense projection")
-        param = self.weight if name == "weight" else self.bias
         dst = param.data.narrow(0, self.offsets[part], self.out_sizes[part])
         if dst.shape != tensor.shape:
             raise ValueError(f"shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")

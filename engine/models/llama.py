@@ -9,6 +9,7 @@ block tables. Checkpoints load by Hugging Face's own weight names.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -108,13 +109,14 @@ class LlamaForCausalLM(nn.Module):
     """Also Mistral (same layout) and Qwen2 (q/k/v biases, usually tied embeddings)."""
 
     # HF layer name -> (our fused projection, part index)
-    FUSED = {
+    FUSED: ClassVar[dict[str, tuple[str, int]]] = {
         "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
         "o_proj": ("o_proj", 0),
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1), "down_proj": ("down_proj", 0),
     }
 
-    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, linear: LinearFactory = DenseLinear) -> None:
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding | None, linear: LinearFactory = DenseLinear) -> None:
+        """`rope` None: a skeleton (shapes and sizes, see loader.build_skeleton) that never runs."""
         super().__init__()
         self.cfg = cfg
         # built on the meta device and filled from the checkpoint: `_weight` / skip_init spare
@@ -135,12 +137,14 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """Hidden states after the final norm, one row per input token."""
+        if self.rope is None:
+            raise RuntimeError("a model skeleton has no rotary embedding and does not run")
         x = self.embed_tokens(input_ids)
         rope = self.rope.at(positions)      # cos/sin gathered once, used by every layer
         if kv_caches and meta.first_slots is None:     # likewise the contiguity of each table
             meta.first_slots = contiguous_first_slots(meta.block_tables, meta.seq_lens,
                                                       kv_caches[0][0].shape[2])
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x = layer(x, rope, kv_cache, meta)
         return self.norm(x)
 

@@ -41,7 +41,7 @@ def safetensors_files(model_dir: Path) -> list[Path]:
 def iter_weights(model_dir: Path, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
     for path in safetensors_files(model_dir):
         with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
+            for name in f.keys():  # noqa: SIM118 - a safetensors handle, not a dict: keys() is its API
                 t = f.get_tensor(name)
                 # packed integer tensors (quantized checkpoints) keep their dtype
                 yield name, t.to(dtype) if t.is_floating_point() else t

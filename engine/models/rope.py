@@ -63,7 +63,7 @@ class RotaryEmbedding:
 class RopeAt:
     """The rotation for one batch's positions: cos/sin rows [T, 1, D], applied to [T, H, D]."""
 
-    __slots__ = ("cos", "sin", "half")
+    __slots__ = ("cos", "half", "sin")
 
     def __init__(self, cos: torch.Tensor, sin: torch.Tensor, half: int) -> None:
         self.cos, self.sin, self.half = cos, sin, half

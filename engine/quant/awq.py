@@ -54,6 +54,10 @@ class AWQLinear(PackedLinear):
     scales [groups, out], bias [out] where the model has one."""
 
     method = "awq"
+    # buffers registered from tensor_specs
+    qweight: torch.Tensor
+    qzeros: torch.Tensor
+    scales: torch.Tensor
 
     def __init__(self, in_features: int, out_sizes: list[int], bias: bool, config: AWQConfig) -> None:
         self.group_size = resolve_group_size(config.group_size, in_features)

@@ -72,6 +72,11 @@ class GPTQLinear(PackedLinear):
     pack = 32 / bits."""
 
     method = "gptq"
+    # buffers registered from tensor_specs
+    qweight: torch.Tensor
+    qzeros: torch.Tensor
+    scales: torch.Tensor
+    g_idx: torch.Tensor
 
     def __init__(self, in_features: int, out_sizes: list[int], bias: bool, config: GPTQConfig) -> None:
         self.bits = config.bits
@@ -95,7 +100,9 @@ class GPTQLinear(PackedLinear):
 
     def check_part(self, name: str, tensor: torch.Tensor) -> None:
         if name == "g_idx" and tensor.numel() and (int(tensor.min()) < 0 or int(tensor.max()) >= self.num_groups):
-            raise ValueError(f"g_idx has groups {int(tensor.min())}..{int(tensor.max())}, expected 0..{self.num_groups - 1}")
+            raise ValueError(
+                f"g_idx has groups {int(tensor.min())}..{int(tensor.max())}, expected 0..{self.num_groups - 1}"
+            )
 
     def _dequantize_part(self, part: int) -> torch.Tensor:
         lo, n = self.offsets[part], self.out_sizes[part]
@@ -113,7 +120,7 @@ class GPTQLinear(PackedLinear):
     def base_forward(self, x: torch.Tensor) -> torch.Tensor:
         """One part at a time, into its slice of the output: only one part's weight exists at once."""
         y = x.new_empty(*x.shape[:-1], self.out_features)
-        for part, (lo, n) in enumerate(zip(self.offsets, self.out_sizes)):
+        for part, (lo, n) in enumerate(zip(self.offsets, self.out_sizes, strict=True)):
             torch.matmul(x, self._dequantize_part(part).to(x.dtype), out=y[..., lo:lo + n])
         if self.bias is not None:
             y += self.bias.to(x.dtype)

@@ -131,7 +131,8 @@ def _read_weights(model_dir: Path) -> dict[str, torch.Tensor]:
     weights: dict[str, torch.Tensor] = {}
     for path in safetensors_files(model_dir):
         with safe_open(str(path), framework="pt") as f:
-            weights.update({name: f.get_tensor(name) for name in f.keys()})
+            # a safetensors handle, not a dict: keys() is its API
+            weights.update({name: f.get_tensor(name) for name in f.keys()})  # noqa: SIM118
     return weights
 
 

@@ -79,7 +79,7 @@ def lora_shrink_expand(
     target = out[:, lo:hi]
     scales = scaling.tolist()
     start = 0
-    for slot, n in zip(uniq_l, counts_l):
+    for slot, n in zip(uniq_l, counts_l, strict=True):
         if slot >= 0:
             rows = order[start:start + n]
             xs = x.index_select(0, rows)                               # gather   [n, in]
