@@ -169,7 +169,7 @@ def _nonneg_lstsq(a: list[list[float]], b: list[float], ridge: float) -> list[fl
         w = [0.0] * k
         for idx, v in zip(active, w_active, strict=True):
             w[idx] = v
-        negative = [i for i in active if w[i] < 0 and i != 0]
+        negative = [i for i in active if w[i] < 0]
         if not negative:
             return w
         worst = min(negative, key=lambda i: w[i])

@@ -65,6 +65,21 @@ def test_cost_model_converges_on_a_synthetic_step_time():
         assert model.predict(shape) == pytest.approx(true_time(shape), rel=0.05)
 
 
+def test_cost_model_keeps_every_coefficient_non_negative_the_constant_too():
+    """Step times that an unconstrained fit would explain with a negative constant (here
+    5 us per prefill token less 2 ms, over prompts of 500-1000 tokens): the constant is held
+    at zero (the prompt-size terms carry the step), so no part of a step is ever a saving."""
+    model = StepCostModel()
+    for i in range(200):
+        shape = StepShape()
+        shape.add_prefill(500 + (i * 37) % 500, 0, True)
+        model.observe(shape, 5e-6 * shape.prefill_tokens - 2e-3)
+    coef = model.coefficients()
+    assert coef is not None and all(v >= 0 for v in coef.values()), coef
+    assert coef["const"] == 0
+    assert model.predict(shape) > 0
+
+
 def test_cost_model_predicts_nothing_until_it_has_seen_enough_and_follows_a_change():
     model = StepCostModel()
     shape = StepShape()
