@@ -1,0 +1,1 @@
+"""The HTTP gateway: the OpenAI-compatible API, the admin console, auth, metrics and the CLI."""

@@ -1,0 +1,1 @@
+"""Benchmarks (`lockgate bench ...`), their harness and the locust suite; not in the wheel."""

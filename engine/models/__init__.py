@@ -1,3 +1,5 @@
+"""Decoder-only model families over a flattened batch and the paged cache, and their loader."""
+
 from engine.models.llama import AttentionMetadata, LlamaForCausalLM
 from engine.models.loader import MODEL_CLASSES, build_skeleton, load_model, tensor_bytes
 
