@@ -184,6 +184,8 @@ class UsageRecord(Base):
     ttft_ms: Mapped[float | None] = mapped_column(Float, nullable=True)
     total_ms: Mapped[float] = mapped_column(Float)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, index=True)
+    # the client's own x-request-id (not unique: a client may reuse one), for reconciliation
+    client_request_id: Mapped[str | None] = mapped_column(String(128), nullable=True)
 
 
 class AuditEntry(Base):

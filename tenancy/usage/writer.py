@@ -1,5 +1,6 @@
 """Usage rows and their writer: `UsageRow` (one finished request) and `UsageWriter`, a
-background task that group-commits rows, through asyncpg directly on PostgreSQL.
+background task that group-commits rows, through asyncpg directly on PostgreSQL, and spools
+them to local disk (`tenancy.usage.spool`) while the database cannot take them.
 
 `UsageWriter` is bookkeeping on the request path and writes no audit entry.
 """
@@ -8,17 +9,23 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from dataclasses import dataclass, fields
 from datetime import datetime
+from pathlib import Path
 from typing import Any, Self
 
 from sqlalchemy import insert
+from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
 from tenancy.errors import Invalid
 from tenancy.models import SERVICE_TIERS, USAGE_STATUSES, UsageRecord, utcnow
+from tenancy.usage.spool import UsageSpool
 from tenancy.validation import MODEL_NAME_MAX, as_utc, check_count, check_ms
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -38,6 +45,7 @@ class UsageRow:
     ttft_ms: float | None
     total_ms: float
     created_at: datetime | None = None    # None: when recorded
+    client_request_id: str | None = None  # the client's x-request-id, for its reconciliation
 
     def __post_init__(self) -> None:
         for f in ("request_id", "tenant_id", "api_key_id", "model", "service_tier"):
@@ -46,6 +54,9 @@ class UsageRow:
                 raise Invalid(f, f"must be a non-empty string, got {v!r}")
         if len(self.request_id) > 128:
             raise Invalid("request_id", "must be at most 128 characters")
+        if self.client_request_id is not None and (
+                not isinstance(self.client_request_id, str) or not 1 <= len(self.client_request_id) <= 128):
+            raise Invalid("client_request_id", "must be null or a string of 1 to 128 characters")
         if len(self.model) > MODEL_NAME_MAX:
             raise Invalid("model", f"must be at most {MODEL_NAME_MAX} characters")
         if self.service_tier not in SERVICE_TIERS:
@@ -69,6 +80,7 @@ class UsageRow:
 
 
 _STOP = object()
+_REPLAY = object()     # the ticker's mark: time to try the spool's rows again
 
 
 class UsageWriter:
@@ -78,18 +90,38 @@ class UsageWriter:
     executemany and one transaction, on a connection of its own; each `record` returns once
     its row is committed, or raises. `synchronous_commit=False` (PostgreSQL) acknowledges a
     commit before its WAL reaches the disk: visible at once, but a database crash may lose
-    the last moments' rows."""
+    the last moments' rows.
+
+    With `spool_dir`, a batch the database does not take (unreachable, or no answer within
+    `timeout_s`) is appended to a `UsageSpool` there and fsynced instead, and its `record`s
+    return as committed: the rows are durable. While rows are spooled, new batches go to the
+    spool too (no waiting on a dead database per batch), and every `replay_interval_s` the
+    writer tries to insert the spool's rows (duplicates of a `request_id` skipped, so a crash
+    mid-replay duplicates nothing); `pending` counts the rows not yet in the database. Only a
+    refused row (an integrity error) or a spool that cannot be written fails its `record`."""
 
     MAX_BATCH_LIMIT = 2000     # 13 bound values a row; stays under SQLite/PostgreSQL limits
 
     def __init__(self, sessionmaker: async_sessionmaker[AsyncSession], max_batch: int = 256,
-                 max_delay_s: float = 0.0, synchronous_commit: bool = True) -> None:
+                 max_delay_s: float = 0.0, synchronous_commit: bool = True, *,
+                 spool_dir: Path | None = None, timeout_s: float = 5.0,
+                 replay_interval_s: float = 1.0) -> None:
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) \
                 or not 1 <= max_batch <= self.MAX_BATCH_LIMIT:
             raise Invalid("max_batch", f"must be an integer from 1 to {self.MAX_BATCH_LIMIT}")
         if isinstance(max_delay_s, bool) or not isinstance(max_delay_s, (int, float)) \
                 or not 0 <= max_delay_s <= 10:
             raise Invalid("max_delay_s", "must be a number of seconds from 0 to 10")
+        for name, v in (("timeout_s", timeout_s), ("replay_interval_s", replay_interval_s)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 600:
+                raise Invalid(name, "must be a number of seconds over 0, at most 600")
+        self.timeout_s = float(timeout_s)
+        self.replay_interval_s = float(replay_interval_s)
+        self._spool = UsageSpool(spool_dir) if spool_dir is not None else None
+        self._ticker: asyncio.Task[None] | None = None
+        self._replay_due = False
+        self.spooled = 0          # rows this writer put in the spool
+        self.replayed = 0         # spooled rows this writer moved into the database
         self._sessionmaker = sessionmaker
         self._engine = sessionmaker.kw.get("bind")
         self._conn: Any = None
@@ -106,7 +138,22 @@ class UsageWriter:
     async def start(self) -> None:
         if self._task is not None:
             raise RuntimeError("UsageWriter already started")
-        self._task = asyncio.get_running_loop().create_task(self._run(), name="usage-writer")
+        loop = asyncio.get_running_loop()
+        self._task = loop.create_task(self._run(), name="usage-writer")
+        if self._spool is not None:
+            self._ticker = loop.create_task(self._tick(), name="usage-spool-ticker")
+
+    @property
+    def pending(self) -> int:
+        """Rows in the spool, not yet in the database (0 without a spool)."""
+        return self._spool.pending if self._spool is not None else 0
+
+    async def _tick(self) -> None:
+        while True:
+            await asyncio.sleep(self.replay_interval_s)
+            if self.pending and not self._replay_due:
+                self._replay_due = True
+                self._queue.put_nowait(_REPLAY)
 
     async def __aenter__(self) -> Self:
         await self.start()
@@ -134,7 +181,9 @@ class UsageWriter:
         return fut
 
     async def close(self) -> None:
-        """Write everything queued so far, then stop."""
+        """Write everything queued so far (a last try of the spool included), then stop."""
+        if self._ticker is not None:
+            self._ticker.cancel()
         if self._task is None or self._task.done():
             self._closed = True
             return
@@ -152,6 +201,8 @@ class UsageWriter:
                 return False
             if item is _STOP:
                 return True
+            if item is _REPLAY:
+                continue
             batch.append(item)
         return False
 
@@ -163,6 +214,9 @@ class UsageWriter:
                 first = await self._queue.get()
                 if first is _STOP:
                     break
+                if first is _REPLAY:
+                    await self._replay()
+                    continue
                 batch = [first]
                 stop = self._drain(batch)
                 if not stop and len(batch) < self.max_batch and self.max_delay_s > 0:
@@ -170,6 +224,8 @@ class UsageWriter:
                     stop = self._drain(batch)
                 await self._write(batch)
                 batch = []
+                if self._replay_due:
+                    await self._replay()
             # Rows queued after the stop mark (a record racing close) still get written.
             while not self._queue.empty():
                 batch = []
@@ -177,6 +233,8 @@ class UsageWriter:
                 if batch:
                     await self._write(batch)
             batch = []
+            if self.pending:
+                await self._replay()      # what is still down stays in the spool for the next start
             await self._release()
         finally:
             # Cancelled (e.g. at loop shutdown): nobody may wait forever for its row.
@@ -186,7 +244,7 @@ class UsageWriter:
                 _settle(fut, gone)
             while not self._queue.empty():
                 item = self._queue.get_nowait()
-                if item is not _STOP:
+                if isinstance(item, tuple):
                     _settle(item[1], gone)
 
     async def _insert(self, rows: list[dict[str, Any]]) -> None:
@@ -243,8 +301,9 @@ class UsageWriter:
     async def _release_quietly(self) -> None:
         """Close the connection, ignoring its errors: it is being replaced."""
         if self._conn is not None:
-            with contextlib.suppress(Exception):
-                await self._conn.close()
+            with contextlib.suppress(Exception):    # a hung server: given up after timeout_s
+                async with asyncio.timeout(self.timeout_s):
+                    await self._conn.close()
             self._conn = None
 
     async def _release(self) -> None:
@@ -256,7 +315,10 @@ class UsageWriter:
 
     async def _write(self, batch: list[tuple[dict[str, Any], asyncio.Future[None]]]) -> None:
         try:
-            await self._insert([values for values, _ in batch])
+            if self.pending:      # the database is known down: to the spool, in order
+                raise ConnectionError("usage rows are being spooled")
+            async with asyncio.timeout(self.timeout_s):
+                await self._insert([values for values, _ in batch])
         except IntegrityError as exc:
             if len(batch) == 1:
                 _settle(batch[0][1], exc)
@@ -271,13 +333,59 @@ class UsageWriter:
                     self._count(1)
                     _settle(fut, None)
             return
-        except Exception as exc:  # noqa: BLE001 - handed to every caller of the batch
+        except Exception as exc:  # noqa: BLE001 - spooled, else handed to every caller of the batch
+            await self._release_quietly()
+            error = await self._to_spool([values for values, _ in batch], exc)
             for _, fut in batch:
-                _settle(fut, exc)
+                _settle(fut, error)
             return
         self._count(len(batch))
         for _, fut in batch:
             _settle(fut, None)
+
+    async def _to_spool(self, rows: list[dict[str, Any]], exc: BaseException) -> BaseException | None:
+        """Spool rows the database did not take; None once they are on disk, else the error."""
+        if self._spool is None:
+            return exc
+        try:
+            await asyncio.to_thread(self._spool.append, rows)
+        except OSError as spool_exc:
+            logger.error("usage spool not writable (%r); %d rows not recorded", spool_exc, len(rows))
+            return spool_exc
+        if not self.spooled or not isinstance(exc, ConnectionError):
+            logger.warning("usage rows spooled to %s: the database did not take them (%r)",
+                           self._spool.directory, exc)
+        self.spooled += len(rows)
+        return None
+
+    async def _replay(self) -> None:
+        """Move the spool's rows into the database, file by file; stop at the first failure
+        (the next tick tries again)."""
+        self._replay_due = False
+        spool = self._spool
+        if spool is None or not spool.pending:
+            return
+        try:
+            for path in await asyncio.to_thread(spool.take):
+                rows = await asyncio.to_thread(spool.read, path)
+                async with asyncio.timeout(self.timeout_s):
+                    await self._insert_new(rows)
+                await asyncio.to_thread(spool.done, path)
+                self.replayed += len(rows)
+                logger.info("usage spool: %d rows replayed into the database", len(rows))
+        except Exception as exc:  # noqa: BLE001 - the database is still away: retried on the next tick
+            logger.info("usage spool replay deferred (%d rows pending): %r", spool.pending, exc)
+
+    async def _insert_new(self, rows: list[dict[str, Any]]) -> None:
+        """Insert `rows` in one transaction, skipping any whose request_id is already there."""
+        async with self._sessionmaker() as session:
+            dialect = session.get_bind().dialect.name
+            make = postgresql.insert if dialect == "postgresql" else sqlite.insert
+            stmt = make(UsageRecord).on_conflict_do_nothing(index_elements=["request_id"])
+            for start in range(0, len(rows), self.MAX_BATCH_LIMIT):
+                if rows[start:start + self.MAX_BATCH_LIMIT]:
+                    await session.execute(stmt, rows[start:start + self.MAX_BATCH_LIMIT])
+            await session.commit()
 
     def _count(self, n: int) -> None:
         self.batches += 1
