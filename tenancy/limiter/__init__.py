@@ -49,10 +49,13 @@ The package:
   injectable for tests.
 - `redis`: `RedisLimiter`, shared by all replicas: one ``EVALSHA`` of `limiter.lua` per
   acquire / settle / cancel / heartbeat (its docstring gives the key layout), over the
-  pipelined connection of `redis_pipe`.
+  pipelined connection of `redis_pipe` (every wait bounded by a timeout, 250 ms by default).
+- `failover`: `FailoverLimiter`, the Redis limiter while Redis fails: closed (refuse) or open
+  (the in-process limiter per replica), settlements queued until Redis answers again.
 
 Errors: a bad argument is `tenancy.errors.Invalid` (a ValueError naming the field); a Redis
-that cannot be reached is `tenancy.errors.LimiterUnavailable`.
+that cannot be reached, or does not answer within the timeout, is
+`tenancy.errors.LimiterUnavailable`.
 """
 
 from __future__ import annotations
@@ -68,6 +71,7 @@ from tenancy.limiter.base import (
     Limiter,
     LimitScope,
 )
+from tenancy.limiter.failover import FailoverLimiter
 from tenancy.limiter.memory import InProcessLimiter
 from tenancy.limiter.redis import RedisLimiter
 
@@ -76,6 +80,7 @@ __all__ = [
     "PENDING_TTL",
     "WINDOW",
     "Decision",
+    "FailoverLimiter",
     "InProcessLimiter",
     "Lease",
     "LimitScope",

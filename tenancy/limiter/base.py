@@ -149,6 +149,12 @@ class Limiter(ABC):
         """Current counts of ``scope``: ``requests_in_window``, ``tokens_in_window``,
         ``concurrent``, ``day_tokens`` and ``month_tokens`` (current UTC day and month)."""
 
+    async def check(self) -> str:
+        """The backend's health for a readiness probe, answered within the backend's own
+        timeout: "ok", "degraded" (limits enforced, but not as configured: per replica), or
+        "unavailable" (new requests cannot be admitted)."""
+        return "ok"
+
     @abstractmethod
     async def close(self) -> None:
         """Release the backend's resources."""

@@ -63,7 +63,10 @@ def _us(seconds: float) -> int:
 class RedisLimiter(Limiter):
     """The limiter shared by all gateway replicas, on one Redis (see the module docstring)."""
 
-    def __init__(self, url: str, *, prefix: str = "lockgate:", lease_ttl: float = 30.0) -> None:
+    def __init__(self, url: str, *, prefix: str = "lockgate:", lease_ttl: float = 30.0,
+                 timeout: float = 0.25) -> None:
+        """``timeout``: the most any wait on Redis may take (connect, each reply), seconds;
+        past it the call raises LimiterUnavailable and the connection is dropped."""
         from redis.exceptions import RedisError
 
         from tenancy.limiter.redis_pipe import RedisPipe, RedisScript
@@ -72,11 +75,19 @@ class RedisLimiter(Limiter):
         if not isinstance(prefix, str):
             raise Invalid("prefix", f"must be a string, got {prefix!r}")
         self.prefix = prefix
-        self._redis = RedisPipe(url)
+        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
+            raise Invalid("timeout", f"must be a positive number of seconds, got {timeout!r}")
+        self.timeout = float(timeout)
+        self._redis = RedisPipe(url, timeout=self.timeout)
         self._redis_error = RedisError
         # EVALSHA, sending the script again on NOSCRIPT (e.g. after a Redis restart).
         self._script = RedisScript(self._redis, lua_source())
         self._skew = 0.0  # Redis's clock minus ours, as last seen: to guess the UTC day
+
+    @property
+    def where(self) -> str:
+        """Redis's address, for messages."""
+        return self._redis.where
 
     async def _call(self, keys: list[str], args: list[Any]) -> Any:
         """One run of the script; any Redis failure is a LimiterUnavailable naming Redis."""
@@ -199,6 +210,14 @@ class RedisLimiter(Limiter):
             return {"requests_in_window": req, "tokens_in_window": tok, "concurrent": conc,
                     "day_tokens": day, "month_tokens": month}
         raise RuntimeError("could not agree with Redis on the current UTC day")
+
+    async def check(self) -> str:
+        """"ok" when Redis answers a PING within the timeout, else "unavailable"."""
+        try:
+            await self._redis.execute("PING")
+        except self._redis_error:
+            return "unavailable"
+        return "ok"
 
     async def close(self) -> None:
         await self._redis.aclose()

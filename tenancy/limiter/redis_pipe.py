@@ -14,6 +14,13 @@ callers handle failures as before. What it leaves out: pub/sub, blocking command
 transactions, cluster and Sentinel (the limiter uses none). A connection found closed is
 opened again before the next command; a command whose connection breaks after it was
 written fails with ConnectionError (it may or may not have run: no blind retry).
+
+Every wait is bounded by ``timeout`` (250 ms by default): the connect, the AUTH and SELECT
+sent at connect, and each reply. A Redis that accepts connections and never answers (stopped,
+swapping, stuck in a slow script) makes the waiting command raise `redis.exceptions.TimeoutError`
+and the connection is dropped: replies come in order, so every command written on it after the
+one that timed out would wait behind it. Its other waiters fail at once with ConnectionError,
+and the next command opens a new connection.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import hiredis
 from redis.connection import SSLConnection, parse_url
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 
 class _Pipe(asyncio.Protocol):
@@ -66,7 +74,9 @@ class _Pipe(asyncio.Protocol):
 class RedisPipe:
     """Commands over one pipelined connection, opened on first use."""
 
-    def __init__(self, url: str, *, connect_timeout: float = 5.0) -> None:
+    def __init__(self, url: str, *, timeout: float = 0.25) -> None:
+        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
+            raise ValueError(f"timeout: must be a positive number of seconds, got {timeout!r}")
         kw = parse_url(url)
         self.path: str | None = kw.get("path")
         self.host: str = kw.get("host", "localhost")
@@ -76,7 +86,7 @@ class RedisPipe:
         self.password: str | None = kw.get("password")
         self.ssl = ssl_lib.create_default_context() if kw.get("connection_class") is SSLConnection else None
         self.where = self.path or f"{self.host}:{self.port}"
-        self.connect_timeout = connect_timeout
+        self.timeout = float(timeout)
         self._pipe: _Pipe | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._connecting: asyncio.Future | None = None
@@ -95,10 +105,25 @@ class RedisPipe:
         waiter = asyncio.get_running_loop().create_future()
         pipe.waiters.append(waiter)
         pipe.transport.write(hiredis.pack_command(args))
-        reply = await waiter
+        try:
+            async with asyncio.timeout(self.timeout):
+                reply = await waiter
+        except TimeoutError:
+            self._drop(pipe, f"no reply from Redis at {self.where} within {self.timeout:g} s")
+            raise RedisTimeoutError(f"Redis at {self.where} did not answer within "
+                                    f"{self.timeout:g} s") from None
         if isinstance(reply, hiredis.ReplyError):
             raise ResponseError(str(reply))
         return reply
+
+    @staticmethod
+    def _drop(pipe: _Pipe, why: str) -> None:
+        """Close `pipe` now: its waiters fail with ConnectionError (`why`), the next command
+        opens a new connection."""
+        if pipe.lost is None:
+            pipe.lost = RedisConnectionError(why)
+        if pipe.transport is not None:
+            pipe.transport.abort()      # connection_lost fails the waiters, on the next turn
 
     async def _connect(self) -> _Pipe:
         """The live connection, opening one if needed; concurrent callers share one attempt."""
@@ -115,7 +140,7 @@ class RedisPipe:
             old.transport.abort()
         loop = asyncio.get_running_loop()
         try:
-            async with asyncio.timeout(self.connect_timeout):
+            async with asyncio.timeout(self.timeout):
                 if self.path:
                     transport, pipe = await loop.create_unix_connection(_Pipe, self.path)
                 else:

@@ -1,0 +1,219 @@
+"""`FailoverLimiter`: the Redis limiter with a defined behaviour while Redis fails.
+
+Every call to Redis is bounded by its timeout (`RedisLimiter`, `redis_pipe`). The first one
+that fails (down, or hung past the timeout) starts an *outage*, logged once; a background task
+then PINGs Redis every ``retry_interval`` and ends the outage when Redis answers and the
+queued settlements are applied (logged once). During an outage no request waits on Redis:
+
+- ``acquire``: closed (no ``fallback``) raises `LimiterUnavailable` at once (the gateway's 503
+  ``limiter_unavailable``); open decides with the ``fallback`` in-process limiter, so every
+  replica enforces each quota on its own (a tenant may get up to replicas x quota) until Redis
+  answers. A lease admitted by the fallback is settled, cancelled and heart-beaten there.
+- ``settle`` / ``cancel`` of a Redis lease never raise for Redis and never wait on it: they
+  go to a bounded queue (``max_queued``; when full the oldest entry is dropped, logged: its
+  lease then expires after ``lease_ttl`` and its reservation stays charged, the conservative
+  side). Both are idempotent on Redis, so an entry whose first attempt timed out after
+  running is safe to apply again.
+- ``heartbeat`` skips Redis (its leases may expire meanwhile; concurrency undercounts then).
+- ``check`` (for `/ready`) answers from the outage state at once: "unavailable" (closed) or
+  "degraded" (open); otherwise it PINGs within the timeout.
+
+``counts`` (outages, fallback decisions, settlements queued and dropped) are plain integers
+for the gateway's metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from tenancy.errors import Invalid, LimiterUnavailable
+from tenancy.limiter.base import Decision, Lease, Limiter, LimitScope
+from tenancy.limiter.memory import InProcessLimiter
+from tenancy.limiter.redis import RedisLimiter
+from tenancy.validation import check_count
+
+logger = logging.getLogger(__name__)
+
+_DRAIN_BATCH = 64
+
+
+@dataclass(frozen=True, slots=True)
+class _Pending:
+    """A settlement or cancellation Redis has not taken yet."""
+
+    op: str             # "settle" or "cancel"
+    lease: Lease
+    used: int
+
+    async def run(self, limiter: Limiter) -> None:
+        if self.op == "settle":
+            await limiter.settle(self.lease, self.used)
+        else:
+            await limiter.cancel(self.lease)
+
+
+class FailoverLimiter(Limiter):
+    """`primary` while Redis answers; refusals (closed) or `fallback` (open) while it fails."""
+
+    def __init__(self, primary: RedisLimiter, *, fallback: InProcessLimiter | None = None,
+                 max_queued: int = 10_000, retry_interval: float | None = None) -> None:
+        self.primary = primary
+        self.fallback = fallback
+        self.lease_ttl = primary.lease_ttl
+        if check_count(max_queued, "max_queued") < 1:
+            raise Invalid("max_queued", f"must be at least 1, got {max_queued}")
+        self.max_queued = max_queued
+        self.retry_interval = retry_interval if retry_interval is not None else primary.timeout
+        if self.retry_interval <= 0:
+            raise Invalid("retry_interval", f"must be a positive number of seconds, got {retry_interval!r}")
+        self.counts = {"outages": 0, "fallback_decisions": 0, "settlements_queued": 0,
+                       "settlements_dropped": 0}
+        self._local: set[str] = set()            # request ids the fallback admitted
+        self._queue: deque[_Pending] = deque()
+        self._down_since: float | None = None
+        self._recovery: asyncio.Task[None] | None = None
+
+    @property
+    def queued(self) -> int:
+        """Settlements and cancellations waiting for Redis."""
+        return len(self._queue)
+
+    @property
+    def down(self) -> bool:
+        return self._down_since is not None
+
+    async def acquire(self, request_id: str, scopes: Sequence[LimitScope], tokens: int) -> Decision:
+        if self._down_since is None:
+            try:
+                return await self.primary.acquire(request_id, scopes, tokens)
+            except LimiterUnavailable as exc:
+                self._outage(exc)
+                if self.fallback is None:
+                    raise
+        if self.fallback is None:
+            raise LimiterUnavailable(f"Redis at {self.primary.where} has not answered for "
+                                     f"{time.monotonic() - (self._down_since or 0):.1f} s")
+        decision = await self.fallback.acquire(request_id, scopes, tokens)
+        self.counts["fallback_decisions"] += 1
+        if decision.lease is not None:
+            self._local.add(request_id)
+        return decision
+
+    async def settle(self, lease: Lease, used_tokens: int) -> None:
+        if self.fallback is not None and lease.request_id in self._local:
+            self._local.discard(lease.request_id)
+            await self.fallback.settle(lease, used_tokens)
+            return
+        await self._finish(_Pending("settle", lease, check_count(used_tokens, "used_tokens")))
+
+    async def cancel(self, lease: Lease) -> None:
+        if self.fallback is not None and lease.request_id in self._local:
+            self._local.discard(lease.request_id)
+            await self.fallback.cancel(lease)
+            return
+        await self._finish(_Pending("cancel", lease, 0))
+
+    async def _finish(self, pending: _Pending) -> None:
+        if self._down_since is None:
+            try:
+                await pending.run(self.primary)
+                return
+            except LimiterUnavailable as exc:
+                self._outage(exc)
+        self._enqueue(pending)
+
+    def _enqueue(self, pending: _Pending) -> None:
+        if len(self._queue) >= self.max_queued:
+            dropped = self._queue.popleft()
+            self.counts["settlements_dropped"] += 1
+            logger.warning("limiter settlement queue full (%d): dropped the %s of request %s; its "
+                           "lease expires by itself, its reservation stays charged",
+                           self.max_queued, dropped.op, dropped.lease.request_id)
+        self._queue.append(pending)
+        self.counts["settlements_queued"] += 1
+
+    async def heartbeat(self, leases: Iterable[Lease]) -> None:
+        local: list[Lease] = []
+        remote: list[Lease] = []
+        for lease in leases:
+            (local if lease.request_id in self._local else remote).append(lease)
+        if local and self.fallback is not None:
+            await self.fallback.heartbeat(local)
+        if remote and self._down_since is None:
+            try:
+                await self.primary.heartbeat(remote)
+            except LimiterUnavailable as exc:
+                self._outage(exc)
+
+    async def usage(self, scope: LimitScope) -> dict[str, int]:
+        return await self.primary.usage(scope)
+
+    async def check(self) -> str:
+        if self._down_since is None:
+            if await self.primary.check() == "ok":
+                return "ok"
+            self._outage(LimiterUnavailable(f"Redis at {self.primary.where} did not answer a PING"))
+        return "unavailable" if self.fallback is None else "degraded"
+
+    # -- the outage ---------------------------------------------------------------------------
+    def _outage(self, exc: LimiterUnavailable) -> None:
+        """Start an outage (once): log it, count it, and start the recovery task."""
+        if self._down_since is not None:
+            return
+        self._down_since = time.monotonic()
+        self.counts["outages"] += 1
+        meanwhile = ("new requests are admitted by this replica's in-process limiter (limits per "
+                     "replica)" if self.fallback is not None else
+                     "new requests are refused (503 limiter_unavailable)")
+        logger.warning("Redis at %s does not answer (%s): %s until it does; settlements are "
+                       "queued", self.primary.where, exc, meanwhile)
+        self._recovery = asyncio.get_running_loop().create_task(self._recover())
+
+    async def _recover(self) -> None:
+        """PING every `retry_interval` until Redis answers and the queue is applied."""
+        while True:
+            await asyncio.sleep(self.retry_interval)
+            if await self.primary.check() == "ok" and await self._drain():
+                break
+        took = time.monotonic() - (self._down_since or 0)
+        self._down_since = None
+        self._recovery = None
+        logger.warning("Redis at %s answers again after %.1f s: limits are shared again",
+                       self.primary.where, took)
+
+    async def _drain(self) -> bool:
+        """Apply the queued settlements; False (the rest kept, in order) if Redis fails again."""
+        while self._queue:
+            batch = [self._queue.popleft() for _ in range(min(_DRAIN_BATCH, len(self._queue)))]
+            results = await asyncio.gather(*(p.run(self.primary) for p in batch),
+                                           return_exceptions=True)
+            failed = []
+            for pending, result in zip(batch, results, strict=True):
+                if isinstance(result, LimiterUnavailable):
+                    failed.append(pending)
+                elif isinstance(result, Exception):     # a bad entry: retrying cannot help
+                    logger.error("queued %s of request %s failed: %r", pending.op,
+                                 pending.lease.request_id, result)
+            if failed:
+                self._queue.extendleft(reversed(failed))
+                return False
+        return True
+
+    async def close(self) -> None:
+        if self._recovery is not None:
+            self._recovery.cancel()
+            self._recovery = None
+        if self._queue and await self.primary.check() == "ok":
+            await self._drain()
+        if self._queue:
+            logger.warning("%d limiter settlements could not be applied at shutdown (Redis at "
+                           "%s): their leases expire by themselves", len(self._queue),
+                           self.primary.where)
+        await self.primary.close()
+        if self.fallback is not None:
+            await self.fallback.close()
