@@ -30,7 +30,7 @@ from gateway.model_catalog import read_catalog
 from gateway.settings import Settings, parse_model_specs
 from gateway.state import AppState, Lifecycle, ModelEntry
 from tenancy import api_keys, db, keys, tenants
-from tenancy.limiter import InProcessLimiter, Limiter, RedisLimiter
+from tenancy.limiter import FailoverLimiter, InProcessLimiter, Limiter, RedisLimiter
 from tenancy.usage.writer import UsageWriter
 
 logger = logging.getLogger(__name__)
@@ -233,8 +233,14 @@ def load_pepper(s: Settings) -> bytes:
 
 
 def make_limiter(s: Settings) -> Limiter:
-    return (RedisLimiter(s.redis_url, prefix=s.redis_prefix, lease_ttl=s.lease_ttl_s)
-            if s.redis_url else InProcessLimiter(lease_ttl=s.lease_ttl_s))
+    """In-process without Redis; on Redis, bounded by `redis_timeout_s` and, while Redis fails,
+    closed (503) or open (this replica's in-process limiter) as `limits_on_redis_failure` says."""
+    if not s.redis_url:
+        return InProcessLimiter(lease_ttl=s.lease_ttl_s)
+    shared = RedisLimiter(s.redis_url, prefix=s.redis_prefix, lease_ttl=s.lease_ttl_s,
+                          timeout=s.redis_timeout_s)
+    fallback = InProcessLimiter(lease_ttl=s.lease_ttl_s) if s.limits_on_redis_failure == "open" else None
+    return FailoverLimiter(shared, fallback=fallback, max_queued=s.limiter_max_queued_settlements)
 
 
 @asynccontextmanager
@@ -261,6 +267,8 @@ async def lifespan(app: FastAPI, settings: Settings, engine_factory: EngineFacto
         state = AppState(settings=s, models=models, db=database, sessions=sessions,
                          limiter=limiter, usage=usage, pepper=pepper, lifecycle=lifecycle)
         app.state.lockgate = state
+        if isinstance(limiter, FailoverLimiter):
+            state.metrics.watch_limiter(lambda: limiter.counts)
         await bootstrap_keys(state)
         loop = asyncio.get_running_loop()
         tasks = [loop.create_task(heartbeat(state)), loop.create_task(state.adapters.watch())]
@@ -307,7 +315,8 @@ def create_app(settings: Settings | None = None, engine_factory: EngineFactory =
     @app.get("/ready", include_in_schema=False)
     async def ready(request: Request) -> JSONResponse:
         state: AppState = request.app.state.lockgate
-        checks = {"models": state.ready and all(m.engine.is_ready for m in state.models.values())}
+        checks: dict[str, bool | str] = {
+            "models": state.ready and all(m.engine.is_ready for m in state.models.values())}
         try:
             async with state.sessions() as session:
                 await db.ping(session)
@@ -315,7 +324,11 @@ def create_app(settings: Settings | None = None, engine_factory: EngineFactory =
         except Exception:  # noqa: BLE001
             checks["database"] = False
         checks["draining"] = state.draining
-        ok = checks["models"] and checks["database"] and not state.draining
+        # "ok", "degraded" (open: limits per replica while Redis fails) or "unavailable"
+        # (closed, Redis not answering): within the limiter's own timeout, at once in an outage
+        checks["limiter"] = await state.limiter.check()
+        ok = (checks["models"] and checks["database"] and not state.draining
+              and checks["limiter"] != "unavailable")
         return JSONResponse({"status": "ready" if ok else "not_ready", **checks},
                             status_code=200 if ok else 503)
 

@@ -44,6 +44,22 @@ class _EngineCollector(Collector):
         yield from (waiting, running, kv, kv_usage, pre)
 
 
+class _LimiterCollector(Collector):
+    """The limiter's own counts while Redis fails (`FailoverLimiter.counts`), at scrape time."""
+
+    def __init__(self, counts: Callable[[], dict[str, int]]) -> None:
+        self._counts = counts
+
+    def collect(self):
+        events = CounterMetricFamily(
+            "lockgate_limiter_redis_events",
+            "While Redis failed: outages, decisions by this replica's in-process limiter, "
+            "settlements queued for Redis and dropped from a full queue", labels=["event"])
+        for event, n in self._counts().items():
+            events.add_metric([event], n)
+        yield events
+
+
 class Metrics:
     def __init__(self, engine_stats: Callable[[], Iterable[tuple[str, EngineStats]]]) -> None:
         self.registry = CollectorRegistry()
@@ -70,6 +86,10 @@ class Metrics:
                                    ["status", "code"], registry=r)
         r.register(_EngineCollector(engine_stats))
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
+
+    def watch_limiter(self, counts: Callable[[], dict[str, int]]) -> None:
+        """Export the limiter's failure counts (event -> count) as `lockgate_limiter_redis_events`."""
+        self.registry.register(_LimiterCollector(counts))
 
     def child(self, metric: Any, *labels: str) -> Any:
         """`metric.labels(*labels)`, looked up once per label set (prometheus-client's own

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
@@ -27,6 +27,11 @@ class Settings(BaseSettings):
     database_url: str | None = None          # None: SQLite in data_dir, migrated at start
     redis_url: str | None = None             # None: the in-process limiter
     redis_prefix: str = "lockgate:"          # key prefix in Redis (replicas must agree)
+    redis_timeout_s: float = 0.25            # the most any wait on Redis takes (connect, each reply)
+    # while Redis fails: "closed" refuses new requests (503 limiter_unavailable), "open" admits
+    # them through this replica's in-process limiter (each replica enforces each quota alone)
+    limits_on_redis_failure: Literal["closed", "open"] = "closed"
+    limiter_max_queued_settlements: int = 10_000   # settlements kept for Redis's return (oldest dropped)
     admin_key: SecretStr | None = None       # the bootstrap admin key; generated when absent
     pepper: SecretStr | None = None          # HMAC pepper for API keys; generated in data_dir when absent
     models: list[str] = Field(default_factory=list)   # "NAME=DIR" or "DIR"; empty: the demo model
@@ -88,11 +93,19 @@ class Settings(BaseSettings):
             raise ValueError("must be in [0, 65535]")
         return v
 
-    @field_validator("max_body_bytes", "max_n", "max_prompt_chars", "max_loras", "max_lora_rank")
+    @field_validator("max_body_bytes", "max_n", "max_prompt_chars", "max_loras", "max_lora_rank",
+                     "limiter_max_queued_settlements")
     @classmethod
     def _positive(cls, v: int) -> int:
         if v < 1:
             raise ValueError("must be >= 1")
+        return v
+
+    @field_validator("redis_timeout_s")
+    @classmethod
+    def _positive_seconds(cls, v: float) -> float:
+        if not v > 0:
+            raise ValueError("must be > 0 seconds")
         return v
 
     @property

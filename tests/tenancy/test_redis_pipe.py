@@ -1,12 +1,14 @@
 """The limiter's own Redis connection (tenancy/limiter/redis_pipe.py) against a real Redis:
 pipelined replies reach their callers, cancelled callers do not shift anyone's reply, scripts
 come back after SCRIPT FLUSH, a killed connection is opened again, and a Redis that is down
-gives a clear ConnectionError (a 503 from the gateway, not a 500)."""
+gives a clear ConnectionError (a 503 from the gateway, not a 500, and /ready says so). A Redis
+that hangs: tests/tenancy/test_redis_hang.py."""
 
 from __future__ import annotations
 
 import asyncio
 import secrets
+import subprocess
 
 import httpx
 import pytest
@@ -102,7 +104,15 @@ def test_redis_down_is_a_connection_error_naming_the_address():
 
 
 def test_the_gateway_answers_503_when_its_redis_is_down(tmp_path):
-    srv = GatewayServer.start(tmp_path, redis_url=f"redis://127.0.0.1:{free_port()}/0")
+    port = free_port()
+    own = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                            "--appendonly", "no", "--dir", str(tmp_path)],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        srv = GatewayServer.start(tmp_path, redis_url=f"redis://127.0.0.1:{port}/0")
+    finally:
+        own.terminate()     # ready on it (the limiter reports to /ready), then it goes down
+        own.wait(10)
     try:
         _, key = srv.tenant(quota={"requests_per_minute": 100})
         r = httpx.post(srv.url + "/v1/chat/completions", timeout=30,
@@ -113,5 +123,7 @@ def test_the_gateway_answers_503_when_its_redis_is_down(tmp_path):
         assert r.json()["error"]["code"] == "limiter_unavailable"
         assert r.headers["retry-after"] == "1"
         assert httpx.get(srv.url + "/health", timeout=5).status_code == 200
+        ready = httpx.get(srv.url + "/ready", timeout=5)
+        assert ready.status_code == 503 and ready.json()["limiter"] == "unavailable"
     finally:
         srv.stop()
