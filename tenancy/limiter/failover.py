@@ -178,8 +178,11 @@ class FailoverLimiter(Limiter):
         """PING every `retry_interval` until Redis answers and the queue is applied."""
         while True:
             await asyncio.sleep(self.retry_interval)
-            if await self.primary.check() == "ok" and await self._drain():
-                break
+            try:
+                if await self.primary.check() == "ok" and await self._drain():
+                    break
+            except Exception:  # any failure, logged: the outage must end once Redis answers
+                logger.exception("limiter recovery check failed; retrying")
         took = time.monotonic() - (self._down_since or 0)
         self._down_since = None
         self._recovery = None

@@ -138,6 +138,17 @@ async def test_a_socket_that_never_answers_is_limiter_unavailable_within_the_tim
         await lim.close()
 
 
+async def test_a_heartbeat_on_a_hung_redis_ends_within_the_timeout(own_redis):
+    lim = RedisLimiter(own_redis.url, prefix=f"lgtest:{os.getpid()}:{time.monotonic_ns()}:")
+    d = await lim.acquire("a", [SCOPE], 1)
+    assert d.lease is not None
+    own_redis.pause()
+    await fails_in_time(lim.heartbeat([d.lease]), LimiterUnavailable)
+    own_redis.resume()
+    await asyncio.wait_for(lim.heartbeat([d.lease]), 3)
+    await lim.close()
+
+
 # -- FailoverLimiter -----------------------------------------------------------------------------
 def failover(url: str, mode: str, **kw) -> FailoverLimiter:
     prefix = f"lgtest:{os.getpid()}:{time.monotonic_ns()}:"
@@ -204,6 +215,9 @@ async def test_a_settlement_on_a_hung_redis_is_queued_and_applied_once_it_answer
     await asyncio.wait_for(lim.settle(d.lease, 7), 3)     # never raises, never hangs
     assert time.monotonic() - t0 < BOUND
     assert lim.queued == 1
+    t0 = time.monotonic()
+    await lim.heartbeat([d.lease])       # the outage is known: Redis is not waited on
+    assert time.monotonic() - t0 < 0.05
     own_redis.resume()
 
     async def drained() -> bool:
