@@ -25,16 +25,26 @@ class Tokenizer:
         cfg_path = self.model_dir / "tokenizer_config.json"
         self.config: dict[str, Any] = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
-        self.special_token_ids = {
-            i for i, tok in self._tok.get_added_tokens_decoder().items() if tok.special
-        }
+        specials = {i: tok.content for i, tok in self._tok.get_added_tokens_decoder().items() if tok.special}
+        self.special_token_ids = set(specials)
+        self.special_tokens = tuple(sorted(specials.values()))
 
     @property
     def chat_template(self) -> str | None:
         return self.config.get("chat_template")
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+    def encode(self, text: str, add_special_tokens: bool = True, split_special_tokens: bool = False) -> list[int]:
+        """`split_special_tokens`: special tokens' strings in `text` are read as plain text."""
+        tok = self._plain_text_tok if split_special_tokens else self._tok
+        return tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    @cached_property
+    def _plain_text_tok(self) -> HFTokenizer:
+        # a copy with the switch on (it is the tokenizer's own state: never toggled on the
+        # shared one, which other threads may be using)
+        tok = HFTokenizer.from_file(str(self.model_dir / "tokenizer.json"))
+        tok.encode_special_tokens = True
+        return tok
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)

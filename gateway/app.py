@@ -18,6 +18,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import anyio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -27,6 +28,7 @@ from engine import AsyncEngine
 from gateway import admin, openai_api
 from gateway.errors import APIError, install_error_handlers
 from gateway.model_catalog import read_catalog
+from gateway.openapi import install_openapi
 from gateway.settings import Settings, parse_model_specs
 from gateway.state import AppState, Lifecycle, ModelEntry
 from tenancy import api_keys, db, keys, tenants
@@ -47,11 +49,13 @@ class SchemaBehind(RuntimeError):
 # -- middleware (plain ASGI: streaming responses pass straight through) ------------------------------
 class RequestContext:
     """Gives every response an `x-request-id` (the client's own when it sent a sane one) and
-    refuses bodies over `max_body_bytes` with 413 before any route reads them."""
+    refuses bodies over `max_body_bytes` with 413 before any route reads them (on the
+    `Content-Length` alone when there is one)."""
 
-    def __init__(self, app: ASGIApp, max_body_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_body_bytes: int, linger_s: float = 5.0) -> None:
         self.app = app
         self.max_body = max_body_bytes
+        self.linger_s = linger_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -93,9 +97,7 @@ class RequestContext:
                 if not msg.get("more_body"):
                     break
         if too_big:
-            err = APIError(413, f"The request body exceeds {self.max_body} bytes.",
-                           code="request_too_large")
-            await err.response()(scope, receive, send_with_id)
+            await self.refuse_too_large(receive, send_with_id)
             return
         if body_chunks is not None:
             body = b"".join(body_chunks)
@@ -111,6 +113,24 @@ class RequestContext:
             await self.app(scope, replay, send_with_id)
             return
         await self.app(scope, receive, send_with_id)
+
+
+    async def refuse_too_large(self, receive: Receive, send: Send) -> None:
+        """413 at once and whole (its length given), then the rest of the upload read and
+        dropped for up to `linger_s` before the connection is closed: closing under a client
+        still sending would reset the connection, and the client would never read the 413."""
+        body = APIError(413, f"The request body exceeds {self.max_body} bytes.",
+                        code="request_too_large").response().body
+        await send({"type": "http.response.start", "status": 413, "headers": [
+            (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+            (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": body, "more_body": True})
+        with anyio.move_on_after(self.linger_s):
+            while True:
+                message = await receive()
+                if message["type"] != "http.request" or not message.get("more_body"):
+                    break
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 # -- start-up ----------------------------------------------------------------------------------------
@@ -307,6 +327,7 @@ def create_app(settings: Settings | None = None, engine_factory: EngineFactory =
     install_error_handlers(app)
     app.include_router(openai_api.router)
     app.include_router(admin.router)
+    install_openapi(app, openai_api.BODY_MODELS)
 
     @app.get("/health", include_in_schema=False)
     async def health() -> dict:

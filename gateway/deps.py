@@ -1,5 +1,7 @@
 """The FastAPI dependencies routes declare as parameters: the app's state, a database
-session, and the caller as a tenant or as an admin.
+session (503 `database_unavailable` when the database is down or does not answer: each of
+its calls is bounded by `database_timeout_s`, see `app.database_engine`), and the caller as
+a tenant or as an admin.
 
     async def route(session: SessionDep, admin: AdminDep) -> TenantPublic: ...
 """
@@ -14,7 +16,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from gateway.auth import admin_principal, tenant_principal
 from gateway.errors import APIError
-from gateway.state import AppState, app_state
+from gateway.state import AppState, app_state, database_unavailable, is_database_down
 from tenancy.auth import Principal
 from tenancy.errors import Conflict, Invalid, NotFound
 
@@ -23,7 +25,7 @@ StateDep = Annotated[AppState, Depends(app_state)]
 
 async def open_session(state: StateDep) -> AsyncIterator[AsyncSession]:
     """A session for one route, closed when the route returns; tenancy's refusals raised in
-    the route become 404, 409 or 400 naming the field."""
+    the route become 404, 409 or 400 naming the field, a database that is down 503."""
     try:
         async with state.sessions() as session:
             yield session
@@ -33,6 +35,10 @@ async def open_session(state: StateDep) -> AsyncIterator[AsyncSession]:
         raise APIError(409, str(exc), param=getattr(exc, "field", None), code="conflict") from None
     except Invalid as exc:
         raise APIError(400, str(exc), param=getattr(exc, "field", None)) from None
+    except Exception as exc:
+        if is_database_down(exc):
+            raise database_unavailable() from None
+        raise
 
 
 SessionDep = Annotated[AsyncSession, Depends(open_session, scope="function")]

@@ -7,12 +7,17 @@
     async for i, out in run.events(): ...       # 429/503 here if the engine shed it
     usage = await run.finish("ok")              # usage row committed, reservation settled
 
-A run ends exactly once, in one of two ways. `finish` (disconnect, error, success): the lease
-is settled to the tokens processed and exactly one usage row is written. `refuse`, when the
-engine is overloaded (it refused a prompt at submit, or shed a queued one of a non-streaming
-request before any answer went out): the admission is cancelled (`Limiter.cancel`: no rate,
-lease or budget keeps it) and no usage row is written, as for a limiter's 429. Whichever
-comes first wins; the other is then a no-op.
+A run ends exactly once, in one of two ways. `finish` (success, error, disconnect, a cut):
+exactly one usage row is written and the lease is settled to exactly what the row says.
+`refuse`, when the engine is overloaded (it refused a prompt at submit, or shed a queued one
+of a non-streaming request before any answer went out): the admission is cancelled
+(`Limiter.cancel`: no rate, lease or budget keeps it) and no usage row is written, as for a
+limiter's 429. Whichever comes first wins; the other is then a no-op.
+
+A run that ends early (`cancelled`: client gone, cut; `error`: engine failure) bills the
+prompts whose prefill ran and the completion sent to the client (`mark_sent`). `cut(reason)`
+(the shutdown drain, the run's `request_timeout_s` timer) makes its reader raise `RunCut`;
+admitted runs are in `state.lifecycle.runs` until they end, so a shutdown cuts exactly those.
 """
 
 from __future__ import annotations
@@ -85,6 +90,25 @@ def ratelimit_headers(d: Decision) -> dict[str, str]:
     return h
 
 
+class RunCut(APIError):
+    """The gateway ended the run (shutdown, `request_timeout_s`): its row is `cancelled`."""
+
+    usage_status = "cancelled"
+
+
+def usage_status(exc: BaseException) -> str:
+    """The usage status of a run that ended with `exc`: `cancelled` for a cut, else `error`."""
+    return getattr(exc, "usage_status", "error")
+
+
+def cut_error(reason: str, timeout_s: float) -> RunCut:
+    if reason == "timeout":
+        return RunCut(504, f"The request exceeded request_timeout_s ({timeout_s:g} s) and was ended.",
+                      code="request_timeout")
+    return RunCut(503, "The server is shutting down; the request was ended. Retry on another replica.",
+                  code="server_shutdown", headers={"retry-after": "5"})
+
+
 def engine_unavailable(exc: EngineDead, what: str) -> APIError:
     """The answer when the engine cannot serve: it `what` ("stopped", "is not running")."""
     return APIError(503, f"The engine {what}: {exc}", code="engine_unavailable",
@@ -134,6 +158,10 @@ class RequestRun:
         self.lease: Lease | None = None
         self.streams: list[RequestStream] = []
         self.finals: dict[int, RequestOutput] = {}
+        self.sent: dict[int, RequestOutput] = {}     # per prompt, the last output sent to the client
+        self.client_request_id: str | None = None     # the client's x-request-id, on its row
+        self._cut: RunCut | None = None
+        self._timer: asyncio.TimerHandle | None = None
         self._queue: asyncio.Queue = asyncio.Queue()
         self._pumps: list[asyncio.Task] = []
         self._open = 0
@@ -165,6 +193,29 @@ class RequestRun:
         self.lease = d.lease
         if self.lease is not None:
             self.state.inflight[self.id] = self.lease
+        self.state.lifecycle.runs.add(self)
+        left = self.state.settings.request_timeout_s - (time.time() - self.t0)
+        self._timer = asyncio.get_running_loop().call_later(max(0.0, left), self.cut, "timeout")
+
+    def cut(self, reason: str) -> None:
+        """End the run from outside ("shutdown" or "timeout"): its reader raises `RunCut`."""
+        if self._ended is not None or self._cut is not None:
+            return
+        self._cut = cut_error(reason, self.state.settings.request_timeout_s)
+        logger.warning("request %s cut (%s)", self.id, reason)
+        self._queue.put_nowait(("cut", -1, None))
+
+    def mark_sent(self, i: int, out: RequestOutput) -> None:
+        """`out` (prompt `i`'s cumulative output) went out to the client."""
+        self.sent[i] = out
+
+    def _left(self) -> None:
+        """The run has ended: out of the lifecycle's runs, its timer stopped, its waiters told."""
+        self.state.lifecycle.runs.discard(self)
+        if self._timer is not None:
+            self._timer.cancel()
+        if self._ended is not None:
+            self._ended.set_result(None)
 
     async def submit(self, *, sheddable: bool) -> None:
         """Hand every prompt to the engine. `sheddable` (a non-streaming request: nothing is
@@ -181,9 +232,9 @@ class RequestRun:
             await self.finish("error")
             raise
         self._open = len(self.streams)
-        if len(self.streams) > 1:     # one prompt (most requests) is read straight from its stream
-            for i, stream in enumerate(self.streams):
-                self._pumps.append(asyncio.get_running_loop().create_task(self._pump(i, stream)))
+        # one task a prompt reads its stream into the run's queue, which `cut` can also reach
+        for i, stream in enumerate(self.streams):
+            self._pumps.append(asyncio.get_running_loop().create_task(self._pump(i, stream)))
 
     def _queue_prompts(self) -> None:
         engine = self.entry.engine
@@ -213,26 +264,18 @@ class RequestRun:
             stream.close()
 
     async def events(self):
-        """(prompt index, cumulative output) as they arrive, until every prompt finished."""
-        if not self._pumps and self._open == 1:
-            try:
-                async for out in self.streams[0]:
-                    self.finals[0] = out
-                    yield 0, out
-            except EngineDead as exc:
-                raise engine_unavailable(exc, "stopped") from None
-            except EngineOverloaded as exc:
-                raise await self._shed(exc) from None
-            self._open = 0
-            return
+        """(prompt index, cumulative output) as they arrive, until every prompt finished; a
+        cut raises its `RunCut` instead."""
         while self._open > 0:
             kind, i, item = await self._queue.get()
+            if kind == "cut" and self._cut is not None:
+                raise self._cut
             if kind == "out":
                 self.finals[i] = item
                 yield i, item
             elif kind == "done":
                 self._open -= 1
-            else:
+            elif kind == "err":
                 if isinstance(item, EngineDead):
                     raise engine_unavailable(item, "stopped")
                 if isinstance(item, EngineOverloaded):
@@ -275,17 +318,24 @@ class RequestRun:
                         logger.warning("could not cancel the admission of %s", self.id,
                                        exc_info=True)
             finally:
-                self._ended.set_result(None)
+                self._left()
         return overloaded(self.tier, exc)
 
-    def counts(self) -> tuple[int, int, int]:
-        prompt = sum(len(ids) for ids in self.prompts)
+    def counts(self, status: str = "ok") -> tuple[int, int, int]:
+        """(prompt, cached, completion) tokens by the usage rule: all of them for `ok`; for
+        a run that ended early, the prompts whose prefill ran and the completion sent."""
+        if status == "ok":
+            prompt = sum(len(ids) for ids in self.prompts)
+            outs = self.finals
+        else:
+            prompt = sum(len(self.prompts[i]) for i in self.finals)   # an output: prefill ran
+            outs = self.sent
         cached = sum(o.num_cached_tokens for o in self.finals.values())
-        completion = sum(len(c.token_ids) for o in self.finals.values() for c in o.outputs)
+        completion = sum(len(c.token_ids) for o in outs.values() for c in o.outputs)
         return prompt, cached, completion
 
-    def usage_dict(self) -> dict:
-        prompt, cached, completion = self.counts()
+    def usage_dict(self, status: str = "ok") -> dict:
+        prompt, cached, completion = self.counts(status)
         return {"prompt_tokens": prompt, "completion_tokens": completion,
                 "total_tokens": prompt + completion,
                 "prompt_tokens_details": {"cached_tokens": cached}}
@@ -306,8 +356,8 @@ class RequestRun:
         try:
             self._close_streams()
             now = time.time()
-            used = self._used_tokens(status)
-            self.usage = self.usage_dict()
+            used = self._billed_tokens(status)
+            self.usage = self.usage_dict(status)
             row = self._usage_row(status, now)
             # The usage commit and the lease settlement go out together (one wait, not two),
             # and the CPU work below (metrics, the caller's `while_committing`) is done while
@@ -345,21 +395,16 @@ class RequestRun:
                     await self.state.limiter.settle(self.lease, used)
                 except Exception:  # any failure: leases expire on their own
                     logger.warning("could not settle the lease of %s", self.id, exc_info=True)
-            self._ended.set_result(None)
+            self._left()
         if error is not None:
             raise APIError(503, "The request's usage could not be recorded; it was not completed.",
                            code="usage_not_recorded", headers={"retry-after": "1"})
         return self.usage
 
-    def _used_tokens(self, status: str) -> int:
-        """What the lease settles to: everything on success, else what the engine actually
-        processed (prompts that started, tokens made)."""
-        prompt, _, completion = self.counts()
-        if status == "ok":
-            return prompt + completion
-        started = sum(len(self.prompts[i]) for i, o in self.finals.items()
-                      if o.metrics and o.metrics.first_scheduled_time)
-        return started + completion
+    def _billed_tokens(self, status: str) -> int:
+        """What the lease settles to: exactly the row's prompt + completion tokens."""
+        prompt, _, completion = self.counts(status)
+        return prompt + completion
 
     def _times(self) -> tuple[list[float], list[float], list[float]]:
         """The prompts' first-scheduled, first-token and finished times, where known."""
@@ -369,7 +414,7 @@ class RequestRun:
                 [m.finished_time for m in metrics if m.finished_time])
 
     def _usage_row(self, status: str, now: float) -> UsageRow:
-        prompt, cached, completion = self.counts()
+        prompt, cached, completion = self.counts(status)
         scheduled, first_tok, _ = self._times()
         return UsageRow(
             request_id=self.id, tenant_id=self.tenant_id,
@@ -379,12 +424,12 @@ class RequestRun:
             queue_ms=(min(scheduled) - self.t0) * 1000 if scheduled else (now - self.t0) * 1000,
             ttft_ms=(min(first_tok) - self.t0) * 1000 if first_tok else None,
             total_ms=(now - self.t0) * 1000,
-            created_at=datetime.now(UTC),
+            created_at=datetime.now(UTC), client_request_id=self.client_request_id,
         )
 
     def _count(self, status: str, now: float) -> None:
         """The run in the Prometheus metrics: requests, tokens, latencies."""
-        prompt, cached, completion = self.counts()
+        prompt, cached, completion = self.counts(status)
         _, first_tok, ends = self._times()
         m = self.state.metrics
         tenant = self.tenant_name

@@ -10,19 +10,21 @@ from typing import Any
 
 import anyio
 from fastapi import APIRouter, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
 from engine import CompletionOutput, InvalidRequest, Logprob, SamplingParams
 from gateway.deps import StateDep, TenantDep
-from gateway.errors import APIError, validation_error
+from gateway.errors import APIError
 from gateway.jobs import RequestRun, ratelimit_headers
+from gateway.openapi import error_responses, json_body
 from gateway.protocol import (
     UNSUPPORTED_CHAT,
     UNSUPPORTED_COMPLETION,
     ChatCompletionRequest,
     CompletionRequest,
+    parse,
+    read_json,
     refuse_unsupported,
 )
 from gateway.state import AppState, ModelEntry
@@ -31,29 +33,11 @@ from tenancy.auth import Principal
 
 logger = logging.getLogger(__name__)
 router = APIRouter()
+BODY_MODELS = (ChatCompletionRequest, CompletionRequest)   # read by the routes, shown in the schema
+_INFERENCE_ERRORS = error_responses(400, 401, 403, 404, 413, 415, 429, 503)
 
 
-# -- parsing ------------------------------------------------------------------------------------
-async def read_json(request: Request) -> dict[str, Any]:
-    body = await request.body()
-    if not body:
-        raise APIError(400, "The request body is empty; expected a JSON object.")
-    try:
-        data = json.loads(body)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise APIError(400, f"We could not parse the JSON body of your request: {exc}") from None
-    if not isinstance(data, dict):
-        raise APIError(400, "The request body must be a JSON object.")
-    return data
-
-
-def parse(model: type[BaseModel], data: dict[str, Any]) -> Any:
-    try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        raise validation_error(RequestValidationError(exc.errors())) from None
-
-
+# -- resolving ---------------------------------------------------------------------------------
 async def resolve_model(state: AppState, principal: Principal, name: str) -> ModelEntry:
     """A served model or adapter the tenant may use (404 otherwise: another tenant's
     adapter is indistinguishable from none)."""
@@ -269,7 +253,7 @@ async def respond(request: Request, run: RequestRun, req: Any, tier: str, id_pre
 
 
 # -- chat ------------------------------------------------------------------------------------------
-@router.post("/v1/chat/completions")
+@router.post("/v1/chat/completions", openapi_extra=json_body(ChatCompletionRequest), responses=_INFERENCE_ERRORS)
 async def chat_completions(request: Request, principal: TenantDep, state: StateDep):
     req, entry, tier = await open_request(request, state, principal, ChatCompletionRequest, UNSUPPORTED_CHAT)
     messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text(),
@@ -279,10 +263,9 @@ async def chat_completions(request: Request, principal: TenantDep, state: StateD
                        param="messages")
     info = entry.info
     try:
-        text = info.render_chat(messages)
+        ids = info.chat_prompt_ids(messages)   # special tokens in the messages tokenized as text
     except Exception as exc:  # noqa: BLE001 - a template's own error is the client's input
         raise APIError(400, f"messages: the chat template refused them: {exc}", param="messages") from None
-    ids = info.encode(text, add_special_tokens=False)
     max_tokens = max_tokens_for(state, entry, len(ids), req.requested_max_tokens(),
                                 "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens",
                                 "messages")
@@ -355,7 +338,7 @@ def chat_stream(run: RequestRun, base: dict, top: int, include_usage: bool, n: i
 
 
 # -- completions ----------------------------------------------------------------------------------
-@router.post("/v1/completions")
+@router.post("/v1/completions", openapi_extra=json_body(CompletionRequest), responses=_INFERENCE_ERRORS)
 async def completions(request: Request, principal: TenantDep, state: StateDep):
     req, entry, tier = await open_request(request, state, principal, CompletionRequest, UNSUPPORTED_COMPLETION)
     prompts = req.prompts()
@@ -427,18 +410,18 @@ def model_card(m: ModelEntry) -> dict:
             "parent": m.parent, "root": m.parent or m.name, "max_model_len": m.info.max_model_len}
 
 
-@router.get("/v1/models")
+@router.get("/v1/models", responses=error_responses(401, 403))
 async def list_models(principal: TenantDep, state: StateDep):
     entries = state.visible_models(principal) + await state.visible_adapters(principal)
     return {"object": "list", "data": [model_card(m) for m in entries]}
 
 
-@router.get("/v1/models/{model_id:path}")
+@router.get("/v1/models/{model_id:path}", responses=error_responses(401, 403, 404))
 async def get_model(model_id: str, principal: TenantDep, state: StateDep):
     return model_card(await resolve_model(state, principal, model_id))
 
 
-@router.get("/v1/usage")
+@router.get("/v1/usage", responses=error_responses(400, 401, 403))
 async def tenant_usage(request: Request, principal: TenantDep, state: StateDep) -> Response:
     tenant_id = request.query_params.get("tenant_id")
     if tenant_id not in (None, "", principal.tenant_id):

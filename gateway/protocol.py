@@ -1,4 +1,5 @@
-"""OpenAI request bodies, checked field by field.
+"""OpenAI request bodies: read from the wire (`read_json`: content type, UTF-8, nesting depth,
+lone surrogates) and checked field by field (`parse`), with JSON's types kept strict.
 
 Unknown fields are refused (as OpenAI does: "Unrecognized request argument supplied"), and
 OpenAI fields that Lockgate does not implement are refused by name, never ignored.
@@ -6,11 +7,25 @@ OpenAI fields that Lockgate does not implement are refused by name, never ignore
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import itertools
+import json
+import logging
+import re
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from fastapi import Request
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError, model_validator
+from starlette.requests import ClientDisconnect
 
-from gateway.errors import APIError
+from gateway.errors import APIError, validation_error
+
+logger = logging.getLogger(__name__)
+
+# JSON's own types, strictly: `true` is not the integer 1 (an integer is still a valid float)
+Int = Annotated[int, Strict()]
+Float = Annotated[float, Strict()]
+Bool = Annotated[bool, Strict()]
 
 # OpenAI fields Lockgate does not implement: refused when set to anything but null.
 UNSUPPORTED_CHAT = (
@@ -37,8 +52,8 @@ class _Strict(BaseModel):
 
 
 class StreamOptions(_Strict):
-    include_usage: bool = False
-    continuous_usage_stats: bool = False
+    include_usage: Bool = False
+    continuous_usage_stats: Bool = False
 
 
 class TextPart(_Strict):
@@ -61,23 +76,23 @@ class ChatMessage(_Strict):
 
 class _Sampling(_Strict):
     model: str = Field(min_length=1, max_length=256)
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    n: int | None = Field(default=None, ge=1)
+    temperature: Float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: Float | None = Field(default=None, gt=0.0, le=1.0)
+    n: Int | None = Field(default=None, ge=1)
     stop: str | list[str] | None = None
-    seed: int | None = Field(default=None, ge=-(2**63), lt=2**63)
-    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    seed: Int | None = Field(default=None, ge=-(2**63), lt=2**63)
+    presence_penalty: Float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: Float | None = Field(default=None, ge=-2.0, le=2.0)
     user: str | None = Field(default=None, max_length=256)
     service_tier: Literal["auto", "default", "flex", "priority"] | None = None
-    stream: bool | None = False
+    stream: Bool | None = False
     stream_options: StreamOptions | None = None
     # vLLM's extensions, for its users
-    top_k: int | None = Field(default=None, ge=-1)
-    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
-    repetition_penalty: float | None = Field(default=None, gt=0.0, le=10.0)
-    min_tokens: int | None = Field(default=None, ge=0)
-    ignore_eos: bool | None = None
+    top_k: Int | None = Field(default=None, ge=-1)
+    min_p: Float | None = Field(default=None, ge=0.0, le=1.0)
+    repetition_penalty: Float | None = Field(default=None, gt=0.0, le=10.0)
+    min_tokens: Int | None = Field(default=None, ge=0)
+    ignore_eos: Bool | None = None
     cache_salt: str | None = Field(default=None, max_length=256)
 
     @model_validator(mode="after")
@@ -95,10 +110,10 @@ class _Sampling(_Strict):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-    logprobs: bool | None = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    max_tokens: Int | None = Field(default=None, ge=1)
+    max_completion_tokens: Int | None = Field(default=None, ge=1)
+    logprobs: Bool | None = False
+    top_logprobs: Int | None = Field(default=None, ge=0, le=20)
 
     @model_validator(mode="after")
     def _check_logprobs(self):
@@ -111,11 +126,11 @@ class ChatCompletionRequest(_Sampling):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(default=16, ge=1)
-    logprobs: int | None = Field(default=None, ge=0, le=5)
-    echo: bool | None = False
-    best_of: int | None = None
+    prompt: str | list[str] | list[Int] | list[list[Int]]
+    max_tokens: Int | None = Field(default=16, ge=1)
+    logprobs: Int | None = Field(default=None, ge=0, le=5)
+    echo: Bool | None = False
+    best_of: Int | None = None
     suffix: str | None = None
 
     def prompts(self) -> list[str | list[int]]:
@@ -126,3 +141,96 @@ class CompletionRequest(_Sampling):
         if ids and len(ids) == len(p):
             return [ids]              # one prompt of token ids
         return [x for x in p if not isinstance(x, int)]   # several prompts: strings or id lists
+
+
+# -- reading a body ---------------------------------------------------------------------------------
+MAX_JSON_DEPTH = 64
+_STRING = re.compile(rb'"(?:[^"\\]++|\\.)*+"', re.S)
+_NOT_BRACKET = bytes(b for b in range(256) if b not in b"[]{}")
+_STEP = {ord("["): 1, ord("{"): 1, ord("]"): -1, ord("}"): -1}
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def json_depth(body: bytes) -> int:
+    """The deepest nesting of arrays and objects in `body` (an upper bound when it is not valid
+    JSON), counted in a loop, not by recursion: strings dropped, then the brackets summed."""
+    if body.count(b"[") + body.count(b"{") <= MAX_JSON_DEPTH:
+        return 0          # too few brackets to go past the limit, however they nest
+    brackets = _STRING.sub(b"", body).translate(None, _NOT_BRACKET)
+    return max(itertools.accumulate(_STEP[b] for b in brackets))
+
+
+def lone_surrogate_at(data: Any) -> str | None:
+    """The field (`messages[0].content`) of the first string or key holding a lone surrogate
+    (JSON's `\\ud800` escapes: not a character, so no tokenizer or database takes it)."""
+    stack: list[tuple[str, Any]] = [("", data)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, dict):
+            for k, v in value.items():
+                if not _utf8(k):
+                    return path or k
+                stack.append((f"{path}.{k}" if path else k, v))
+        elif isinstance(value, list):
+            stack.extend((f"{path}[{i}]", v) for i, v in enumerate(value))
+        elif isinstance(value, str) and not _utf8(value):
+            return path
+    return None
+
+
+def _utf8(s: str) -> bool:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def check_content_type(value: str | None) -> None:
+    """JSON in UTF-8 (`application/json`, `application/*+json`); no header is taken as JSON."""
+    if value is None:
+        return
+    media, _, params = value.partition(";")
+    media = media.strip().lower()
+    charset = next((p.split("=", 1)[1].strip().strip('"').lower() for p in params.split(";")
+                    if p.strip().lower().startswith("charset=")), "utf-8")
+    if not (media == "application/json" or (media.startswith("application/") and media.endswith("+json"))) \
+            or charset not in ("utf-8", "utf8"):
+        raise APIError(415, f"content-type: expected application/json in UTF-8, got {value[:100]!r}",
+                       param="content-type", code="unsupported_media_type")
+
+
+async def read_json(request: Request) -> dict[str, Any]:
+    """The body as a JSON object: content type, UTF-8, depth (`MAX_JSON_DEPTH`) and lone
+    surrogates checked, each a 400 (415 for the content type) saying which."""
+    check_content_type(request.headers.get("content-type"))
+    try:
+        body = await request.body()
+    except ClientDisconnect:
+        logger.info("client left during the upload of %s %s", request.method, request.url.path)
+        raise APIError(499, "client closed the request", code="client_closed_request") from None
+    if not body:
+        raise APIError(400, "The request body is empty; expected a JSON object.")
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise APIError(400, f"The request body is not UTF-8: {exc}", param="content-type") from None
+    if json_depth(body) > MAX_JSON_DEPTH:
+        raise APIError(400, f"The JSON body is nested too deeply (more than {MAX_JSON_DEPTH} levels).")
+    try:
+        data = json.loads(text)
+    except ValueError as exc:
+        raise APIError(400, f"We could not parse the JSON body of your request: {exc}") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "The request body must be a JSON object.")
+    if _SURROGATE_ESCAPE.search(body) and (where := lone_surrogate_at(data)) is not None:
+        raise APIError(400, f"{where}: holds a lone UTF-16 surrogate, which is not a character",
+                       param=where)
+    return data
+
+
+def parse(model: type[BaseModel], data: dict[str, Any]) -> Any:
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise validation_error(RequestValidationError(exc.errors())) from None

@@ -1,13 +1,18 @@
 """`lockgate serve`: uvicorn around the app, with a draining shutdown.
 
-SIGTERM or SIGINT: the app starts answering 503 to new requests at once, uvicorn stops
-accepting connections and gives in-flight requests `shutdown_timeout_s` to finish, then the
-app's shutdown flushes usage rows and stops the engines.
+SIGTERM or SIGINT: the app starts answering 503 to new requests at once and uvicorn stops
+accepting connections. Admitted requests get `shutdown_timeout_s` to finish; those still
+running then are cut (`Lifecycle.drain`): each stream ends with an error event
+(`server_shutdown`), each JSON request with a 503, and each writes its one `cancelled` usage
+row within `shutdown_grace_s`. Only then does uvicorn's own graceful shutdown (other
+connections, `shutdown_grace_s` more) run, and the app's shutdown close the usage writer
+and stop the engines.
 """
 
 from __future__ import annotations
 
 import logging
+import socket
 import sys
 from types import FrameType
 
@@ -23,9 +28,12 @@ logger = logging.getLogger(__name__)
 class DrainingServer(uvicorn.Server):
     """uvicorn that marks the app draining on the first shutdown signal."""
 
-    def __init__(self, config: uvicorn.Config, lifecycle: Lifecycle) -> None:
+    def __init__(self, config: uvicorn.Config, lifecycle: Lifecycle, *, drain_timeout_s: float = 30.0,
+                 drain_grace_s: float = 5.0) -> None:
         super().__init__(config)
         self.lifecycle = lifecycle
+        self.drain_timeout_s = drain_timeout_s
+        self.drain_grace_s = drain_grace_s
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         self.lifecycle.draining = True
@@ -33,6 +41,14 @@ class DrainingServer(uvicorn.Server):
         # a drained shutdown is a clean exit (status 0): uvicorn would otherwise re-raise the
         # signal once stopped, and the process would die of it (-15)
         getattr(self, "_captured_signals", []).clear()
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        """No new connections; the admitted requests drained (then cut); then uvicorn's own."""
+        for server in self.servers:
+            server.close()
+        await self.lifecycle.drain(self.drain_timeout_s, self.drain_grace_s)
+        await super().shutdown(sockets)
+
 
 
 def run_server(settings: Settings) -> int:
@@ -57,9 +73,10 @@ def run_server(settings: Settings) -> int:
             return 2
     app = create_app(settings)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="info",
-                            timeout_graceful_shutdown=int(max(1, settings.shutdown_timeout_s)),
+                            timeout_graceful_shutdown=int(max(1, settings.shutdown_grace_s)),
                             lifespan="on", access_log=False)
-    server = DrainingServer(config, app.state.lifecycle)
+    server = DrainingServer(config, app.state.lifecycle, drain_timeout_s=settings.shutdown_timeout_s,
+                            drain_grace_s=settings.shutdown_grace_s)
     try:
         server.run()
     except SchemaBehind as exc:

@@ -55,6 +55,10 @@ class Settings(BaseSettings):
     usage_batch_delay_s: float = 0.0         # 0: classic group commit (no waiting for more)
     usage_synchronous_commit: bool = True    # False: PostgreSQL acknowledges before the WAL flush
     lease_ttl_s: float = 30.0
+    request_timeout_s: float = 600.0         # every admitted request ends within this (cancelled)
+    shutdown_grace_s: float = 5.0            # after shutdown_timeout_s: cut requests write their rows
+    database_timeout_s: float = 5.0          # a route's database work; usage writes, each
+    usage_replay_interval_s: float = 2.0     # spooled usage rows: how often the database is retried
     default_tier: str = "default"
 
     # engine
@@ -91,6 +95,14 @@ class Settings(BaseSettings):
     def _port(cls, v: int) -> int:
         if not 0 <= v < 65536:
             raise ValueError("must be in [0, 65535]")
+        return v
+
+    @field_validator("request_timeout_s", "shutdown_grace_s", "database_timeout_s",
+                     "usage_replay_interval_s")
+    @classmethod
+    def _seconds(cls, v: float) -> float:
+        if not 0 < v <= 86400:
+            raise ValueError("must be a number of seconds over 0, at most 86400")
         return v
 
     @field_validator("max_body_bytes", "max_n", "max_prompt_chars", "max_loras", "max_lora_rank",

@@ -1,5 +1,7 @@
 """`AppState`: what one gateway process serves with (settings, models, database, limiter,
-usage writer, key cache, adapter catalog, metrics), built whole at start-up; `ModelEntry`."""
+usage writer, key cache, adapter catalog, metrics), built whole at start-up; `ModelEntry`;
+`Lifecycle` (ready, draining, the admitted runs a shutdown waits for and then cuts);
+`database_unavailable`, the one 503 for a database that does not answer."""
 
 from __future__ import annotations
 
@@ -9,9 +11,10 @@ import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from fastapi import Request
+from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncEngine as SAEngine
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
@@ -39,6 +42,19 @@ from tenancy.usage.writer import UsageWriter
 from tenancy.visibility import adapter_visible, model_visible
 
 logger = logging.getLogger(__name__)
+
+def database_unavailable() -> APIError:
+    return APIError(503, "The database is unavailable; retry shortly.", code="database_unavailable",
+                    headers={"retry-after": "2"})
+
+
+def is_database_down(exc: BaseException) -> bool:
+    """A database that is down or does not answer (refused or dropped connections, a bounded
+    wait run out), not a statement it refused."""
+    if isinstance(exc, (OperationalError, OSError, TimeoutError)):
+        return True
+    return isinstance(exc, DBAPIError) and (exc.connection_invalidated
+                                            or isinstance(exc.orig, (OSError, TimeoutError)))
 
 
 @dataclass
@@ -105,14 +121,41 @@ class BoundEngine(ServedEngine):
         self.engine.set_tenant_weight(tenant, weight)
 
 
+class Cuttable(Protocol):
+    def cut(self, reason: str) -> None: ...
+
+
 @dataclass(slots=True)
 class Lifecycle:
     """Whether this process serves: `ready` once start-up has finished, `draining` from the
-    shutdown signal on (new requests are then refused with 503). It exists before the
-    `AppState` does, so a signal during start-up is not lost."""
+    shutdown signal on (new requests are then refused with 503), and `runs`, the admitted
+    requests not yet ended (`jobs.RequestRun`s). It exists before the `AppState` does, so a
+    signal during start-up is not lost."""
 
     ready: bool = False
     draining: bool = False
+    runs: set[Cuttable] = field(default_factory=set)
+
+    async def drain(self, timeout_s: float, grace_s: float) -> bool:
+        """Draining: wait up to `timeout_s` for the runs to end; cut those left (each ends
+        with an error to its client and its `cancelled` usage row) and give them `grace_s`
+        to write their rows. True when none is left."""
+        self.draining = True
+        if await self._wait_idle(timeout_s):
+            return True
+        logger.warning("%d requests still running after %g s of draining: cut", len(self.runs), timeout_s)
+        for run in list(self.runs):
+            run.cut("shutdown")
+        if await self._wait_idle(grace_s):
+            return True
+        logger.error("%d cut requests had not ended %g s later", len(self.runs), grace_s)
+        return False
+
+    async def _wait_idle(self, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while self.runs and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        return not self.runs
 
 
 @dataclass(slots=True, eq=False)
@@ -213,8 +256,15 @@ class AppState:
 
     # -- keys -------------------------------------------------------------------------------
     async def _lookup_key(self, key: str) -> Principal:
-        async with self.sessions() as session:
-            return await auth.authenticate(session, key, self.pepper)
+        """A key not in the cache needs the database: down, the request is refused (503)."""
+        try:
+            async with self.sessions() as session:
+                return await auth.authenticate(session, key, self.pepper)
+        except Exception as exc:
+            if is_database_down(exc):
+                logger.warning("key lookup: the database is unavailable: %r", exc)
+                raise database_unavailable() from None
+            raise
 
     async def authenticate(self, key: str) -> Principal:
         principal = await self.keys.resolve(key, self._lookup_key, self.spawn)

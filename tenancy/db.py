@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import os
 from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
@@ -73,12 +74,29 @@ def _sqlite_on_connect(dbapi_connection: Any, connection_record: Any) -> None:
         cursor.close()
 
 
+def _create_private_sqlite_file(url: str) -> None:
+    """Create a SQLite database file that does not exist yet with mode 0600, whatever the
+    umask (SQLite gives its -wal and -shm files the database file's mode)."""
+    database = make_url(url).database
+    if not database or database == ":memory:" or database.startswith("file:"):
+        return
+    try:
+        os.close(os.open(database, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+    except FileExistsError:
+        return                    # an existing database keeps the mode it has
+    except OSError:
+        return                    # no such directory, or not writable: SQLite says so on connect
+    os.chmod(database, 0o600)
+
+
 def make_engine(url: str, **kwargs: Any) -> AsyncEngine:
-    """An async engine for `url`; on SQLite, foreign keys and WAL are on for every connection."""
+    """An async engine for `url`; on SQLite, foreign keys and WAL are on for every connection
+    and a new database file is created private (0600)."""
     url = async_url(url)
     kwargs.setdefault("pool_pre_ping", not url.startswith("sqlite"))
     engine = create_async_engine(url, **kwargs)
     if engine.dialect.name == "sqlite":
+        _create_private_sqlite_file(url)
         event.listen(engine.sync_engine, "connect", _sqlite_on_connect)
     return engine
 

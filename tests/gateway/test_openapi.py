@@ -1,0 +1,59 @@
+"""The live OpenAPI schema (`/openapi.json` of a real `lockgate serve`, issue 14 finding 11):
+the inference routes' request bodies are the protocol's models, and every route documents
+the error statuses the app really answers (400 for a bad body, never 422)."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from tests.support.gateway_server import GatewayServer
+
+ERRORS = {"400", "401", "403", "404", "413", "429", "503"}
+
+
+@pytest.fixture(scope="module")
+def schema(tmp_path_factory) -> dict:
+    srv = GatewayServer.start(tmp_path_factory.mktemp("openapi"))
+    try:
+        r = httpx.get(srv.url + "/openapi.json", timeout=10)
+        assert r.status_code == 200, r.text
+        return r.json()
+    finally:
+        srv.stop()
+
+
+def resolve(schema: dict, node: dict) -> dict:
+    while "$ref" in node:
+        name = node["$ref"].removeprefix("#/components/schemas/")
+        node = schema["components"]["schemas"][name]
+    return node
+
+
+@pytest.mark.parametrize(("path", "fields"), [
+    ("/v1/chat/completions", {"model", "messages", "max_tokens", "stream"}),
+    ("/v1/completions", {"model", "prompt", "max_tokens", "stream"}),
+])
+def test_inference_routes_describe_their_body_and_errors(schema, path, fields):
+    op = schema["paths"][path]["post"]
+    body = op.get("requestBody")
+    assert body is not None, f"{path}: no requestBody in the schema"
+    assert body["required"] is True
+    model = resolve(schema, body["content"]["application/json"]["schema"])
+    assert fields <= set(model["properties"]), sorted(model["properties"])
+    assert "model" in model["required"]
+    assert model.get("additionalProperties") is False
+    assert set(op["responses"]) >= ERRORS, sorted(op["responses"])
+    err = resolve(schema, op["responses"]["400"]["content"]["application/json"]["schema"])
+    assert "error" in err["properties"]
+
+
+def test_no_route_documents_422(schema):
+    found = [(p, m) for p, ops in schema["paths"].items() for m, op in ops.items()
+             if "422" in op.get("responses", {})]
+    assert not found, f"422 documented where the app answers 400: {found}"
+    assert "HTTPValidationError" not in schema.get("components", {}).get("schemas", {})
+    for path, ops in schema["paths"].items():
+        for method, op in ops.items():
+            if op.get("requestBody") or op.get("parameters"):
+                assert "400" in op["responses"], f"{method.upper()} {path}: 400 not documented"
