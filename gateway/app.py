@@ -263,6 +263,15 @@ def make_limiter(s: Settings) -> Limiter:
     return FailoverLimiter(shared, fallback=fallback, max_queued=s.limiter_max_queued_settlements)
 
 
+def database_engine(s: Settings, url: str) -> Any:
+    """The database engine; on PostgreSQL each connect and statement is bounded by
+    `database_timeout_s`, and so is the wait for a pooled connection."""
+    if not url.startswith("postgresql"):
+        return db.make_engine(url)
+    t = s.database_timeout_s
+    return db.make_engine(url, pool_timeout=t, connect_args={"timeout": t, "command_timeout": t})
+
+
 @asynccontextmanager
 async def lifespan(app: FastAPI, settings: Settings, engine_factory: EngineFactory) -> AsyncIterator[None]:
     """Build the parts (database, pepper, limiter, usage writer, models), then the `AppState`
@@ -272,12 +281,16 @@ async def lifespan(app: FastAPI, settings: Settings, engine_factory: EngineFacto
     s.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     s.resolved_adapter_root().mkdir(parents=True, exist_ok=True)
     url = await prepare_database(s)
-    database = db.make_engine(url)
+    database = database_engine(s, url)
     sessions = db.make_sessionmaker(database)
     pepper = load_pepper(s)
     limiter = make_limiter(s)
+    # rows the database cannot take (down, or no answer within database_timeout_s) are
+    # spooled under the data directory and replayed once it is back
     usage = UsageWriter(sessions, max_batch=s.usage_batch_max, max_delay_s=s.usage_batch_delay_s,
-                        synchronous_commit=s.usage_synchronous_commit)
+                        synchronous_commit=s.usage_synchronous_commit,
+                        spool_dir=s.data_dir / "usage-spool", timeout_s=s.database_timeout_s,
+                        replay_interval_s=s.usage_replay_interval_s)
     await usage.start()
     models: dict[str, ModelEntry] = {}
     state: AppState | None = None
@@ -307,6 +320,9 @@ async def lifespan(app: FastAPI, settings: Settings, engine_factory: EngineFacto
             task.cancel()
         if state is not None:
             await state.wait_background()
+        # runs still open (a shutdown without the server's drain) are cut and write their rows
+        # before the writer closes
+        await lifecycle.drain(0, s.shutdown_grace_s)
         await usage.close()
         await limiter.close()
         for m in models.values():
@@ -336,10 +352,10 @@ def create_app(settings: Settings | None = None, engine_factory: EngineFactory =
     @app.get("/ready", include_in_schema=False)
     async def ready(request: Request) -> JSONResponse:
         state: AppState = request.app.state.lockgate
-        checks: dict[str, bool | str] = {
+        checks: dict[str, bool | int | str] = {
             "models": state.ready and all(m.engine.is_ready for m in state.models.values())}
         try:
-            async with state.sessions() as session:
+            async with asyncio.timeout(state.settings.database_timeout_s), state.sessions() as session:
                 await db.ping(session)
             checks["database"] = True
         except Exception:  # noqa: BLE001
@@ -348,9 +364,14 @@ def create_app(settings: Settings | None = None, engine_factory: EngineFactory =
         # "ok", "degraded" (open: limits per replica while Redis fails) or "unavailable"
         # (closed, Redis not answering): within the limiter's own timeout, at once in an outage
         checks["limiter"] = await state.limiter.check()
-        ok = (checks["models"] and checks["database"] and not state.draining
+        # the database down is "degraded", not "not_ready": usage is spooled, cached keys are
+        # served, and every replica shares the database, so none would be better to route to
+        checks["usage_spooled"] = state.usage.pending
+        degraded = not checks["database"] or state.usage.pending > 0
+        ok = (checks["models"] and not state.draining
               and checks["limiter"] != "unavailable")
-        return JSONResponse({"status": "ready" if ok else "not_ready", **checks},
+        status = ("degraded" if degraded else "ready") if ok else "not_ready"
+        return JSONResponse({"status": status, **checks},
                             status_code=200 if ok else 503)
 
     @app.get("/metrics", include_in_schema=False)

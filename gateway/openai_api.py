@@ -16,7 +16,7 @@ from pydantic import BaseModel
 from engine import CompletionOutput, InvalidRequest, Logprob, SamplingParams
 from gateway.deps import StateDep, TenantDep
 from gateway.errors import APIError
-from gateway.jobs import RequestRun, ratelimit_headers
+from gateway.jobs import RequestRun, ratelimit_headers, usage_status
 from gateway.openapi import error_responses, json_body
 from gateway.protocol import (
     UNSUPPORTED_CHAT,
@@ -219,6 +219,7 @@ async def respond(request: Request, run: RequestRun, req: Any, tier: str, id_pre
     """Admit and submit `run`, then answer: an SSE stream (`stream(run, base, include_usage)`)
     or one JSON body whose choices `choices()` builds from the finished outputs (or the
     refusal, if the engine shed the run from its queue first)."""
+    run.client_request_id = request.state.request_id     # set by RequestContext, echoed back
     await run.admit()
     # a stream's 200 goes out at once, so the engine may not shed it later; a JSON answer
     # waits for the end, so a shed before then is still answered as a refusal
@@ -245,10 +246,9 @@ async def respond(request: Request, run: RequestRun, req: Any, tier: str, id_pre
 
     try:
         return await run_or_disconnect(request, run, collect())
-    except APIError:
-        raise
-    except Exception:
-        await asyncio.shield(run.finish("error"))
+    except Exception as exc:    # one row by the usage rule (a no-op after `refuse` or `finish`)
+        with contextlib.suppress(APIError):
+            await asyncio.shield(run.finish(usage_status(exc)))
         raise
 
 
@@ -289,8 +289,10 @@ async def chat_completions(request: Request, principal: TenantDep, state: StateD
 async def sse_stream(run: RequestRun, chunks, chunk: dict, include_usage: bool):
     """The SSE body around `chunks` (the choices' chunks as they come): then the usage row
     is committed and the lease settled (`run.finish`), then the usage chunk and
-    `data: [DONE]`. A failure after the headers went out is reported in the stream; any
-    ending but success (a disconnect included) still finishes the run, shielded."""
+    `data: [DONE]`. A failure after the headers went out, or a cut (shutdown,
+    `request_timeout_s`), is reported in the stream as one `data: {"error": ...}` event and
+    the stream closes; any ending but success (a disconnect included) still finishes the
+    run, shielded, with the tokens sent so far."""
     status = "cancelled"
     try:
         async for data in chunks:
@@ -301,7 +303,7 @@ async def sse_stream(run: RequestRun, chunks, chunk: dict, include_usage: bool):
             yield sse({**chunk, "choices": [], "usage": usage})
         yield b"data: [DONE]\n\n"
     except APIError as exc:
-        status = "error"
+        status = usage_status(exc)
         yield sse(exc.body())
     except asyncio.CancelledError:
         raise
@@ -333,6 +335,7 @@ def chat_stream(run: RequestRun, base: dict, top: int, include_usage: bool, n: i
                 delta = {"content": c.delta_text} if c.delta_text else {}
                 yield sse({**chunk, "choices": [{"index": c.index, "delta": delta, "logprobs": lp,
                                                  "finish_reason": c.finish_reason}], **extra})
+            run.mark_sent(0, out)
 
     return sse_stream(run, chunks(), chunk, include_usage)
 
@@ -399,6 +402,7 @@ def completion_stream(run: RequestRun, base: dict, top: int, include_usage: bool
                 yield sse({**chunk, "choices": [{"index": i * n + c.index, "text": c.delta_text,
                                                  "logprobs": lp, "finish_reason": c.finish_reason}],
                            **extra})
+            run.mark_sent(i, out)
 
     return sse_stream(run, chunks(), chunk, include_usage)
 
