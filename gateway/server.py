@@ -19,6 +19,7 @@ from types import FrameType
 import uvicorn
 
 from gateway.app import DEMO_MODEL, SchemaBehind, create_app
+from gateway.http_limits import limited_http
 from gateway.settings import Settings, parse_model_specs
 from gateway.state import Lifecycle
 
@@ -50,7 +51,6 @@ class DrainingServer(uvicorn.Server):
         await super().shutdown(sockets)
 
 
-
 def run_server(settings: Settings) -> int:
     """Serve until a signal; the exit status: 0 after a clean shutdown, 2 for a
     configuration error, 1 when start-up failed."""
@@ -74,7 +74,8 @@ def run_server(settings: Settings) -> int:
     app = create_app(settings)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="info",
                             timeout_graceful_shutdown=int(max(1, settings.shutdown_grace_s)),
-                            lifespan="on", access_log=False)
+                            lifespan="on", access_log=False,
+                            http=limited_http(settings))   # header size, count and deadline
     server = DrainingServer(config, app.state.lifecycle, drain_timeout_s=settings.shutdown_timeout_s,
                             drain_grace_s=settings.shutdown_grace_s)
     try:

@@ -47,6 +47,11 @@ class Settings(BaseSettings):
     max_tokens_limit: int | None = None      # None: the model's context decides
     max_prompt_chars: int = 1 << 20
     max_stop_sequences: int = 4
+    # before authentication (gateway/http_limits.py): a request's headers, their count, and the
+    # time they may take to arrive (from the connection's or the request's first byte)
+    max_header_bytes: int = Field(default=64 << 10, ge=1024)
+    max_headers: int = Field(default=100, ge=8)
+    header_timeout_s: float = Field(default=10.0, gt=0)
 
     # behaviour
     key_cache_ttl_s: float = 2.0             # a revoked key stops working within 2x this (+ a lookup)
