@@ -50,9 +50,25 @@ def json_body(model: type[BaseModel]) -> dict[str, Any]:
         "application/json": {"schema": {"$ref": _REF.format(model=model.__name__)}}}}}
 
 
+def common_errors(path: str, method: str, validated: bool) -> set[int]:
+    """The errors any route of this shape may answer, whatever its own: a bad argument (400,
+    where FastAPI validates one: it documented a 422), authentication and the key's kind
+    (401, 403), a missing path object (404), the body limit (413), an admin object that
+    conflicts (409), and the database or a draining server (503)."""
+    statuses = {400} if validated else set()
+    if path.startswith(("/v1/", "/admin/")):
+        statuses |= {401, 403, 503}
+    if "{" in path:
+        statuses.add(404)
+    if method in ("post", "put", "patch"):
+        statuses |= {400, 413} | ({409} if path.startswith("/admin/") else set())
+    return statuses
+
+
 def install_openapi(app: FastAPI, bodies: Iterable[type[BaseModel]]) -> None:
     """`app.openapi()` (built once, on first request): FastAPI's schema with `bodies` and the
-    error body among the components, and every documented 422 turned into a 400."""
+    error body among the components, every documented 422 turned into a 400, and each
+    route's `common_errors` documented."""
     models: tuple[type[BaseModel], ...] = (*bodies, ErrorBody)
 
     def openapi() -> dict[str, Any]:
@@ -63,12 +79,13 @@ def install_openapi(app: FastAPI, bodies: Iterable[type[BaseModel]]) -> None:
                 js = model.model_json_schema(ref_template=_REF)
                 components.update(js.pop("$defs", {}))
                 components[model.__name__] = js
-            for ops in schema["paths"].values():
-                for op in ops.values():
+            for path, ops in schema["paths"].items():
+                for method, op in ops.items():
                     responses = op.setdefault("responses", {})
-                    if responses.pop("422", None) is not None and "400" not in responses:
-                        responses["400"] = {"description": _STATUS_TEXT[400], "content": {
-                            "application/json": {"schema": {"$ref": _REF.format(model="ErrorBody")}}}}
+                    validated = responses.pop("422", None) is not None
+                    for status in sorted(common_errors(path, method, validated)):
+                        responses.setdefault(str(status), {"description": _STATUS_TEXT[status], "content": {
+                            "application/json": {"schema": {"$ref": _REF.format(model="ErrorBody")}}}})
             for name in ("HTTPValidationError", "ValidationError"):
                 components.pop(name, None)
             app.openapi_schema = schema
