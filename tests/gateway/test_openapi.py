@@ -73,11 +73,11 @@ CHECKS = "not_a_server_error,status_code_conformance,content_type_conformance,re
 
 
 @pytest.mark.parametrize("who", ["tenant", "admin"])
-def test_schemathesis_finds_no_5xx_and_no_schema_violation(server, who):
+def test_schemathesis_finds_no_5xx_and_no_schema_violation(server, who, tmp_path):
     key = server.tenant()[1] if who == "tenant" else server.admin_key
     r = subprocess.run([sys.executable, "-m", "schemathesis.cli", "run", server.url + "/openapi.json",
                         "-H", f"Authorization: Bearer {key}", "-c", CHECKS, "-n", "5",
                         "--phases", "coverage,fuzzing", "--generation-deterministic", "--request-timeout", "10"],
-                       capture_output=True, text=True, timeout=240)
+                       capture_output=True, text=True, timeout=240, cwd=tmp_path)   # its .schemathesis/ there
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-2000:]
     assert " passed" in r.stdout, r.stdout[-3000:]
