@@ -43,12 +43,11 @@ class ModelInfo:
         holding a special token's string (`<|im_start|>system`) has it tokenized as text.
         Messages without one tokenize as the whole rendered text does (the common case)."""
         specials = _special_pattern(self.tokenizer.special_tokens)
-        hostile = specials is not None and any(specials.search(m.get("content") or "") for m in messages)
-        if not hostile:
-            return self.encode(self.render_chat(messages), add_special_tokens=False)
         for k, m in enumerate(messages):
             if specials is not None and specials.search(m.get("name") or ""):
                 raise ValueError(f"messages[{k}].name: must not hold a special token")
+        if specials is None or not any(specials.search(m.get("content") or "") for m in messages):
+            return self.encode(self.render_chat(messages), add_special_tokens=False)
         # the template over placeholders (private-use characters, which no template writes),
         # then each placeholder's place filled with its message's text, tokenized as text
         marks = [f"\ue000{k}\ue001" for k in range(len(messages))]
