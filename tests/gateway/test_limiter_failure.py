@@ -12,56 +12,19 @@ is admitted by the replica's in-process limiter (which enforces the quota), `/re
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
 import time
 
 import httpx
 import openai
 import pydantic
 import pytest
-import redis
 
 from gateway.settings import Settings
-from tests.support.gateway_server import GatewayServer, free_port
+from tests.support.gateway_server import GatewayServer
+from tests.support.own_redis import OwnRedis
 
 TIMEOUT_S = "0.25"
 BOUND = 1.5          # a refusal or a fallback admission must come within this, seconds
-
-
-class OwnRedis:
-    """A redis-server of this module's own on a free port, to SIGSTOP and SIGCONT."""
-
-    def __init__(self, tmp_path) -> None:
-        self.port = free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.proc = subprocess.Popen(
-            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", str(tmp_path)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        client = redis.Redis(port=self.port, socket_timeout=1)
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                client.ping()
-                break
-            except redis.ConnectionError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.02)
-        client.close()
-
-    def pause(self) -> None:
-        os.kill(self.proc.pid, signal.SIGSTOP)
-
-    def resume(self) -> None:
-        os.kill(self.proc.pid, signal.SIGCONT)
-
-    def stop(self) -> None:
-        self.resume()
-        self.proc.terminate()
-        self.proc.wait(10)
 
 
 @pytest.fixture(scope="module")

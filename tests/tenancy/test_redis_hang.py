@@ -15,57 +15,20 @@ import asyncio
 import contextlib
 import logging
 import os
-import signal
 import socket
-import subprocess
 import time
 
 import pytest
-import redis
 from redis.exceptions import RedisError
 
 from tenancy.errors import LimiterUnavailable
 from tenancy.limiter import FailoverLimiter, InProcessLimiter, LimitScope, RedisLimiter
 from tenancy.limiter.redis_pipe import RedisPipe
 from tenancy.quota import Quota
-from tests.support.gateway_server import free_port
+from tests.support.own_redis import OwnRedis
 
 TIMEOUT = 0.25          # RedisPipe's and RedisLimiter's default
 BOUND = 1.0             # a failed call must end within this (the timeout plus slack)
-
-
-class OwnRedis:
-    """A redis-server of this test's own on a free port, to SIGSTOP and SIGCONT."""
-
-    def __init__(self, tmp_path) -> None:
-        self.port = free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.proc = subprocess.Popen(
-            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", str(tmp_path)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        client = redis.Redis(port=self.port, socket_timeout=1)
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                client.ping()
-                break
-            except redis.ConnectionError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.02)
-        client.close()
-
-    def pause(self) -> None:
-        os.kill(self.proc.pid, signal.SIGSTOP)
-
-    def resume(self) -> None:
-        os.kill(self.proc.pid, signal.SIGCONT)
-
-    def stop(self) -> None:
-        self.resume()
-        self.proc.terminate()
-        self.proc.wait(10)
 
 
 @pytest.fixture
