@@ -126,6 +126,20 @@ class Limiter(ABC):
         """
 
     @abstractmethod
+    async def reserve(self, lease: Lease, tokens: int) -> Decision:
+        """The second step of a two-step admission: add ``tokens`` to an unsettled admission's
+        reservation (its tokens-per-minute entry while in the window, its day and month budgets
+        of the lease's periods) if every tokens-per-minute and budget limit of every scope has
+        room for them; otherwise refuse and change nothing (the admission itself stays, to be
+        settled or cancelled). An allowed decision's lease replaces ``lease`` (its
+        ``reserved_tokens`` grown by ``tokens``).
+
+        The gateway admits with ``acquire(..., tokens=0)`` before it reads a request's body
+        (counting the request and taking its concurrency lease), then reserves the tokens
+        once the prompt is tokenized. Raises Invalid when the admission is no longer
+        unsettled (settled, cancelled, or abandoned by the reconciler)."""
+
+    @abstractmethod
     async def settle(self, lease: Lease, used_tokens: int) -> None:
         """End the request: release its concurrency lease, rewrite its tokens-per-minute entry
         (if still in the window) and its budget counters to ``used_tokens``. Idempotent, and a
@@ -148,6 +162,21 @@ class Limiter(ABC):
     async def usage(self, scope: LimitScope) -> dict[str, int]:
         """Current counts of ``scope``: ``requests_in_window``, ``tokens_in_window``,
         ``concurrent``, ``day_tokens`` and ``month_tokens`` (current UTC day and month)."""
+
+    async def expired(self, limit: int = 100) -> list[Lease]:
+        """Unsettled admissions whose lease ran out (no heartbeat for ``lease_ttl``): their
+        process died, or lost the backend for longer than that. For the reconciler, which
+        settles each to its usage row (`settle`), or `abandon`s it when there is none. An
+        in-process limiter dies with its process, so it has none."""
+        return []
+
+    async def abandon(self, lease: Lease) -> bool:
+        """Refund the reservation of an admission found by `expired` with no usage row, if
+        its lease is still expired (False when a heartbeat renewed it meanwhile, or it was
+        settled). Its request keeps its requests-per-minute count; a late `settle` of it
+        (the process was alive after all) charges the used tokens in full, a late `cancel`
+        takes it out of the windows."""
+        return False
 
     async def check(self) -> str:
         """The backend's health for a readiness probe, answered within the backend's own
@@ -216,3 +245,25 @@ def limits_of(q: Quota) -> tuple[int, int, int, int, int]:
     values = [getattr(q, f) for f in QUOTA_FIELDS]
     rpm, tpm, conc, day, month = (-1 if v is None else v for v in values)
     return rpm, tpm, conc, day, month
+
+
+def describe_lease(limited: Sequence[LimitScope], day: str, month: str, acquired_at: float) -> str:
+    """A lease's scopes and periods as one string (stored with a Redis admission for the
+    reconciler): ``day|month|acquired_at|key,rpm,tpm,conc,day,month;...``."""
+    scopes = ";".join(",".join([s.key, *(str(v) for v in limits_of(s.quota))]) for s in limited)
+    return f"{day}|{month}|{acquired_at!r}|{scopes}"
+
+
+def parse_lease(request_id: str, info: str, reserved: int) -> Lease:
+    """The `Lease` that `describe_lease` described (Invalid if ``info`` is not one)."""
+    try:
+        day, month, acquired, scopes = info.split("|")
+        parsed = []
+        for part in scopes.split(";") if scopes else []:
+            key, *lims = part.split(",")
+            values = [None if int(v) < 0 else int(v) for v in lims]
+            parsed.append(LimitScope(key, Quota(*values)))
+        return Lease(request_id=request_id, scopes=tuple(parsed), reserved_tokens=reserved,
+                     day=day, month=month, acquired_at=float(acquired))
+    except (ValueError, TypeError) as exc:
+        raise Invalid("info", f"not a lease description: {info!r} ({exc})") from None

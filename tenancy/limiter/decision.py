@@ -4,7 +4,7 @@ the limits that refused (`Refusal`), the rate-limit header values (`Header`), th
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from tenancy.limiter.base import (
@@ -140,3 +140,11 @@ def decide(
         **hdr,
     )
 
+
+
+def grown(d: Decision, lease: Lease, tokens: int) -> Decision:
+    """The decision of `Limiter.reserve`: when allowed, its lease is ``lease`` with ``tokens``
+    more reserved (``decide`` built a fresh one); a refusal as it is."""
+    if not d.allowed:
+        return d
+    return replace(d, lease=replace(lease, reserved_tokens=lease.reserved_tokens + tokens))

@@ -104,6 +104,38 @@ class FailoverLimiter(Limiter):
             self._local.add(request_id)
         return decision
 
+    async def reserve(self, lease: Lease, tokens: int) -> Decision:
+        """On the backend that admitted ``lease``; a Redis lease while Redis fails raises
+        `LimiterUnavailable` (the caller settles the admission, which is queued)."""
+        if self.fallback is not None and lease.request_id in self._local:
+            return await self.fallback.reserve(lease, tokens)
+        if self._down_since is not None:
+            raise LimiterUnavailable(f"Redis at {self.primary.where} is not answering")
+        try:
+            return await self.primary.reserve(lease, tokens)
+        except LimiterUnavailable as exc:
+            self._outage(exc)
+            raise
+
+    async def expired(self, limit: int = 100) -> list[Lease]:
+        """Redis's expired admissions; none while Redis fails (the reconciler waits)."""
+        if self._down_since is not None:
+            return []
+        try:
+            return await self.primary.expired(limit)
+        except LimiterUnavailable as exc:
+            self._outage(exc)
+            return []
+
+    async def abandon(self, lease: Lease) -> bool:
+        if self._down_since is not None:
+            return False
+        try:
+            return await self.primary.abandon(lease)
+        except LimiterUnavailable as exc:
+            self._outage(exc)
+            return False
+
     async def settle(self, lease: Lease, used_tokens: int) -> None:
         if self.fallback is not None and lease.request_id in self._local:
             self._local.discard(lease.request_id)

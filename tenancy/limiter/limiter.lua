@@ -3,11 +3,18 @@
 -- operation: acquire, settle, cancel, heartbeat or usage. Each runs atomically and reads the
 -- time from Redis's own clock.
 --
--- KEYS layout for acquire, settle and cancel: [marker, then per limited scope: win, tok, lease,
--- day, month].
+-- KEYS layout for acquire, reserve, settle and cancel: [marker, then per limited scope: win,
+-- tok, lease, day, month, then the pending index: pending, info, res].
 -- Per-scope limits in ARGV: rpm, tpm, conc, day, month (-1 = unlimited). Times are integer
 -- microseconds (TIME), passed to Redis commands through fmt() so large numbers are never
 -- written in exponent notation.
+--
+-- The pending index lets a reconciler find admissions whose process died: `pending` (sorted
+-- set: request id -> lease expiry, renewed by heartbeats), `info` (hash: request id -> the
+-- lease's description, written by the caller at acquire) and `res` (hash: request id -> its
+-- reserved tokens). Settle and cancel remove a request from all three.
+-- Markers: '1' unsettled; '0' a cancelled request's tombstone; 'r' an admission the reconciler
+-- abandoned (its reservation refunded): a late settle of it charges its used tokens in full.
 
 local op = ARGV[1]
 
@@ -64,16 +71,55 @@ local function limits(base)
          tonumber(ARGV[base + 4]), tonumber(ARGV[base + 5])
 end
 
--- The start of settle and cancel: consume rid's marker and drop its concurrency leases. True
--- when the admission was still unsettled (the marker was there, not gone nor a tombstone).
+-- The rate-limit header values of every scope: {scope index, kind (0 requests, 1 tokens),
+-- limit, remaining, reset}, the window holding counts[i] + dcount requests and sums[i] + dsum
+-- tokens.
+local function header_rows(n, base, counts, sums, dcount, dsum, now, window)
+  local headers = {}
+  for i = 1, n do
+    local k = 1 + (i - 1) * 5
+    local rpm, tpm = limits(base + (i - 1) * 5)
+    local count, sum = counts[i] + dcount, sums[i] + dsum
+    if rpm >= 0 then
+      local reset = -1
+      if rpm > 0 then reset = requests_wait(KEYS[k + 1], count, rpm, now, window) end
+      headers[#headers + 1] = {i - 1, 0, rpm, math.max(0, rpm - count), reset}
+    end
+    if tpm >= 0 then
+      local reset = -1
+      if tpm > 0 then reset = tokens_wait(KEYS[k + 1], KEYS[k + 2], sum, tpm - 1, now, window) end
+      headers[#headers + 1] = {i - 1, 1, tpm, math.max(0, tpm - sum), reset}
+    end
+  end
+  return headers
+end
+
+-- The start of settle and cancel: consume rid's marker, drop its concurrency leases and its
+-- pending entry. Returns the marker: '1' (unsettled), 'r' (abandoned by the reconciler) or
+-- false (gone, or a tombstone: nothing more to adjust).
 local function finish(rid, n, base)
-  local live = redis.call('GET', KEYS[1]) == '1'
+  local marker = redis.call('GET', KEYS[1])
+  local live = (marker == '1' or marker == 'r') and marker or false
   if live then redis.call('DEL', KEYS[1]) end
   for i = 1, n do
     local _, _, conc = limits(base + (i - 1) * 5)
     if conc >= 0 then redis.call('ZREM', KEYS[1 + (i - 1) * 5 + 3], rid) end
   end
+  local p = 1 + n * 5
+  redis.call('ZREM', KEYS[p + 1], rid)
+  redis.call('HDEL', KEYS[p + 2], rid)
+  redis.call('HDEL', KEYS[p + 3], rid)
   return live
+end
+
+-- A budget counter's refusal of `tokens` more, or nil: {scope index, field, wait, used}.
+local function budget_refusal(i, field, key, budget, tokens, period_end, now)
+  if budget < 0 then return nil end
+  local used = tonumber(redis.call('GET', key) or '0')
+  if used + tokens <= budget then return nil end
+  local wait = -1
+  if tokens <= budget then wait = period_end - now end
+  return {i - 1, field, wait, used}
 end
 
 if op == 'acquire' then
@@ -130,22 +176,10 @@ if op == 'acquire' then
         refusals[#refusals + 1] = {i - 1, 2, wait, c}
       end
     end
-    if dayb >= 0 then
-      local used = tonumber(redis.call('GET', KEYS[k + 4]) or '0')
-      if used + tokens > dayb then
-        local wait = -1
-        if tokens <= dayb then wait = day_end - now end
-        refusals[#refusals + 1] = {i - 1, 3, wait, used}
-      end
-    end
-    if monthb >= 0 then
-      local used = tonumber(redis.call('GET', KEYS[k + 5]) or '0')
-      if used + tokens > monthb then
-        local wait = -1
-        if tokens <= monthb then wait = month_end - now end
-        refusals[#refusals + 1] = {i - 1, 4, wait, used}
-      end
-    end
+    local r = budget_refusal(i, 3, KEYS[k + 4], dayb, tokens, day_end, now)
+    if r then refusals[#refusals + 1] = r end
+    r = budget_refusal(i, 4, KEYS[k + 5], monthb, tokens, month_end, now)
+    if r then refusals[#refusals + 1] = r end
   end
 
   local admitted = #refusals == 0
@@ -176,36 +210,94 @@ if op == 'acquire' then
       end
     end
     redis.call('SET', KEYS[1], '1', 'PX', pending_ms)
+    local p = 1 + n * 5
+    redis.call('ZADD', KEYS[p + 1], fmt(now + ttl), rid)
+    redis.call('HSET', KEYS[p + 2], rid, ARGV[14 + n * 5])
+    redis.call('HSET', KEYS[p + 3], rid, ARGV[3])
   end
 
-  local headers = {}
-  for i = 1, n do
-    local k = 1 + (i - 1) * 5
-    local rpm, tpm = limits(13 + (i - 1) * 5)
-    local count, sum = counts[i], sums[i]
-    if admitted then count, sum = count + 1, sum + tokens end
-    if rpm >= 0 then
-      local reset = -1
-      if rpm > 0 then reset = requests_wait(KEYS[k + 1], count, rpm, now, window) end
-      headers[#headers + 1] = {i - 1, 0, rpm, math.max(0, rpm - count), reset}
-    end
-    if tpm >= 0 then
-      local reset = -1
-      if tpm > 0 then reset = tokens_wait(KEYS[k + 1], KEYS[k + 2], sum, tpm - 1, now, window) end
-      headers[#headers + 1] = {i - 1, 1, tpm, math.max(0, tpm - sum), reset}
-    end
+  local headers
+  if admitted then
+    headers = header_rows(n, 13, counts, sums, 1, tokens, now, window)
+  else
+    headers = header_rows(n, 13, counts, sums, 0, 0, now, window)
   end
   if admitted then return {'ok', now, refusals, headers} end
   return {'refused', now, refusals, headers}
 
+elseif op == 'reserve' then
+  -- ARGV: rid, tokens, window, day end, month end, n, then the limits of each scope. Adds
+  -- `tokens` to an unsettled admission's reservation if every tokens-per-minute and budget
+  -- limit has room; otherwise changes nothing.
+  local rid, tokens, window = ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
+  local day_end, month_end = tonumber(ARGV[5]), tonumber(ARGV[6])
+  local n = tonumber(ARGV[7])
+  local now = clock()
+  if redis.call('GET', KEYS[1]) ~= '1' then return {'gone', now} end
+  local refusals, counts, sums = {}, {}, {}
+  for i = 1, n do
+    local k = 1 + (i - 1) * 5
+    local rpm, tpm, _, dayb, monthb = limits(7 + (i - 1) * 5)
+    local count, sum = 0, 0
+    if rpm >= 0 or tpm >= 0 then
+      trim_window(KEYS[k + 1], KEYS[k + 2], now - window)
+      count = redis.call('ZCARD', KEYS[k + 1])
+      sum = tonumber(redis.call('HGET', KEYS[k + 2], '') or '0')
+    end
+    counts[i], sums[i] = count, sum
+    if tpm >= 0 and sum + tokens > tpm then
+      local wait = -1
+      if tokens <= tpm then
+        wait = tokens_wait(KEYS[k + 1], KEYS[k + 2], sum, tpm - tokens, now, window)
+      end
+      refusals[#refusals + 1] = {i - 1, 1, wait, sum}
+    end
+    local r = budget_refusal(i, 3, KEYS[k + 4], dayb, tokens, day_end, now)
+    if r then refusals[#refusals + 1] = r end
+    r = budget_refusal(i, 4, KEYS[k + 5], monthb, tokens, month_end, now)
+    if r then refusals[#refusals + 1] = r end
+  end
+  if #refusals > 0 then
+    return {'refused', now, refusals, header_rows(n, 7, counts, sums, 0, 0, now, window)}
+  end
+  for i = 1, n do
+    local k = 1 + (i - 1) * 5
+    local rpm, tpm, _, dayb, monthb = limits(7 + (i - 1) * 5)
+    if (rpm >= 0 or tpm >= 0) and redis.call('ZSCORE', KEYS[k + 1], rid) then
+      redis.call('HINCRBY', KEYS[k + 2], rid, ARGV[3])
+      redis.call('HINCRBY', KEYS[k + 2], '', ARGV[3])
+    end
+    -- acquire made both counters (with their expiry) in this admission's periods
+    if dayb >= 0 and redis.call('EXISTS', KEYS[k + 4]) == 1 then
+      redis.call('INCRBY', KEYS[k + 4], ARGV[3])
+    end
+    if monthb >= 0 and redis.call('EXISTS', KEYS[k + 5]) == 1 then
+      redis.call('INCRBY', KEYS[k + 5], ARGV[3])
+    end
+  end
+  redis.call('HINCRBY', KEYS[1 + n * 5 + 3], rid, ARGV[3])
+  return {'ok', now, refusals, header_rows(n, 7, counts, sums, 0, tokens, now, window)}
+
 elseif op == 'settle' then
+  -- ARGV: rid, used, reserved, window, n, the limits of each scope, then the mode: 'settle',
+  -- or 'abandon' (the reconciler: only if the pending entry expired; used is 0; the marker
+  -- becomes 'r' so that a late settle charges what it used), and the marker's lifetime (ms).
   local rid = ARGV[2]
   local used = tonumber(ARGV[3])
-  local delta = fmt(used - tonumber(ARGV[4]))
   local window = tonumber(ARGV[5])
   local n = tonumber(ARGV[6])
+  local mode, pending_ms = ARGV[7 + n * 5], ARGV[8 + n * 5]
   local now = clock()
-  if not finish(rid, n, 6) then return 0 end
+  if mode == 'abandon' then
+    local exp = tonumber(redis.call('ZSCORE', KEYS[1 + n * 5 + 1], rid))
+    if exp and exp > now then return -1 end   -- a heartbeat renewed it meanwhile
+    if redis.call('GET', KEYS[1]) ~= '1' then return 0 end   -- settled, or abandoned already
+  end
+  local marker = finish(rid, n, 6)
+  if not marker then return 0 end
+  local reserved = tonumber(ARGV[4])
+  if marker == 'r' then reserved = 0 end       -- the reconciler refunded the reservation
+  local delta = fmt(used - reserved)
   for i = 1, n do
     local k = 1 + (i - 1) * 5
     local rpm, tpm, conc, dayb, monthb = limits(6 + (i - 1) * 5)
@@ -226,6 +318,7 @@ elseif op == 'settle' then
       redis.call('INCRBY', KEYS[k + 5], delta)
     end
   end
+  if mode == 'abandon' then redis.call('SET', KEYS[1], 'r', 'PX', pending_ms) end
   return 1
 
 elseif op == 'cancel' then
@@ -235,7 +328,9 @@ elseif op == 'cancel' then
   local window = tonumber(ARGV[4])
   local n = tonumber(ARGV[5])
   local now = clock()
-  if not finish(rid, n, 5) then return 0 end
+  local marker = finish(rid, n, 5)
+  if not marker then return 0 end
+  if marker == 'r' then reserved = '0' end     -- the reconciler refunded the reservation
   local admitted = nil
   for i = 1, n do
     local k = 1 + (i - 1) * 5
@@ -265,8 +360,8 @@ elseif op == 'cancel' then
   return 1
 
 elseif op == 'heartbeat' then
-  -- KEYS: per lease: marker, then its lease sets. ARGV: ttl, pending_ms, n, then per lease:
-  -- request id, number of lease sets.
+  -- KEYS: per lease: marker, then its lease sets; last, the pending index. ARGV: ttl,
+  -- pending_ms, n, then per lease: request id, number of lease sets.
   local ttl = tonumber(ARGV[2])
   local pending_ms = ARGV[3]
   local n = tonumber(ARGV[4])
@@ -275,7 +370,10 @@ elseif op == 'heartbeat' then
   local k, a, extended = 1, 5, 0
   for _ = 1, n do
     local rid, m = ARGV[a], tonumber(ARGV[a + 1])
-    if redis.call('GET', KEYS[k]) == '1' then redis.call('PEXPIRE', KEYS[k], pending_ms) end
+    if redis.call('GET', KEYS[k]) == '1' then
+      redis.call('PEXPIRE', KEYS[k], pending_ms)
+      redis.call('ZADD', KEYS[#KEYS], 'XX', fmt(now + ttl), rid)
+    end
     for j = 1, m do
       local key = KEYS[k + j]
       local exp = tonumber(redis.call('ZSCORE', key, rid))
@@ -288,6 +386,24 @@ elseif op == 'heartbeat' then
     k, a = k + 1 + m, a + 2
   end
   return extended
+
+elseif op == 'expired' then
+  -- KEYS: pending, info, res. ARGV: the most to return. Admissions whose lease ran out (no
+  -- heartbeat for ttl): {request id, info, reserved}, oldest first. Read-only but for
+  -- entries without an info, which nothing could reconcile (dropped).
+  local now = clock()
+  local ids = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', fmt(now), 'LIMIT', 0, tonumber(ARGV[2]))
+  local out = {}
+  for i = 1, #ids do
+    local info = redis.call('HGET', KEYS[2], ids[i])
+    if info then
+      out[#out + 1] = {ids[i], info, redis.call('HGET', KEYS[3], ids[i]) or '0'}
+    else
+      redis.call('ZREM', KEYS[1], ids[i])
+      redis.call('HDEL', KEYS[3], ids[i])
+    end
+  end
+  return {now, out}
 
 elseif op == 'usage' then
   -- KEYS: win, tok, lease, day, month. Read-only.

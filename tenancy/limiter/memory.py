@@ -10,6 +10,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
+from tenancy.errors import Invalid
 from tenancy.limiter.base import (
     BUDGET_GRACE,
     CONC,
@@ -31,7 +32,7 @@ from tenancy.limiter.base import (
     duplicate,
     limits_of,
 )
-from tenancy.limiter.decision import Header, Refusal, decide
+from tenancy.limiter.decision import Header, Refusal, decide, grown
 from tenancy.limiter.periods import Periods, period_end
 from tenancy.validation import check_count
 
@@ -139,7 +140,8 @@ class InProcessLimiter(Limiter):
             admitted = not refusals
             if admitted:
                 self._admit(request_id, limited, tokens, now, periods)
-            headers = self._headers(limited, counts, tokens if admitted else None, now)
+            headers = self._headers(limited, counts, 1 if admitted else 0,
+                                    tokens if admitted else 0, now)
             return decide(request_id=request_id, scopes=all_scopes, limited=limited,
                           tokens=tokens, now=now, periods=periods, refusals=refusals,
                           headers=headers)
@@ -151,7 +153,7 @@ class InProcessLimiter(Limiter):
         refusals: list[Refusal] = []
         counts: list[tuple[int, int]] = []
         for i, s in enumerate(limited):
-            rpm, tpm, conc, dayb, monthb = limits_of(s.quota)
+            rpm, tpm, conc, _, _ = limits_of(s.quota)
             st = self._state(s.key)
             st.trim(now)
             if (rpm >= 0 or tpm >= 0) and request_id in st.tokens:
@@ -170,15 +172,57 @@ class InProcessLimiter(Limiter):
                 if c + 1 > conc:
                     wait = (min(st.leases.values()) - now) if conc > 0 else None
                     refusals.append(Refusal(i, CONC, wait, c))
-            budgets = ((DAY, dayb, periods.day, periods.day_end),
-                       (MONTH, monthb, periods.month, periods.month_end))
-            for fld, budget, period, end in budgets:
-                if budget >= 0:
-                    used = self._budgets.get((s.key, period), 0)
-                    if used + tokens > budget:
-                        wait = (end - now) if tokens <= budget else None
-                        refusals.append(Refusal(i, fld, wait, used))
+            refusals += self._budget_refusals(i, s, tokens, periods, now)
         return refusals, counts
+
+    def _budget_refusals(self, i: int, s: LimitScope, tokens: int, periods: Periods,
+                         now: float) -> list[Refusal]:
+        """The day and month budgets of scope `i` that have no room for `tokens` more."""
+        _, _, _, dayb, monthb = limits_of(s.quota)
+        refusals = []
+        budgets = ((DAY, dayb, periods.day, periods.day_end),
+                   (MONTH, monthb, periods.month, periods.month_end))
+        for fld, budget, period, end in budgets:
+            if budget >= 0:
+                used = self._budgets.get((s.key, period), 0)
+                if used + tokens > budget:
+                    wait = (end - now) if tokens <= budget else None
+                    refusals.append(Refusal(i, fld, wait, used))
+        return refusals
+
+    async def reserve(self, lease: Lease, tokens: int) -> Decision:
+        lease = check_lease(lease)
+        tokens = check_count(tokens, "tokens")
+        rid = lease.request_id
+        limited = [s for s in lease.scopes if not s.quota.unlimited]
+        periods = Periods.at(lease.acquired_at)
+        with self._lock:
+            now = float(self._clock())
+            if limited and self._pending.get(rid, -math.inf) <= now:
+                raise Invalid("lease", f"the admission of {rid!r} is no longer unsettled")
+            refusals: list[Refusal] = []
+            counts: list[tuple[int, int]] = []
+            for i, s in enumerate(limited):
+                tpm = limits_of(s.quota)[TPM]
+                st = self._state(s.key)
+                st.trim(now)
+                total = st.token_sum
+                counts.append((len(st.log), total))
+                if tpm >= 0 and total + tokens > tpm:
+                    wait = st.tokens_wait(total, tpm - tokens, now) if tokens <= tpm else None
+                    refusals.append(Refusal(i, TPM, wait, total))
+                refusals += self._budget_refusals(i, s, tokens, periods, now)
+            if not refusals:
+                for s in limited:
+                    st = self._state(s.key)
+                    if rid in st.tokens:
+                        st.tokens[rid] += tokens
+                        st.token_sum += tokens
+                    self._adjust_budgets(s, lease, tokens)
+            headers = self._headers(limited, counts, 0, 0 if refusals else tokens, now)
+            d = decide(request_id=rid, scopes=lease.scopes, limited=limited, tokens=tokens,
+                       now=now, periods=periods, refusals=refusals, headers=headers)
+            return grown(d, lease, tokens)
 
     def _admit(self, request_id: str, limited: list[LimitScope], tokens: int, now: float,
                periods: Periods) -> None:
@@ -203,16 +247,15 @@ class InProcessLimiter(Limiter):
         self._pending[request_id] = now + PENDING_TTL
 
     def _headers(self, limited: list[LimitScope], counts: list[tuple[int, int]],
-                 admitted_tokens: int | None, now: float) -> list[Header]:
-        """Each scope's rate-limit header values; `admitted_tokens` is the admitted request's
-        reservation (it is then in the window), None when it was refused."""
+                 dcount: int, dtokens: int, now: float) -> list[Header]:
+        """Each scope's rate-limit header values, its window holding its `counts` plus
+        `dcount` requests and `dtokens` tokens (what was just admitted or reserved)."""
         headers: list[Header] = []
         for i, s in enumerate(limited):
             rpm, tpm, _, _, _ = limits_of(s.quota)
             st = self._state(s.key)
             count, total = counts[i]
-            if admitted_tokens is not None:
-                count, total = count + 1, total + admitted_tokens
+            count, total = count + dcount, total + dtokens
             if rpm >= 0:
                 reset = st.requests_wait(count, rpm, now) if rpm > 0 else None
                 headers.append(Header(i, 0, rpm, max(0, rpm - count), reset))

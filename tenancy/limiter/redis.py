@@ -11,6 +11,11 @@ is taken from ``redis.call('TIME')``, never from the caller. Per scope ``S`` and
 - ``Preq:<request id>``  ``1``: marker of an unsettled admission (makes settlement and
   cancellation idempotent). ``0``: tombstone of a cancelled one, so that its id stays taken
   for as long as its window entry would have been in the window (as a settled one's is).
+  ``r``: an admission the reconciler abandoned (`abandon`: reservation refunded).
+- ``Ppending`` sorted set, request id -> lease expiry (µs), renewed by heartbeats;
+  ``Ppending:info`` / ``Ppending:res`` hashes, request id -> the lease's description
+  (`describe_lease`) / its reserved tokens: the unsettled admissions, so that `expired` finds
+  those whose process died.
 
 Window keys expire 61 s after the last admission, lease sets ``lease_ttl`` + 1 s after the
 last write, counters a day after their period ends, markers `PENDING_TTL` after the last
@@ -20,6 +25,7 @@ The script ships as package data beside this module and is read once per process
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterable, Sequence
 from functools import cache
@@ -40,14 +46,17 @@ from tenancy.limiter.base import (
     check_request_id,
     check_scope,
     check_scopes,
+    describe_lease,
     duplicate,
     limits_of,
+    parse_lease,
 )
-from tenancy.limiter.decision import Header, Refusal, decide
+from tenancy.limiter.decision import Header, Refusal, decide, grown
 from tenancy.limiter.periods import Periods
 from tenancy.validation import check_count
 
 _US = 1_000_000
+logger = logging.getLogger(__name__)
 
 
 @cache
@@ -104,6 +113,9 @@ class RedisLimiter(Limiter):
     def _marker(self, request_id: str) -> str:
         return f"{self.prefix}req:{request_id}"
 
+    def _pending_keys(self) -> list[str]:
+        return [f"{self.prefix}pending", f"{self.prefix}pending:info", f"{self.prefix}pending:res"]
+
     @staticmethod
     def _period_args(p: Periods) -> list[int]:
         return [_us(p.day_start), _us(p.day_end), _us(p.month_start), _us(p.month_end)]
@@ -132,6 +144,10 @@ class RedisLimiter(Limiter):
             for s in limited:
                 keys += self._scope_keys(s, p.day, p.month)
                 args += limits_of(s.quota)
+            keys += self._pending_keys()
+            # the lease's description, for the reconciler; its acquired_at is our guess of
+            # Redis's clock (only its day and month matter, and those Redis checks)
+            args.append(describe_lease(limited, p.day, p.month, guess))
             reply = await self._call(keys, args)
             status, now = reply[0], int(reply[1]) / _US
             if status == b"clock":  # Redis's clock is in another UTC day or month than ours
@@ -153,24 +169,67 @@ class RedisLimiter(Limiter):
                           tokens=tokens, now=now, periods=p, refusals=refusals, headers=headers)
         raise RuntimeError("could not agree with Redis on the current UTC day")
 
-    async def _finish(self, lease: Lease, args: list[Any]) -> None:
-        """Run settle or cancel (``args``: the op and its arguments before the scope count) on
-        the lease's limited scopes, in the periods it was charged to."""
+    async def _finish(self, lease: Lease, args: list[Any], tail: Sequence[Any] = ()) -> Any:
+        """Run reserve, settle or cancel (``args``: the op and its arguments before the scope
+        count; ``tail``: those after the scopes' limits) on the lease's limited scopes, in the
+        periods it was charged to. None when no scope is limited."""
         limited = [s for s in lease.scopes if not s.quota.unlimited]
         if not limited:
-            return
+            return None
         keys = [self._marker(lease.request_id)]
         args = [*args, len(limited)]
         for s in limited:
             keys += self._scope_keys(s, lease.day, lease.month)
             args += limits_of(s.quota)
-        await self._call(keys, args)
+        return await self._call(keys + self._pending_keys(), [*args, *tail])
+
+    async def reserve(self, lease: Lease, tokens: int) -> Decision:
+        lease = check_lease(lease)
+        tokens = check_count(tokens, "tokens")
+        limited = [s for s in lease.scopes if not s.quota.unlimited]
+        p = Periods.at(lease.acquired_at)
+        if p.day != lease.day or p.month != lease.month:
+            raise Invalid("lease", "acquired_at is not in the lease's day and month")
+        if limited:
+            reply = await self._finish(lease, ["reserve", lease.request_id, tokens, _us(WINDOW),
+                                               _us(p.day_end), _us(p.month_end)])
+            if reply[0] == b"gone":
+                raise Invalid("lease", f"the admission of {lease.request_id!r} is no longer "
+                                       f"unsettled")
+            now = int(reply[1]) / _US
+            refusals = [Refusal(int(si), int(f), None if int(w) < 0 else int(w) / _US, int(u))
+                        for si, f, w, u in reply[2]]
+            headers = [Header(int(si), int(kind), int(lim), int(rem),
+                              None if int(r) < 0 else int(r) / _US)
+                       for si, kind, lim, rem, r in reply[3]]
+        else:
+            now, refusals, headers = lease.acquired_at, [], []
+        d = decide(request_id=lease.request_id, scopes=lease.scopes, limited=limited,
+                   tokens=tokens, now=now, periods=p, refusals=refusals, headers=headers)
+        return grown(d, lease, tokens)
 
     async def settle(self, lease: Lease, used_tokens: int) -> None:
         lease = check_lease(lease)
         used = check_count(used_tokens, "used_tokens")
         await self._finish(lease, ["settle", lease.request_id, used, lease.reserved_tokens,
-                                   _us(WINDOW)])
+                                   _us(WINDOW)], ["settle", int(PENDING_TTL * 1000)])
+
+    async def abandon(self, lease: Lease) -> bool:
+        lease = check_lease(lease)
+        reply = await self._finish(lease, ["settle", lease.request_id, 0, lease.reserved_tokens,
+                                           _us(WINDOW)], ["abandon", int(PENDING_TTL * 1000)])
+        return reply == 1
+
+    async def expired(self, limit: int = 100) -> list[Lease]:
+        limit = check_count(limit, "limit")
+        reply = await self._call(self._pending_keys(), ["expired", limit])
+        leases = []
+        for rid, info, res in reply[1]:
+            try:
+                leases.append(parse_lease(rid.decode(), info.decode(), int(res)))
+            except (Invalid, ValueError):
+                logger.error("pending admission %r has an unreadable description %r", rid, info)
+        return leases
 
     async def cancel(self, lease: Lease) -> None:
         lease = check_lease(lease)
@@ -192,8 +251,8 @@ class RedisLimiter(Limiter):
             args += [lease.request_id, len(lease_keys)]
             n += 1
         if n:
-            await self._call(keys, ["heartbeat", _us(self.lease_ttl), int(PENDING_TTL * 1000),
-                                    n, *args])
+            await self._call([*keys, self._pending_keys()[0]],
+                             ["heartbeat", _us(self.lease_ttl), int(PENDING_TTL * 1000), n, *args])
 
     async def usage(self, scope: LimitScope) -> dict[str, int]:
         scope = check_scope(scope)

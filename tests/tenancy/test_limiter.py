@@ -593,9 +593,12 @@ async def test_redis_keys_expire_and_unlimited_costs_nothing(redis_url, redis_pr
         d = await lim.acquire("r1", [s, free], 100)
         assert d.allowed
         keys = sorted([k.decode() async for k in client.scan_iter(match=redis_prefix + "*")])
-        assert len(keys) == 6, keys  # win, tok, lease, day, month, marker; nothing for `free`
+        # win, tok, lease, day, month, marker; the pending index (3 keys); nothing for `free`
+        assert len(keys) == 9, keys
         assert not any("tenant:free" in k for k in keys)
-        for k in keys:
+        index = {redis_prefix + k for k in ("pending", "pending:info", "pending:res")}
+        assert index <= set(keys)
+        for k in set(keys) - index:   # the index keys live as long as they hold an admission
             ttl = await client.pttl(k)
             assert ttl > 0, (k, ttl)
             if k.endswith(":win") or k.endswith(":tok"):
@@ -604,6 +607,7 @@ async def test_redis_keys_expire_and_unlimited_costs_nothing(redis_url, redis_pr
                 assert ttl <= 31_000
         await lim.settle(d.lease, 100)
         assert not await client.exists(redis_prefix + "req:r1")
+        assert not await client.exists(*index)   # settled: out of the index, which is empty
     finally:
         await lim.close()
         await client.aclose()
