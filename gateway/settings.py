@@ -47,6 +47,10 @@ class Settings(BaseSettings):
     max_tokens_limit: int | None = None      # None: the model's context decides
     max_prompt_chars: int = 1 << 20
     max_stop_sequences: int = 4
+    # prompts of this many characters or more are tokenized by worker processes, off the event
+    # loop (gateway/tokenize_pool.py); each worker holds a few hundred MB
+    tokenizer_workers: int = Field(default=1, ge=1, le=64)
+    tokenizer_inline_chars: int = Field(default=8_192, ge=0)
     # before authentication (gateway/http_limits.py): a request's headers, their count, and the
     # time they may take to arrive (from the connection's or the request's first byte)
     max_header_bytes: int = Field(default=64 << 10, ge=1024)

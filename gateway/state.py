@@ -34,6 +34,7 @@ from gateway.key_cache import KeyCache
 from gateway.metrics import Metrics
 from gateway.model_catalog import ModelInfo
 from gateway.settings import Settings
+from gateway.tokenize_pool import TokenizePool
 from tenancy import api_keys, auth
 from tenancy.auth import Principal
 from tenancy.errors import AuthError, Invalid
@@ -174,6 +175,7 @@ class AppState:
     keys: KeyCache = field(init=False)
     adapters: AdapterCatalog = field(init=False)
     metrics: Metrics = field(init=False)
+    tokenize: TokenizePool = field(init=False)   # large prompts tokenized off the loop
     inflight: dict[str, Lease] = field(init=False, default_factory=dict)     # job id -> its lease
     _touched: dict[str, float] = field(init=False, default_factory=dict)
     _background: set[asyncio.Task[Any]] = field(init=False, default_factory=set)
@@ -184,6 +186,8 @@ class AppState:
         self.adapters = AdapterCatalog(self.sessions, s.resolved_adapter_root(), self.models,
                                        s.adapter_cache_ttl_s)
         self.metrics = Metrics(self.engine_stats)
+        # its worker processes start on the first large prompt, never at start-up
+        self.tokenize = TokenizePool(workers=s.tokenizer_workers, inline_chars=s.tokenizer_inline_chars)
 
     @property
     def ready(self) -> bool:
@@ -298,6 +302,10 @@ class AppState:
     async def wait_background(self) -> None:
         if self._background:
             await asyncio.gather(*self._background, return_exceptions=True)
+
+    async def close(self) -> None:
+        """Stop what this state itself runs: the tokenizer's worker processes."""
+        await self.tokenize.close()
 
 
 def app_state(request: Request) -> AppState:
