@@ -320,6 +320,7 @@ async def lifespan(app: FastAPI, settings: Settings, engine_factory: EngineFacto
             task.cancel()
         if state is not None:
             await state.wait_background()
+            await state.close()
         # runs still open (a shutdown without the server's drain) are cut and write their rows
         # before the writer closes
         await lifecycle.drain(0, s.shutdown_grace_s)

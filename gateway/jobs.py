@@ -1,8 +1,10 @@
 """The API's service tiers (`TIERS`) and `RequestRun`: one admitted HTTP request's life
 (limiter admission, engine requests, settlement and usage).
 
-    run = RequestRun(state, principal, entry, tier, prompts, params, reserve_tokens)
-    await run.admit()                           # 429 here; nothing queued yet
+    async with admitted(state, principal) as ticket:   # 429 here, before the body is read
+        ...                                          # parse, tokenize
+        run = RequestRun(ticket, entry, tier, prompts, params, reserve_tokens)
+        await run.admit()                       # tokens reserved (429 here); nothing queued yet
     await run.submit(sheddable=not stream)      # 400/429/503 here; the engine has the request(s)
     async for i, out in run.events(): ...       # 429/503 here if the engine shed it
     usage = await run.finish("ok")              # usage row committed, reservation settled
@@ -25,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import secrets
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime
@@ -39,11 +40,10 @@ from engine import (
     RequestStream,
     SamplingParams,
 )
+from gateway.admission import Ticket
 from gateway.errors import APIError
-from gateway.state import AppState, ModelEntry
-from tenancy.auth import Principal
-from tenancy.errors import LimiterUnavailable
-from tenancy.limiter import Decision, Lease, LimitScope
+from gateway.state import ModelEntry
+from tenancy.limiter import Decision, Lease
 from tenancy.usage.writer import UsageRow
 
 logger = logging.getLogger(__name__)
@@ -55,39 +55,6 @@ logger = logging.getLogger(__name__)
 # answers), and its queued non-streaming requests the first shed to make room for more urgent
 # arrivals. The other tiers' refusals are 503 `engine_overloaded`.
 TIERS = {"priority": ("priority", 0), "default": ("online", 0), "flex": ("offline", 0)}
-
-
-def new_request_id() -> str:
-    return secrets.token_hex(12)
-
-
-def fmt_duration(seconds: float | None) -> str:
-    """OpenAI's reset format: '20ms', '1s', '6m0s', '1h2m3s'."""
-    if seconds is None:
-        return "0s"
-    if seconds < 1:
-        return f"{max(1, round(seconds * 1000))}ms"
-    s = int(-(-seconds // 1))
-    h, rem = divmod(s, 3600)
-    m, sec = divmod(rem, 60)
-    if h:
-        return f"{h}h{m}m{sec}s"
-    if m:
-        return f"{m}m{sec}s"
-    return f"{sec}s"
-
-
-def ratelimit_headers(d: Decision) -> dict[str, str]:
-    h: dict[str, str] = {}
-    if d.limit_requests is not None:
-        h["x-ratelimit-limit-requests"] = str(d.limit_requests)
-        h["x-ratelimit-remaining-requests"] = str(max(0, d.remaining_requests or 0))
-        h["x-ratelimit-reset-requests"] = fmt_duration(d.reset_requests)
-    if d.limit_tokens is not None:
-        h["x-ratelimit-limit-tokens"] = str(d.limit_tokens)
-        h["x-ratelimit-remaining-tokens"] = str(max(0, d.remaining_tokens or 0))
-        h["x-ratelimit-reset-tokens"] = fmt_duration(d.reset_tokens)
-    return h
 
 
 class RunCut(APIError):
@@ -129,8 +96,7 @@ def overloaded(tier: str, exc: EngineOverloaded) -> APIError:
 class RequestRun:
     def __init__(
         self,
-        state: AppState,
-        principal: Principal,
+        ticket: Ticket,
         entry: ModelEntry,
         tier: str,
         prompts: list[list[int]],
@@ -138,9 +104,11 @@ class RequestRun:
         reserve_tokens: int,
         cache_salt: str | None = None,
     ) -> None:
+        principal = ticket.principal
         if principal.tenant_id is None or principal.tenant_name is None:
             raise ValueError(f"key {principal.key_id} belongs to no tenant: a request runs for a tenant")
-        self.state = state
+        self.ticket = ticket
+        self.state = ticket.state
         self.principal = principal
         self.tenant_id: str = principal.tenant_id
         self.tenant_name: str = principal.tenant_name
@@ -152,8 +120,8 @@ class RequestRun:
         self.reserve_tokens = reserve_tokens
         # the engine puts the tenant into every prefix-block hash: no sharing across tenants
         self.cache_salt = cache_salt
-        self.id = new_request_id()
-        self.t0 = time.time()
+        self.id = ticket.id
+        self.t0 = ticket.t0
         self.decision: Decision | None = None
         self.lease: Lease | None = None
         self.streams: list[RequestStream] = []
@@ -171,28 +139,10 @@ class RequestRun:
 
     # -- admission ----------------------------------------------------------------------------
     async def admit(self) -> None:
-        p = self.principal
-        scopes = [LimitScope(f"tenant:{p.tenant_id}", p.tenant_quota),
-                  LimitScope(f"key:{p.key_id}", p.key_quota)]
-        limiter = self.state.limiter
-        try:
-            d = await limiter.acquire(self.id, scopes, self.reserve_tokens)
-        except LimiterUnavailable as exc:   # the shared limiter is unreachable: refuse, don't guess
-            logger.warning("rate limiter unavailable for %s: %s", self.id, exc)
-            raise APIError(503, "The rate limiter is unavailable; retry shortly.",
-                           code="limiter_unavailable", headers={"retry-after": "1"}) from None
-        self.decision = d
-        if not d.allowed:
-            self.state.metrics.rejections.labels(self.tenant_name, d.limit or "unknown").inc()
-            headers = ratelimit_headers(d)
-            if d.retry_after is not None:
-                headers["retry-after"] = str(max(1, int(-(-d.retry_after // 1))))
-            if d.code == "insufficient_quota":
-                headers["x-should-retry"] = "false"
-            raise APIError(429, d.message, code=d.code or "rate_limit_exceeded", headers=headers)
-        self.lease = d.lease
-        if self.lease is not None:
-            self.state.inflight[self.id] = self.lease
+        """Reserve the run's tokens (the ticket's step 2: 429 or 503 here, the admission then
+        released) and take the admission over from the ticket."""
+        self.decision = await self.ticket.reserve(self.reserve_tokens)
+        self.lease = self.ticket.take()
         self.state.lifecycle.runs.add(self)
         left = self.state.settings.request_timeout_s - (time.time() - self.t0)
         self._timer = asyncio.get_running_loop().call_later(max(0.0, left), self.cut, "timeout")

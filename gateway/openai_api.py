@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 from typing import Any
 
@@ -13,11 +12,13 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
-from engine import CompletionOutput, InvalidRequest, Logprob, SamplingParams
+from engine import InvalidRequest, SamplingParams
+from gateway.admission import Ticket, admitted, ratelimit_headers
 from gateway.deps import StateDep, TenantDep
 from gateway.errors import APIError
-from gateway.jobs import RequestRun, ratelimit_headers, usage_status
+from gateway.jobs import RequestRun, usage_status
 from gateway.openapi import error_responses, json_body
+from gateway.output_shapes import chat_logprobs, completion_logprobs, sse
 from gateway.protocol import (
     UNSUPPORTED_CHAT,
     UNSUPPORTED_COMPLETION,
@@ -28,6 +29,7 @@ from gateway.protocol import (
     refuse_unsupported,
 )
 from gateway.state import AppState, ModelEntry
+from gateway.tokenize_pool import TokenizerBusy, TokenizerError
 from gateway.usage_api import usage_response
 from tenancy.auth import Principal
 
@@ -107,59 +109,19 @@ def max_tokens_for(state: AppState, entry: ModelEntry, prompt_len: int, requeste
     return requested
 
 
+def tokenizer_error(exc: TokenizerError) -> APIError:
+    """The tokenizer's worker pool is full (`tokenizer_busy`) or failed: a 503 to retry."""
+    busy = isinstance(exc, TokenizerBusy)
+    retry = exc.retry_after_s if isinstance(exc, TokenizerBusy) else 1
+    return APIError(503, f"The prompt could not be tokenized now: {exc}. Retry shortly.",
+                    code="tokenizer_busy" if busy else "tokenizer_unavailable",
+                    headers={"retry-after": str(retry)})
+
+
 def check_draining(state: AppState) -> None:
     if state.draining:
         raise APIError(503, "The server is shutting down; retry on another replica.",
                        code="server_draining", headers={"retry-after": "5"})
-
-
-# -- output shapes --------------------------------------------------------------------------------
-def _bytes(s: str | None) -> list[int]:
-    return list((s or "").encode("utf-8"))
-
-
-def _ranked(entry: dict[int, Logprob], top: int) -> list[Logprob]:
-    """The entries ranked 1..`top`, best first."""
-    ranked = [(v.rank, v) for v in entry.values() if v.rank is not None and v.rank <= top]
-    return [v for _, v in sorted(ranked, key=lambda rv: rv[0])][:top]
-
-
-def chat_logprobs(c: CompletionOutput, start: int, top: int) -> dict | None:
-    if c.logprobs is None:
-        return None
-    content = []
-    for pos in range(start, len(c.logprobs)):
-        entry = c.logprobs[pos]
-        tok = c.token_ids[pos]
-        chosen = entry[tok]
-        tops = _ranked(entry, top)
-        content.append({
-            "token": chosen.decoded_token, "logprob": chosen.logprob, "bytes": _bytes(chosen.decoded_token),
-            "top_logprobs": [{"token": v.decoded_token, "logprob": v.logprob,
-                              "bytes": _bytes(v.decoded_token)} for v in tops],
-        })
-    return {"content": content, "refusal": None}
-
-
-def completion_logprobs(c: CompletionOutput, start: int, top: int, text_offset: int) -> dict | None:
-    if c.logprobs is None:
-        return None
-    tokens, lps, tops, offsets = [], [], [], []
-    off = text_offset
-    for pos in range(start, len(c.logprobs)):
-        entry = c.logprobs[pos]
-        chosen = entry[c.token_ids[pos]]
-        tokens.append(chosen.decoded_token)
-        lps.append(chosen.logprob)
-        best = _ranked(entry, top)
-        tops.append({v.decoded_token: v.logprob for v in best} if top else None)
-        offsets.append(off)
-        off += len(chosen.decoded_token or "")
-    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
-
-
-def sse(data: dict) -> bytes:
-    return b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
 
 
 async def wait_disconnect(request: Request) -> None:
@@ -201,8 +163,7 @@ async def run_or_disconnect(request: Request, run: RequestRun, coro) -> Any:
 
 async def open_request(request: Request, state: AppState, principal: Principal, model: type[BaseModel],
                        unsupported: tuple[str, ...]) -> tuple[Any, ModelEntry, str]:
-    """What both inference routes do first: draining check, body, model, tier, limits."""
-    check_draining(state)
+    """What both inference routes do once admitted (`admitted`): body, model, tier, limits."""
     data = await read_json(request)
     refuse_unsupported(data, unsupported)
     req = parse(model, data)
@@ -255,6 +216,13 @@ async def respond(request: Request, run: RequestRun, req: Any, tier: str, id_pre
 # -- chat ------------------------------------------------------------------------------------------
 @router.post("/v1/chat/completions", openapi_extra=json_body(ChatCompletionRequest), responses=_INFERENCE_ERRORS)
 async def chat_completions(request: Request, principal: TenantDep, state: StateDep):
+    check_draining(state)
+    async with admitted(state, principal) as ticket:     # rate and concurrency, before the body
+        return await chat_run(request, ticket)
+
+
+async def chat_run(request: Request, ticket: Ticket) -> Response:
+    state, principal = ticket.state, ticket.principal
     req, entry, tier = await open_request(request, state, principal, ChatCompletionRequest, UNSUPPORTED_CHAT)
     messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text(),
                  **({"name": m.name} if m.name else {})} for m in req.messages]
@@ -262,8 +230,10 @@ async def chat_completions(request: Request, principal: TenantDep, state: StateD
         raise APIError(400, f"messages: longer than {state.settings.max_prompt_chars} characters",
                        param="messages")
     info = entry.info
-    try:
-        ids = info.chat_prompt_ids(messages)   # special tokens in the messages tokenized as text
+    try:    # off the event loop when large; special tokens in the messages tokenized as text
+        ids = await state.tokenize.chat_prompt_ids(info, messages)
+    except TokenizerError as exc:
+        raise tokenizer_error(exc) from None
     except Exception as exc:  # noqa: BLE001 - a template's own error is the client's input
         raise APIError(400, f"messages: the chat template refused them: {exc}", param="messages") from None
     max_tokens = max_tokens_for(state, entry, len(ids), req.requested_max_tokens(),
@@ -271,8 +241,8 @@ async def chat_completions(request: Request, principal: TenantDep, state: StateD
                                 "messages")
     top = req.top_logprobs or 0
     params = sampling(req, max_tokens, top if req.logprobs else None)
-    run = RequestRun(state, principal, entry, tier, [ids], [params], len(ids) + max_tokens * params.n,
-              req.cache_salt)
+    run = RequestRun(ticket, entry, tier, [ids], [params], len(ids) + max_tokens * params.n,
+                     req.cache_salt)
 
     def choices() -> list[dict]:
         return [{
@@ -343,6 +313,13 @@ def chat_stream(run: RequestRun, base: dict, top: int, include_usage: bool, n: i
 # -- completions ----------------------------------------------------------------------------------
 @router.post("/v1/completions", openapi_extra=json_body(CompletionRequest), responses=_INFERENCE_ERRORS)
 async def completions(request: Request, principal: TenantDep, state: StateDep):
+    check_draining(state)
+    async with admitted(state, principal) as ticket:     # rate and concurrency, before the body
+        return await completion_run(request, ticket)
+
+
+async def completion_run(request: Request, ticket: Ticket) -> Response:
+    state, principal = ticket.state, ticket.principal
     req, entry, tier = await open_request(request, state, principal, CompletionRequest, UNSUPPORTED_COMPLETION)
     prompts = req.prompts()
     if not prompts:
@@ -357,7 +334,10 @@ async def completions(request: Request, principal: TenantDep, state: StateDep):
             if len(p) > state.settings.max_prompt_chars:
                 raise APIError(400, f"prompt: longer than {state.settings.max_prompt_chars} characters",
                                param="prompt")
-            ids = info.encode(p)
+            try:        # one prompt at a time: a request never holds more than one worker
+                ids = await state.tokenize.encode(info, p)
+            except TokenizerError as exc:
+                raise tokenizer_error(exc) from None
         else:
             if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in p):
                 raise APIError(400, f"prompt[{k}]: token ids must be integers in [0, {vocab})",
@@ -375,7 +355,7 @@ async def completions(request: Request, principal: TenantDep, state: StateDep):
         reserve += len(ids) + mt * sp.n
     n = params_list[0].n
     top = req.logprobs or 0
-    run = RequestRun(state, principal, entry, tier, ids_list, params_list, reserve, req.cache_salt)
+    run = RequestRun(ticket, entry, tier, ids_list, params_list, reserve, req.cache_salt)
 
     def choices() -> list[dict]:
         return [{"index": i * n + c.index, "text": c.text,

@@ -1,0 +1,162 @@
+"""Admission before expensive work, in two steps (`Ticket`).
+
+1. Before the body is read: `admitted(state, principal)` counts the request against the
+   tenant's and the key's request rate and takes its concurrency lease
+   (`Limiter.acquire(..., tokens=0)`): a tenant past its rate or its concurrency is refused
+   (429) before anything is parsed or tokenized, so it cannot buy other tenants' latency with
+   large prompts.
+2. Once the prompt is tokenized: `Ticket.reserve(tokens)` reserves prompt + max_tokens in the
+   tokens-per-minute windows and the budgets (`Limiter.reserve`); a refusal there is a 429 too.
+
+A request that ends between the two (a 400 or 413 from its body, a quota 429, a 404 model)
+keeps its rate count and is charged nothing: the admission is settled to 0 tokens and its
+lease freed (`release`), as OpenAI counts failed requests against the rate. Once a
+`RequestRun` takes the ticket (`take`), the run settles or cancels it; a refusal for lack of
+capacity (the engine's 503, flex's 429 `resource_unavailable`) cancels the admission, so it
+never counts. A request refused by a limit writes no usage row.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator, Awaitable
+from contextlib import asynccontextmanager
+
+from gateway.errors import APIError
+from gateway.state import AppState
+from tenancy.auth import Principal
+from tenancy.errors import LimiterUnavailable
+from tenancy.limiter import Decision, Lease, LimitScope
+
+logger = logging.getLogger(__name__)
+
+
+def new_request_id() -> str:
+    return secrets.token_hex(12)
+
+
+def scopes_of(principal: Principal) -> list[LimitScope]:
+    """The limits a tenant's request is counted against: its tenant's and its key's."""
+    return [LimitScope(f"tenant:{principal.tenant_id}", principal.tenant_quota),
+            LimitScope(f"key:{principal.key_id}", principal.key_quota)]
+
+
+async def ask(step: Awaitable[Decision], request_id: str) -> Decision:
+    """One limiter decision; an unreachable shared limiter is a 503, never a guess."""
+    try:
+        return await step
+    except LimiterUnavailable as exc:
+        logger.warning("rate limiter unavailable for %s: %s", request_id, exc)
+        raise APIError(503, "The rate limiter is unavailable; retry shortly.",
+                       code="limiter_unavailable", headers={"retry-after": "1"}) from None
+
+
+def fmt_duration(seconds: float | None) -> str:
+    """OpenAI's reset format: '20ms', '1s', '6m0s', '1h2m3s'."""
+    if seconds is None:
+        return "0s"
+    if seconds < 1:
+        return f"{max(1, round(seconds * 1000))}ms"
+    s = int(-(-seconds // 1))
+    h, rem = divmod(s, 3600)
+    m, sec = divmod(rem, 60)
+    if h:
+        return f"{h}h{m}m{sec}s"
+    if m:
+        return f"{m}m{sec}s"
+    return f"{sec}s"
+
+
+def ratelimit_headers(d: Decision) -> dict[str, str]:
+    h: dict[str, str] = {}
+    if d.limit_requests is not None:
+        h["x-ratelimit-limit-requests"] = str(d.limit_requests)
+        h["x-ratelimit-remaining-requests"] = str(max(0, d.remaining_requests or 0))
+        h["x-ratelimit-reset-requests"] = fmt_duration(d.reset_requests)
+    if d.limit_tokens is not None:
+        h["x-ratelimit-limit-tokens"] = str(d.limit_tokens)
+        h["x-ratelimit-remaining-tokens"] = str(max(0, d.remaining_tokens or 0))
+        h["x-ratelimit-reset-tokens"] = fmt_duration(d.reset_tokens)
+    return h
+
+
+def refusal(state: AppState, tenant_name: str, d: Decision) -> APIError:
+    """The 429 of a limit that refused (OpenAI's codes and headers), counted in the metrics."""
+    state.metrics.rejections.labels(tenant_name, d.limit or "unknown").inc()
+    headers = ratelimit_headers(d)
+    if d.retry_after is not None:
+        headers["retry-after"] = str(max(1, int(-(-d.retry_after // 1))))
+    if d.code == "insufficient_quota":
+        headers["x-should-retry"] = "false"
+    return APIError(429, d.message, code=d.code or "rate_limit_exceeded", headers=headers)
+
+
+class Ticket:
+    """An admitted request before its run: its id, start time, lease and latest decision."""
+
+    def __init__(self, state: AppState, principal: Principal, request_id: str, t0: float,
+                 decision: Decision) -> None:
+        self.state = state
+        self.principal = principal
+        self.id = request_id
+        self.t0 = t0
+        self.decision = decision
+        self.lease: Lease | None = decision.lease
+        self.taken = False
+        if self.lease is not None:
+            state.inflight[request_id] = self.lease     # heart-beaten from now on
+
+    async def reserve(self, tokens: int) -> Decision:
+        """Step 2: reserve `tokens`; a refusal (429) or an unreachable limiter (503) releases
+        the admission first."""
+        if self.lease is None:
+            raise RuntimeError(f"ticket {self.id} holds no lease")
+        try:
+            d = await ask(self.state.limiter.reserve(self.lease, tokens), self.id)
+        except APIError:
+            await self.release()
+            raise
+        if not d.allowed:
+            await self.release()
+            raise refusal(self.state, self.principal.tenant_name or "", d)
+        self.decision = d
+        self.lease = d.lease
+        if self.lease is not None:
+            self.state.inflight[self.id] = self.lease
+        return d
+
+    def take(self) -> Lease | None:
+        """The run takes over the admission: from now on it settles or cancels it."""
+        self.taken = True
+        return self.lease
+
+    async def release(self) -> None:
+        """End an admission no run took: its rate count stays, no token is charged, its
+        lease is freed. Idempotent."""
+        if self.taken or self.lease is None:
+            return
+        lease, self.lease = self.lease, None
+        self.state.inflight.pop(self.id, None)
+        try:
+            await asyncio.shield(self.state.limiter.settle(lease, 0))
+        except Exception:  # any failure: the lease expires; the reconciler refunds the rest
+            logger.warning("could not release the admission of %s", self.id, exc_info=True)
+
+
+@asynccontextmanager
+async def admitted(state: AppState, principal: Principal) -> AsyncIterator[Ticket]:
+    """Step 1, around everything a route does before its run takes the ticket: an exception,
+    or a route that ends without a run, releases the admission."""
+    request_id = new_request_id()
+    t0 = time.time()
+    d = await ask(state.limiter.acquire(request_id, scopes_of(principal), 0), request_id)
+    if not d.allowed:
+        raise refusal(state, principal.tenant_name or "", d)
+    ticket = Ticket(state, principal, request_id, t0, d)
+    try:
+        yield ticket
+    finally:
+        await ticket.release()
