@@ -29,6 +29,7 @@ from gateway import admin, openai_api
 from gateway.errors import APIError, install_error_handlers
 from gateway.model_catalog import read_catalog
 from gateway.openapi import install_openapi
+from gateway.reconciler import reconcile_once
 from gateway.settings import Settings, parse_model_specs
 from gateway.state import AppState, Lifecycle, ModelEntry
 from tenancy import api_keys, db, keys, tenants
@@ -232,6 +233,8 @@ async def bootstrap_keys(state: AppState) -> None:
 
 
 async def heartbeat(state: AppState) -> None:
+    """Every `lease_ttl_s` / 3: renew this replica's leases, then settle the admissions of
+    requests that died with another replica (`gateway.reconciler`)."""
     interval = max(0.5, state.settings.lease_ttl_s / 3)
     while True:
         await asyncio.sleep(interval)
@@ -240,6 +243,10 @@ async def heartbeat(state: AppState) -> None:
                 await state.limiter.heartbeat(list(state.inflight.values()))
             except Exception:  # any failure, logged: the next beat tries again; leases outlive one miss
                 logger.warning("lease heartbeat failed", exc_info=True)
+        try:
+            await reconcile_once(state)
+        except Exception:  # any failure, logged: the next beat tries again
+            logger.warning("lease reconciler failed", exc_info=True)
 
 
 def load_pepper(s: Settings) -> bytes:

@@ -63,7 +63,9 @@ class Settings(BaseSettings):
     usage_batch_max: int = 256
     usage_batch_delay_s: float = 0.0         # 0: classic group commit (no waiting for more)
     usage_synchronous_commit: bool = True    # False: PostgreSQL acknowledges before the WAL flush
-    lease_ttl_s: float = 30.0
+    # a concurrency lease lives this long after its last heartbeat (one every lease_ttl_s / 3):
+    # a dead replica's slots come back, and its reservations are reconciled, within about this
+    lease_ttl_s: float = 10.0
     request_timeout_s: float = 600.0         # every admitted request ends within this (cancelled)
     shutdown_grace_s: float = 5.0            # after shutdown_timeout_s: cut requests write their rows
     database_timeout_s: float = 5.0          # a route's database work; usage writes, each

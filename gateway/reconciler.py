@@ -1,0 +1,70 @@
+"""The lease reconciler: the admissions of requests that died with their process.
+
+A replica killed mid-request leaves its admissions unsettled on Redis: their concurrency
+leases free themselves `lease_ttl_s` after their last heartbeat, but their token reservations
+would stay charged to the budgets and tokens-per-minute windows. Every replica, once per
+heartbeat, asks the limiter for admissions whose lease ran out (`Limiter.expired`) and, for
+each that is not one of its own live requests, looks for the request's usage row: a row means
+the request ended and its settlement was lost, so it is settled to exactly the row's tokens;
+no row means it died before its row was written, so its reservation is refunded
+(`Limiter.abandon`: it keeps its request count). Budgets then charge what usage rows show.
+Replicas may race on one admission: settle and abandon each consume its marker atomically,
+so the first wins and the rest are no-ops. A request found expired but alive after all (its
+replica lost Redis for longer than `lease_ttl_s`) is charged in full when it settles.
+
+With the database unreachable nothing is decided (a row may be there): the next beat retries.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+
+from sqlalchemy import select
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from gateway.state import AppState
+from tenancy.models import UsageRecord
+
+logger = logging.getLogger(__name__)
+
+
+async def billed_tokens(sessions: async_sessionmaker[AsyncSession],
+                        request_ids: Sequence[str]) -> dict[str, int]:
+    """request id -> prompt + completion tokens of its usage row, for those that have one."""
+    total = UsageRecord.prompt_tokens + UsageRecord.completion_tokens
+    async with sessions() as session:
+        rows = await session.execute(select(UsageRecord.request_id, total)
+                                     .where(UsageRecord.request_id.in_(list(request_ids))))
+        return {rid: int(tokens) for rid, tokens in rows}
+
+
+async def reconcile_once(state: AppState) -> dict[str, int]:
+    """One pass: counts of admissions ``settled`` (to their row), ``abandoned`` (refunded),
+    ``skipped`` (this replica's own live requests, or taken by another replica first)."""
+    counts = {"settled": 0, "abandoned": 0, "skipped": 0}
+    limiter = state.limiter
+    expired = [lease for lease in await limiter.expired() if lease.request_id not in state.inflight]
+    if not expired:
+        return counts
+    try:
+        rows = await asyncio.wait_for(
+            billed_tokens(state.sessions, [lease.request_id for lease in expired]),
+            state.settings.database_timeout_s)
+    except Exception as exc:  # noqa: BLE001 - any database failure: decide nothing, retry later
+        logger.warning("lease reconciler: usage rows unreadable (%r); retrying next beat", exc)
+        return counts
+    for lease in expired:
+        used = rows.get(lease.request_id)
+        if used is not None:
+            await limiter.settle(lease, used)
+            counts["settled"] += 1
+        elif await limiter.abandon(lease):
+            counts["abandoned"] += 1
+        else:
+            counts["skipped"] += 1
+    logger.warning("lease reconciler: %d admission(s) of dead requests settled to their usage "
+                   "rows, %d refunded (no row), %d skipped", counts["settled"],
+                   counts["abandoned"], counts["skipped"])
+    return counts
