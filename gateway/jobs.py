@@ -13,8 +13,9 @@ A run ends exactly once, in one of two ways. `finish` (success, error, disconnec
 exactly one usage row is written and the lease is settled to exactly what the row says.
 `refuse`, when the engine is overloaded (it refused a prompt at submit, or shed a queued one
 of a non-streaming request before any answer went out): the admission is cancelled
-(`Limiter.cancel`: no rate, lease or budget keeps it) and no usage row is written, as for a
-limiter's 429. Whichever comes first wins; the other is then a no-op.
+(`Limiter.cancel`: no rate, lease or budget keeps it). A refusal at submit writes no usage row,
+as for a limiter's 429 (the request never started); a shed one, which had been queued, ends
+early and writes one `cancelled` row of 0 tokens. Whichever comes first wins; the other is then a no-op.
 
 A run that ends early (`cancelled`: client gone, cut; `error`: engine failure) bills the
 prompts whose prefill ran and the completion sent to the client (`mark_sent`). `cut(reason)`
@@ -267,9 +268,21 @@ class RequestRun:
                     except Exception:  # any failure: the lease expires; the window keeps it
                         logger.warning("could not cancel the admission of %s", self.id,
                                        exc_info=True)
+                if exc.shed:
+                    await self._shed_row()
             finally:
                 self._left()
         return overloaded(self.tier, exc)
+
+    async def _shed_row(self) -> None:
+        """A run shed from the engine's queue ended early: one `cancelled` row of 0 tokens
+        (nothing ran, nothing was sent), as the usage rule says; its refusal is answered
+        whether or not the row could be written."""
+        try:
+            self.usage = self.usage_dict("cancelled")
+            await asyncio.shield(self.state.usage.submit(self._usage_row("cancelled", time.time())))
+        except Exception as exc:  # noqa: BLE001 - logged; the spool keeps rows while the database is down
+            logger.error("usage row for shed request %s not committed: %r", self.id, exc)
 
     def counts(self, status: str = "ok") -> tuple[int, int, int]:
         """(prompt, cached, completion) tokens by the usage rule: all of them for `ok`; for

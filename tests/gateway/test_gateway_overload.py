@@ -143,8 +143,10 @@ def test_flex_refused_then_shed_for_default_and_nothing_counted(server):
 
     F3 and F2 are answered 429 `resource_unavailable` (F2's first prompt, not shed, is
     closed by the gateway). Then the hold is closed and D and S complete. F2, F3 and F4
-    were never billed: no usage row, and the tenant's 6 requests a minute still admit 3 more
-    after the hold, S and D (had the refusals counted, none would pass)."""
+    were never billed: F2 and F3, shed from the queue, have a `cancelled` row of 0 tokens
+    each (the usage rule for requests that end early), F4, refused at submit, none; and the
+    tenant's 6 requests a minute still admit 3 more after the hold, S and D (had the
+    refusals counted, none would pass)."""
     t, key = server.tenant(quota={"requests_per_minute": 6})
     c = client(server, key)
     with ThreadPoolExecutor(3) as pool:
@@ -189,9 +191,10 @@ def test_flex_refused_then_shed_for_default_and_nothing_counted(server):
     with pytest.raises(openai.RateLimitError) as e:
         c.completions.create(model=MODEL, prompt=ids(13), max_tokens=1)
     assert e.value.code == "rate_limit_exceeded"
-    # usage: the hold (cancelled), S, D and the 3 after; no row for F2, F3, F4
-    u = usage_of(server, t["id"], 6)
-    assert (u["requests"], u["ok"], u["cancelled"], u["errors"]) == (6, 5, 1, 0), u
+    # usage: the hold (cancelled), S, D and the 3 after; F2 and F3 cancelled with 0 tokens;
+    # no row for F4
+    u = usage_of(server, t["id"], 8)
+    assert (u["requests"], u["ok"], u["cancelled"], u["errors"]) == (8, 5, 3, 0), u
     released(server)
 
 
