@@ -24,6 +24,18 @@ budget as if it had never been admitted. Only an unsettled admission can be canc
 cancelled one can no longer be settled: cancel and settle both consume the admission's pending
 marker, whichever comes first wins, and the other is a no-op.
 
+Admission may come in two steps: `Limiter.acquire` with 0 tokens counts the request (its
+requests-per-minute entry and concurrency lease) before anything is known of its size, and
+`Limiter.reserve` adds its tokens once known, or refuses and changes nothing (the gateway then
+settles the admission to 0: the request keeps its rate count, as OpenAI counts failed
+requests). `acquire` itself still changes nothing when it refuses.
+
+A process that dies leaves its admissions unsettled. Their concurrency leases expire by
+themselves; `Limiter.expired` lists them (Redis keeps an index of unsettled admissions, renewed
+by heartbeats) so that a reconciler settles each to its usage row, or `abandon`s it (its
+reservation refunded; a late settle by a process that was alive after all charges what it
+used in full).
+
 A settlement or cancellation whose marker is gone (already settled or cancelled, or abandoned
 for longer than `PENDING_TTL` without heartbeats) only drops the concurrency lease; the
 reservation then stays charged to the budgets, the conservative choice.
