@@ -28,6 +28,7 @@ from engine.lora import Adapter, LoRARequest
 from engine.lora_demo import parse_targets, write_demo_adapter
 from engine.model_view import ModelView
 from engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from engine.pool import Pool, PoolConfig, PoolEngine
 from engine.quant.quantize import QuantizeSpec, quantize_model
 from engine.sampling_params import SamplingParams
 from engine.stats import (
@@ -48,6 +49,7 @@ __all__ = [
     "LLM", "Adapter", "AdapterInUse", "AsyncEngine", "CompletionOutput", "CostModelStats", "EngineAdmin",
     "EngineClient", "EngineConfig", "EngineDead", "EngineError", "EngineOverloaded", "EngineStats", "InvalidRequest",
     "KVStats", "LoRAError", "LoRARequest", "LoRAStats", "Logprob", "ModelConfig", "ModelView", "OverloadStats",
+    "Pool", "PoolConfig", "PoolEngine",
     "PoolStats", "PooledModelStats", "Prompt", "PromptTooLong", "QuantizeSpec", "QueueBounds", "QueueStats",
     "RequestMetrics", "RequestOutput", "RequestStream", "SamplingParams", "ServedEngine", "TenantClassStats",
     "Tokenizer", "UnknownModel", "parse_targets", "quantize_model", "write_demo_adapter", "write_demo_model",

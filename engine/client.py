@@ -40,6 +40,12 @@ class RequestStream:
     def __aiter__(self) -> RequestStream:
         return self
 
+    async def accepted(self) -> None:
+        """Wait until the engine holds the request. In-process that is already so when
+        `submit` returns; a pool's stream raises here what `submit` raises in-process
+        (InvalidRequest, EngineOverloaded, EngineDead), with nothing queued."""
+        return None
+
     async def __anext__(self) -> RequestOutput:
         if self.finished or self.closed:
             raise StopAsyncIteration

@@ -177,7 +177,21 @@ async def load_models(s: Settings, engine_factory: EngineFactory) -> dict[str, M
     unknown = private - set(specs)
     if unknown:
         raise ValueError(f"private_models: {sorted(unknown)} are not served models")
-    if s.shared_engine and len(specs) > 1:
+    engines: dict[str, Any]
+    if s.pool:
+        # workers on Ray, each serving every model under its budget; placement and routing
+        # decide which worker runs which request
+        from engine import Pool, PoolConfig, PoolEngine
+
+        pool = Pool(PoolConfig(address=s.pool, models={n: str(p) for n, p in specs.items()},
+                               engine_kwargs={**({"memory_budget": s.memory_budget} if s.memory_budget else {}),
+                                              **s.lora_engine_kwargs()},
+                               namespace=s.pool_namespace, workers=s.pool_workers,
+                               threads=s.pool_threads, call_timeout_s=s.pool_call_timeout_s,
+                               owner_ttl_s=s.lease_ttl_s))
+        await pool.start()
+        engines = {name: PoolEngine(pool, name) for name in specs}
+    elif s.shared_engine and len(specs) > 1:
         # one engine, one memory budget: the models take turns on the device by demand
         (first, first_path), *rest = specs.items()
         pool = engine_factory(str(first_path), served_model_name=first,

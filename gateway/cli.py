@@ -199,6 +199,10 @@ def serve(
     private_model: Annotated[list[str] | None, typer.Option(
         "--private-model", help="a model served only to tenants that list it",
     )] = None,
+    pool: Annotated[str | None, typer.Option(
+        help="join an engine pool on Ray: 'auto' (a local Ray), HOST:PORT or ray://HOST:PORT "
+             "(default LOCKGATE_POOL; none: the embedded engine)",
+    )] = None,
 ) -> None:
     """Run the gateway and its engine(s). With no configuration: SQLite, the in-process
     limiter and the demo model under the data directory."""
@@ -206,7 +210,7 @@ def serve(
 
     settings = _settings(models=model or None, host=host, port=port, data_dir=data_dir,
                          migrate=migrate or None, shutdown_timeout_s=shutdown_timeout,
-                         private_models=private_model or None)
+                         private_models=private_model or None, pool=pool)
     raise typer.Exit(run_server(settings))
 
 

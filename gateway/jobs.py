@@ -94,6 +94,15 @@ def overloaded(tier: str, exc: EngineOverloaded) -> APIError:
                     headers=headers)
 
 
+def submit_error(exc: PromptTooLong | EngineDead | InvalidRequest) -> APIError:
+    """The answer to an engine's refusal of a prompt at submit."""
+    if isinstance(exc, PromptTooLong):
+        return APIError(400, str(exc), param="messages", code="context_length_exceeded")
+    if isinstance(exc, EngineDead):
+        return engine_unavailable(exc, "is not running")
+    return APIError(400, str(exc), param=exc.field)
+
+
 class RequestRun:
     def __init__(
         self,
@@ -177,6 +186,7 @@ class RequestRun:
         self.sheddable = sheddable
         try:
             self._queue_prompts()
+            await self._accepted()
         except EngineOverloaded as exc:
             raise await self.refuse(exc) from None
         except APIError:
@@ -195,12 +205,16 @@ class RequestRun:
                     ids, sp, f"{self.id}-{i}", tenant=self.tenant_id, service_class=self.service_class,
                     priority=self.priority, cache_salt=self.cache_salt, sheddable=self.sheddable,
                 ))
-        except PromptTooLong as exc:
-            raise APIError(400, str(exc), param="messages", code="context_length_exceeded") from None
-        except EngineDead as exc:
-            raise engine_unavailable(exc, "is not running") from None
-        except InvalidRequest as exc:
-            raise APIError(400, str(exc), param=exc.field) from None
+        except (PromptTooLong, EngineDead, InvalidRequest) as exc:
+            raise submit_error(exc) from None
+
+    async def _accepted(self) -> None:
+        """Every prompt held by the engine (a pool's worker answers here, not at submit)."""
+        try:
+            for stream in self.streams:
+                await stream.accepted()
+        except (PromptTooLong, EngineDead, InvalidRequest) as exc:
+            raise submit_error(exc) from None
 
     async def _pump(self, i: int, stream: RequestStream) -> None:
         try:

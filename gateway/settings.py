@@ -36,6 +36,13 @@ class Settings(BaseSettings):
     pepper: SecretStr | None = None          # HMAC pepper for API keys; generated in data_dir when absent
     models: list[str] = Field(default_factory=list)   # "NAME=DIR" or "DIR"; empty: the demo model
     private_models: list[str] = Field(default_factory=list)  # served only to tenants listing them
+    # an engine pool on Ray (engine/pool/): "auto" starts a local Ray, "HOST:PORT" or
+    # "ray://HOST:PORT" joins a cluster; None: the embedded engine, no Ray
+    pool: str | None = None
+    pool_namespace: str = "lockgate"         # replicas of one gateway share the pool's named actors
+    pool_workers: int | None = Field(default=None, ge=1)   # None: one per device the cluster lends
+    pool_threads: int = Field(default=1, ge=1)              # CPU threads of each worker
+    pool_call_timeout_s: float = Field(default=30.0, gt=0)  # every Ray call but a stream's next output
     host: str = "127.0.0.1"
     port: int = 8000
     migrate: bool = False                    # with database_url: run migrations at start

@@ -1,0 +1,22 @@
+"""One engine pool across devices and machines, placed by Ray (`lockgate serve --pool ...`).
+
+- `worker.EngineWorker`: one device's `AsyncEngine` (every model of the pool, under its memory
+  budget) in a Ray actor, named in the pool's namespace so that every gateway replica finds
+  the same workers; Ray restarts it when its process dies.
+- `placement.Placement` (in one named actor): which workers serve which model, by demand.
+- `router.Router`: per request, among the model's workers, the one likely to hold the
+  tenant's longest cached prefix, else the least loaded.
+- `client.Pool` / `client.PoolEngine`: the gateway replica's side; a `PoolEngine` is one
+  model's `ServedEngine`, its streams read from the workers through Ray streaming
+  generators (`RemoteStream`).
+
+Ray is imported only when a pool starts (`remote.py`); embedded serving never imports it.
+"""
+
+from engine.pool.client import Pool, PoolConfig, PoolEngine, RemoteStream
+from engine.pool.placement import Placement
+from engine.pool.router import Router, prefix_chain
+from engine.pool.worker import EngineWorker, ModelFilesMissing, WorkerReport
+
+__all__ = ["EngineWorker", "ModelFilesMissing", "Placement", "Pool", "PoolConfig", "PoolEngine",
+           "RemoteStream", "Router", "WorkerReport", "prefix_chain"]

@@ -1,0 +1,93 @@
+"""The pool's Ray side: the worker and placement actors, and the cluster connection. Ray is
+imported here only, and only when a pool is used (embedded serving needs no Ray)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from engine.pool.placement import Placement
+
+DEVICE = "lockgate_device"      # the custom resource a node advertises per device it lends
+
+
+class PlacementHolder:
+    """One `Placement` per pool, in a named actor that every gateway replica shares."""
+
+    def __init__(self, workers: list[str], capacity: dict[str, int], **kw: Any) -> None:
+        self.placement = Placement(workers, capacity, **kw)
+
+    def workers_for(self, model: str, demand: dict[str, int]) -> list[str]:
+        return self.placement.workers_for(model, demand)
+
+    def place_free(self, models: list[str]) -> dict[str, list[str]]:
+        """At start: each model in turn on a free place, while there are any."""
+        for m in models:
+            if not self.placement.assigned.get(m) and any(self.placement.free(w) > 0
+                                                           for w in self.placement.workers):
+                self.placement.workers_for(m, {})
+        return self.snapshot()["assigned"]
+
+    def rebalance(self, demand: dict[str, int]) -> dict[str, list[str]]:
+        self.placement.rebalance(demand)
+        return self.snapshot()["assigned"]
+
+    def snapshot(self) -> dict:
+        return self.placement.snapshot()
+
+
+def connect(address: str, namespace: str, *, num_cpus: int | None = None) -> dict[str, float]:
+    """Join the Ray cluster at `address` ("auto": start a local one, with one device per
+    core pair unless the machine advertises its own) under `namespace`; returns the
+    cluster's resources. Blocking: call it on a worker thread."""
+    import ray
+
+    if not ray.is_initialized():
+        kw: dict[str, Any] = {"namespace": namespace, "include_dashboard": False,
+                              "log_to_driver": False, "configure_logging": False}
+        if address == "auto":
+            # a local Ray on loopback only, with Ray's token authentication on
+            cpus = num_cpus or os.cpu_count() or 1
+            ray.init(num_cpus=cpus, resources={DEVICE: max(1, cpus // 2)},
+                     _node_ip_address="127.0.0.1", **kw)
+        else:
+            ray.init(address=address, **kw)
+    return dict(ray.cluster_resources())
+
+
+def worker_handle(name: str, namespace: str, worker_id: str, models: dict[str, str],
+                  engine_kwargs: dict[str, Any], *, threads: int, owner_ttl_s: float,
+                  use_device: bool) -> Any:
+    """The named worker actor `name` (created by the first gateway replica that asks, with
+    these arguments; later ones get the same actor). Ray restarts it if its process dies."""
+    import ray
+
+    from engine.pool.worker import EngineWorker
+
+    cls = ray.remote(EngineWorker)
+    opts: dict[str, Any] = {"name": name, "namespace": namespace, "get_if_exists": True,
+                            "lifetime": "detached", "max_restarts": -1, "max_task_retries": 0,
+                            "num_cpus": threads, "max_concurrency": 1000}
+    if use_device:
+        opts["resources"] = {DEVICE: 1}
+    return cls.options(**opts).remote(worker_id, models, engine_kwargs, threads=threads,
+                                      owner_ttl_s=owner_ttl_s)
+
+
+def placement_handle(namespace: str, workers: list[str], capacity: dict[str, int],
+                     **kw: Any) -> Any:
+    import ray
+
+    cls = ray.remote(PlacementHolder)
+    return cls.options(name="lockgate-placement", namespace=namespace, get_if_exists=True,
+                       lifetime="detached", num_cpus=0, max_restarts=-1).remote(
+        workers, capacity, **kw)
+
+
+def actor_failures() -> tuple[type[BaseException], ...]:
+    """Ray's errors for an actor that died, restarts, or cannot be reached."""
+    from ray import exceptions as rx
+
+    kinds = [rx.RayActorError, rx.ActorUnavailableError, rx.GetTimeoutError,
+             rx.ObjectLostError, rx.WorkerCrashedError, rx.RaySystemError]
+    return tuple(kinds)

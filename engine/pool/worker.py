@@ -1,0 +1,190 @@
+"""`EngineWorker`: one device's engine in a Ray actor (engine/pool/__init__.py has the pool).
+
+A worker owns one device (on a CPU machine: a share of its cores, `threads`) and serves every
+model of the pool from one `AsyncEngine` over a `ModelPool` under its memory budget, so the
+models it is asked for take turns on its device by demand. Its methods are what a gateway
+replica calls through Ray:
+
+- `generate`: an async generator (a Ray streaming generator on the caller's side) that first
+  yields ``("accepted", None)`` or ``("error", exc)`` (InvalidRequest, EngineOverloaded,
+  EngineDead: the same errors `EngineClient.submit` raises, nothing queued), then
+  ``("out", RequestOutput)`` per step, and ``("error", exc)`` if the engine sheds or dies.
+  Cancelling it (the caller's `ray.cancel`, or an `abort`) aborts the request.
+- `keepalive(owner)`: a gateway replica says it is alive; the requests of an owner silent for
+  `owner_ttl_s` are aborted (a replica that died leaves no orphaned work holding KV).
+- `report`: what routing and placement read: models resident, adapters, queue depth and
+  running work per class, KV usage, the engine's stats.
+- adapters (`add_lora`, `remove_lora`, `unload_lora`) and tenant weights, as `EngineAdmin`.
+
+Nothing here imports Ray: `engine.pool.remote_worker` wraps this class as an actor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from engine.errors import EngineDead, EngineOverloaded, InvalidRequest
+from engine.lora_files import Adapter, LoRARequest
+from engine.sampling_params import SamplingParams
+from engine.stats import EngineStats
+
+
+class ModelFilesMissing(RuntimeError):
+    """A worker's node lacks a model directory the pool serves."""
+
+
+@dataclass(frozen=True)
+class WorkerReport:
+    """A worker's state as routing and placement see it (pickled through Ray)."""
+
+    worker_id: str
+    node: str
+    pid: int
+    models: dict[str, bool]                    # model -> resident on the device now
+    loras: list[str]
+    waiting: dict[str, int]                     # requests per class that have sent nothing
+    running: dict[str, int]                     # sequences per class
+    kv_used: int
+    kv_total: int
+    owned: int                                  # requests in flight
+    capacity: int                               # models it can keep resident at once
+    at: float
+    stats: EngineStats = field(repr=False, default_factory=EngineStats)
+
+    def load(self, service_class: str) -> int:
+        """Work ahead of a new request of `service_class` here (every class: the step is shared)."""
+        return sum(self.waiting.values()) + sum(self.running.values())
+
+
+def check_model_dirs(models: dict[str, str]) -> None:
+    """Every model directory is on this node (a shared filesystem, or one each node was told)."""
+    missing = {n: p for n, p in models.items() if not (Path(p) / "config.json").is_file()}
+    if missing:
+        raise ModelFilesMissing(
+            f"node {socket.gethostname()}: no model directory (config.json) at "
+            + ", ".join(f"{n}={p}" for n, p in sorted(missing.items()))
+            + "; pool workers read models from the same paths on every node")
+
+
+class EngineWorker:
+    def __init__(self, worker_id: str, models: dict[str, str], engine_kwargs: dict[str, Any],
+                 *, threads: int = 1, owner_ttl_s: float = 10.0) -> None:
+        if not models:
+            raise ValueError("models: a worker serves at least one model")
+        self.worker_id = worker_id
+        self.models = dict(models)
+        self.engine_kwargs = dict(engine_kwargs)
+        self.threads = threads
+        self.owner_ttl_s = owner_ttl_s
+        self.engine: Any = None
+        self._owned: dict[str, str] = {}          # request id -> owner (a gateway replica)
+        self._seen: dict[str, float] = {}         # owner -> last keepalive (monotonic)
+        self._watch: asyncio.Task[None] | None = None
+
+    async def start(self) -> WorkerReport:
+        """Build and start the engine (idempotent); raises ModelFilesMissing naming the paths."""
+        if self.engine is None:
+            check_model_dirs(self.models)
+            import torch
+
+            from engine.async_engine import AsyncEngine
+
+            torch.set_num_threads(self.threads)
+            (first, path), *rest = self.models.items()
+            kw = dict(self.engine_kwargs)
+            if rest:
+                kw["models"] = {n: p for n, p in rest}
+            engine = AsyncEngine(path, served_model_name=first, **kw)
+            await engine.start()
+            self.engine = engine
+            self._watch = asyncio.get_running_loop().create_task(self._watchdog())
+        return self.report()
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    # -- requests --------------------------------------------------------------------------------
+    async def generate(self, owner: str, prompt: Any, params: SamplingParams, request_id: str,
+                       kwargs: dict[str, Any]) -> AsyncIterator[tuple[str, Any]]:
+        if self.engine is None:
+            yield ("error", EngineDead(f"worker {self.worker_id} is not started"))
+            return
+        self._seen.setdefault(owner, time.monotonic())
+        try:
+            stream = self.engine.submit(prompt, params, request_id, **kwargs)
+        except (InvalidRequest, EngineOverloaded, EngineDead) as exc:
+            yield ("error", exc)
+            return
+        self._owned[request_id] = owner
+        try:
+            yield ("accepted", None)
+            async for out in stream:
+                yield ("out", out)
+        except (EngineOverloaded, EngineDead) as exc:
+            yield ("error", exc)
+        finally:
+            stream.close()       # aborts the request unless it finished
+            self._owned.pop(request_id, None)
+
+    async def abort(self, request_id: str) -> None:
+        if self.engine is not None:
+            await self.engine.abort(request_id)
+
+    async def keepalive(self, owner: str) -> None:
+        self._seen[owner] = time.monotonic()
+
+    async def _watchdog(self) -> None:
+        """Abort the requests of owners silent for `owner_ttl_s` (their replica died)."""
+        while True:
+            await asyncio.sleep(max(0.1, self.owner_ttl_s / 3))
+            now = time.monotonic()
+            for rid, owner in list(self._owned.items()):
+                if now - self._seen.get(owner, now) > self.owner_ttl_s:
+                    await self.abort(rid)
+
+    # -- state ----------------------------------------------------------------------------------
+    def report(self) -> WorkerReport:
+        s: EngineStats = self.engine.stats() if self.engine is not None else EngineStats()
+        capacity = len(self.models)
+        if s.pool is not None:
+            resident = {n: m.resident for n, m in s.pool.models.items()}
+            biggest = max((m.memory_bytes for m in s.pool.models.values()), default=0)
+            total = s.pool.memory.get("total_bytes", 0)
+            if biggest > 0 and total > 0:
+                capacity = max(1, min(len(self.models), total // biggest))
+        else:
+            resident = {n: self.engine is not None for n in self.models}
+        return WorkerReport(
+            worker_id=self.worker_id, node=socket.gethostname(), pid=os.getpid(),
+            models=resident, loras=sorted(self.engine.loras) if self.engine is not None else [],
+            waiting=dict(s.waiting_requests), running=dict(s.running),
+            kv_used=s.kv.used, kv_total=s.kv.total, owned=len(self._owned), capacity=capacity,
+            at=time.time(),
+            stats=s)
+
+    # -- admin ------------------------------------------------------------------------------------
+    async def add_lora(self, lora_request: LoRARequest) -> Adapter:
+        return await self.engine.add_lora(lora_request)
+
+    async def remove_lora(self, name: str) -> bool:
+        return bool(self.engine.remove_lora(name))
+
+    async def unload_lora(self, name: str) -> bool:
+        return bool(self.engine.unload_lora(name))
+
+    async def set_tenant_weight(self, tenant: str, weight: float) -> None:
+        self.engine.set_tenant_weight(tenant, weight)
+
+    async def shutdown(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+        if self.engine is not None:
+            await self.engine.shutdown()
+            self.engine = None
