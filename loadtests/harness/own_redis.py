@@ -1,0 +1,58 @@
+"""A redis-server of a benchmark's own on a free loopback port, to hang (SIGSTOP) and resume
+(SIGCONT). (tests/support/own_redis.py is the tests' twin; loadtests never import from tests.)"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from loadtests.harness.server import free_port
+from loadtests.harness.services import ServiceUnavailable
+
+
+class OwnRedis:
+    """`redis-server` on a free port, no persistence, its files under `work_dir`."""
+
+    def __init__(self, work_dir: Path) -> None:
+        import redis
+
+        server = shutil.which("redis-server")
+        if server is None:
+            raise ServiceUnavailable("no redis-server on PATH")
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.proc = subprocess.Popen(
+            [server, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--dir", str(work_dir)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        client = redis.Redis(port=self.port, socket_timeout=1)
+        deadline = time.monotonic() + 10
+        try:
+            while True:
+                try:
+                    client.ping()
+                    break
+                except redis.ConnectionError:
+                    if time.monotonic() > deadline or self.proc.poll() is not None:
+                        self.stop()
+                        raise ServiceUnavailable(f"redis-server on port {self.port} did not start") from None
+                    time.sleep(0.02)
+        finally:
+            client.close()
+
+    def pause(self) -> None:
+        """SIGSTOP: connections stay open and nothing answers (a hung Redis)."""
+        os.kill(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        os.kill(self.proc.pid, signal.SIGCONT)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.resume()
+            self.proc.terminate()
+            self.proc.wait(10)

@@ -1,0 +1,130 @@
+"""The chaos test (issue 14's acceptance), scaled down for CI: 150 chat completions with
+client-side ids over two `lockgate serve` replicas on a PostgreSQL and a redis-server of the
+run's own, while the driver kills a replica with SIGKILL once (under load: once it holds a
+lease), hangs Redis for 1.5 s and stops the database for 2 s (one fault at a time), lease
+ttl 3 s (heartbeat 1 s). The full 1,000-request run is `lockgate bench chaos`.
+
+The run happens once (module fixture, about 40 s); each test asserts one promise on it:
+
+- every attempt answered 200 (JSON, or a stream to [DONE]) has exactly one usage row, "ok",
+  with the tokens the client was told; every other attempt at most one; no row invented;
+- each killed replica's leases are released within lease_ttl + one heartbeat, from the
+  limiter's state on Redis's clock (`loadtests/harness/chaos_checks.py` says why that is
+  sound), and its reservations are reconciled within that bound too;
+- each tenant's day counter equals the tokens of its usage rows;
+- each fault was injected under load, and a 200 came after each.
+
+The first test checks the row checker itself on made-up attempts and rows, so the chaos
+test can fail.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+
+from loadtests.chaos import ChaosConfig, ChaosResult, format_report, run_chaos
+from loadtests.harness.chaos_checks import Row, check_rows
+from loadtests.harness.chaos_client import Attempt
+from loadtests.harness.services import ServiceUnavailable
+
+CONFIG = ChaosConfig(
+    num_requests=150, kills=1, redis_hang_s=1.5, db_stop_s=2.0, duration_s=30.0,
+    concurrency=8, lease_ttl_s=3.0, tenants=3, tenant_concurrency=2,
+    max_tokens=(16, 64, 128, 256),      # long enough that a kill finds requests in flight
+    warmup_s=3.0, tail_s=4.0,
+)
+# The reconciler runs once per heartbeat on each replica; the sampler that sees an admission
+# leave the pending index reads every 0.25 s, and a replica under this load may be a beat
+# late: the promise's bound (ttl + heartbeat) plus this much, on Redis's clock.
+RECONCILE_SLACK_S = 1.0
+
+
+@pytest.fixture(scope="module")
+def chaos(tmp_path_factory) -> ChaosResult:
+    try:
+        result = asyncio.run(run_chaos(CONFIG, tmp_path_factory.mktemp("chaos")))
+    except ServiceUnavailable as exc:
+        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+            pytest.fail(str(exc), pytrace=False)
+        pytest.skip(str(exc))
+    print("\n".join(format_report(result)))      # shown with -s, and on a failure
+    return result
+
+
+def test_row_checker_finds_lost_duplicated_invented_and_mismatched_rows():
+    def attempt(cid: str, outcome: str, usage=(5, 7)) -> Attempt:
+        return Attempt(0, 0, cid, 0, 0, False, 0.0, 1.0, 200, outcome, None, usage)
+
+    def row(cid: str | None, status: str = "ok", tokens=(5, 7)) -> Row:
+        return Row(cid, f"srv-{cid}-{status}-{tokens}", "ten_1", status, *tokens)
+
+    attempts = [attempt("a", "ok"), attempt("b", "ok"), attempt("c", "ok"), attempt("d", "cut"),
+                attempt("e", "cut"), attempt("f", "ok")]
+    rows = [row("a"), row("c"), row("c", "cancelled"), row("d", "cancelled"),
+            row("f", tokens=(5, 6)), row("zzz"), row(None)]
+    report = check_rows(attempts, rows)
+    assert (report.lost, report.duplicated, report.invented, report.mismatched) == (1, 1, 2, 1)
+    assert report.by_outcome["cut"] == {"attempts": 2, "with_row": 1, "row_statuses": {"cancelled": 1}}
+    assert not report.ok
+    clean = check_rows(attempts[:1] + attempts[3:5], [row("a"), row("d", "cancelled")])
+    assert clean.ok, clean.examples
+
+
+def test_every_200_has_exactly_one_row_and_no_row_is_invented(chaos: ChaosResult):
+    rows = chaos.rows
+    assert rows.ok_attempts >= CONFIG.num_requests // 2, "too few 200s for the check to mean much"
+    assert rows.lost == 0, rows.examples
+    assert rows.duplicated == 0, rows.examples
+    assert rows.invented == 0, rows.examples
+    assert rows.mismatched == 0, rows.examples
+    assert rows.by_outcome["ok"]["with_row"] == rows.ok_attempts
+    # the faults did cut or refuse attempts: the "at most one row" side was exercised
+    assert sum(c["attempts"] for o, c in rows.by_outcome.items() if o != "ok") > 0
+
+
+def test_killed_replica_leases_released_within_ttl_plus_heartbeat(chaos: ChaosResult):
+    leases = chaos.leases
+    bound = CONFIG.lease_ttl_s + CONFIG.heartbeat_s
+    assert len(leases.kills) == CONFIG.kills
+    for k in leases.kills:
+        assert k["leases"] >= 1, "the kill found no lease of the replica: nothing was checked"
+        assert k["over_bound"] == 0, k
+        assert k["max_expiry_after_kill_s"] <= bound, k
+    # once Redis's clock is past every kill + ttl + heartbeat, no scope holds a live lease
+    assert leases.checked_after_last_kill_s > bound
+    assert leases.live_after_deadline == {}
+    assert leases.ok
+
+
+def test_killed_replica_reservations_reconciled_within_the_bound(chaos: ChaosResult):
+    bound = CONFIG.lease_ttl_s + CONFIG.heartbeat_s + RECONCILE_SLACK_S
+    for k in chaos.leases.kills:
+        assert k["unreconciled"] == 0, k
+        assert k["reconciled_after_kill_s"] <= bound, k
+
+
+def test_budgets_equal_the_sum_of_usage_rows(chaos: ChaosResult):
+    # Needs the lease reconciler (gateway/reconciler.py, 8b13fd7): without it a killed
+    # replica's reservations stay on the day counters and this fails. Not xfailed on purpose.
+    for tenant, b in chaos.budgets.items():
+        assert b["gap"] == 0, (tenant, b)
+    assert all(b["rows"] > 0 for b in chaos.budgets.values())
+    # the tight tenant ran out of budget: the limiter's budget state was in play
+    assert any(a.error_code == "insufficient_quota" for a in chaos.attempts)
+
+
+def test_each_fault_injected_under_load_and_recovered(chaos: ChaosResult):
+    assert [f.kind for f in chaos.faults] == ["kill", "redis_hang", "db_stop"]
+    assert chaos.notes == []                      # every fault began while requests were sent
+    for f in chaos.faults:
+        assert f.started < f.ended
+    for a, b in zip(chaos.faults, chaos.faults[1:], strict=False):
+        assert a.ended <= b.started               # one fault at a time
+    # a 200 came after every fault ended (the figure itself is reported, not bounded)
+    assert all(r is not None for r in chaos.recoveries()), chaos.recoveries()
+    outcomes = {a.outcome for a in chaos.attempts}
+    assert "unreachable" in outcomes or "cut" in outcomes        # the kill was felt
+    assert any(a.error_code == "limiter_unavailable" for a in chaos.attempts)   # the hang was
