@@ -25,7 +25,10 @@ class Settings(BaseSettings):
 
     data_dir: Path = Field(default_factory=default_data_dir)
     database_url: str | None = None          # None: SQLite in data_dir, migrated at start
-    redis_url: str | None = None             # None: the in-process limiter
+    # None: the in-process limiter. redis:// or rediss:// (one node), redis+cluster://H:P[,H:P...]
+    # (Redis Cluster), redis+sentinel://H:P[,H:P...]/SERVICE[/DB] (Sentinel's master): see
+    # tenancy/limiter/redis_conn.py
+    redis_url: str | None = None
     redis_prefix: str = "lockgate:"          # key prefix in Redis (replicas must agree)
     redis_timeout_s: float = 0.25            # the most any wait on Redis takes (connect, each reply)
     # while Redis fails: "closed" refuses new requests (503 limiter_unavailable), "open" admits

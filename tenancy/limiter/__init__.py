@@ -60,8 +60,12 @@ The package:
   `threading.Lock`, so calls from several threads or event loops are safe too). Its clock is
   injectable for tests.
 - `redis`: `RedisLimiter`, shared by all replicas: one ``EVALSHA`` of `limiter.lua` per
-  acquire / settle / cancel / heartbeat (its docstring gives the key layout), over the
-  pipelined connection of `redis_pipe` (every wait bounded by a timeout, 250 ms by default).
+  acquire / settle / cancel, and per tag for heartbeat (its docstring gives the key layout,
+  `keys` the key names), over the pipelined connection of `redis_pipe` (every wait bounded
+  by a timeout, 250 ms by default), or over redis-py's Cluster or Sentinel client
+  (`redis_conn`: ``redis+cluster://`` and ``redis+sentinel://`` URLs). All the keys of one
+  request share one hash tag (the group of its first limited scope, `LimitScope.tag`), so
+  the script runs on Redis Cluster, on the node that owns the slot.
 - `failover`: `FailoverLimiter`, the Redis limiter while Redis fails: closed (refuse) or open
   (the in-process limiter per replica), settlements queued until Redis answers again.
 
@@ -103,7 +107,8 @@ __all__ = [
 
 
 def make_limiter(redis_url: str | None, **kw: Any) -> Limiter:
-    """A `RedisLimiter` on ``redis_url``, or an `InProcessLimiter` when it is None or empty.
+    """A `RedisLimiter` on ``redis_url`` (one node, Cluster or Sentinel: `redis_conn`), or an
+    `InProcessLimiter` when it is None or empty.
 
     ``kw`` goes to the constructor (``lease_ttl``; ``prefix`` for Redis, ignored in-process;
     ``clock`` in-process only).

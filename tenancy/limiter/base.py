@@ -49,11 +49,17 @@ class LimitScope:
     """One set of limits a request is counted against, e.g. a tenant or an API key.
 
     ``key`` names the counters (``"tenant:ten_123"``, ``"key:key_456"``): 1 to 200 characters
-    of ``[A-Za-z0-9:_-]``.
+    of ``[A-Za-z0-9:_-]``. ``tag`` (same characters) is the group the counters belong to, the
+    Redis hash tag of their keys: ``None`` (the default) is the scope's own key. On Redis
+    Cluster the limited scopes of one request must share a tag, since one script touches all
+    their keys: the gateway puts an API key's scope in its tenant's tag
+    (``LimitScope("key:K", q, tag="tenant:T")``). Counters are those of ``(tag, key)`` on
+    every backend: the same key under another tag counts apart.
     """
 
     key: str
     quota: Quota
+    tag: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.key, str) or not _SCOPE_KEY.match(self.key):
@@ -61,6 +67,19 @@ class LimitScope:
                           f"must be 1-200 characters of [A-Za-z0-9:_-], got {self.key!r}")
         if not isinstance(self.quota, Quota):
             raise Invalid("scope.quota", f"must be a Quota, got {type(self.quota).__name__}")
+        if self.tag is not None and (not isinstance(self.tag, str) or not _SCOPE_KEY.match(self.tag)):
+            raise Invalid("scope.tag",
+                          f"must be None or 1-200 characters of [A-Za-z0-9:_-], got {self.tag!r}")
+
+    @property
+    def group(self) -> str:
+        """The tag the scope's counters belong to: ``tag``, or the key itself."""
+        return self.key if self.tag is None else self.tag
+
+    @property
+    def counters(self) -> str:
+        """The name of the scope's counters: ``key`` in its own group, else ``tag/key``."""
+        return self.key if self.group == self.key else f"{self.group}/{self.key}"
 
 
 @dataclass(frozen=True)
@@ -249,8 +268,10 @@ def limits_of(q: Quota) -> tuple[int, int, int, int, int]:
 
 def describe_lease(limited: Sequence[LimitScope], day: str, month: str, acquired_at: float) -> str:
     """A lease's scopes and periods as one string (stored with a Redis admission for the
-    reconciler): ``day|month|acquired_at|key,rpm,tpm,conc,day,month;...``."""
-    scopes = ";".join(",".join([s.key, *(str(v) for v in limits_of(s.quota))]) for s in limited)
+    reconciler): ``day|month|acquired_at|key,rpm,tpm,conc,day,month;...``, the key written
+    ``key@tag`` for a scope with a tag (``@`` is not a key's character)."""
+    scopes = ";".join(",".join([s.key if s.tag is None else f"{s.key}@{s.tag}",
+                                *(str(v) for v in limits_of(s.quota))]) for s in limited)
     return f"{day}|{month}|{acquired_at!r}|{scopes}"
 
 
@@ -260,9 +281,10 @@ def parse_lease(request_id: str, info: str, reserved: int) -> Lease:
         day, month, acquired, scopes = info.split("|")
         parsed = []
         for part in scopes.split(";") if scopes else []:
-            key, *lims = part.split(",")
+            name, *lims = part.split(",")
+            key, _, tag = name.partition("@")
             values = [None if int(v) < 0 else int(v) for v in lims]
-            parsed.append(LimitScope(key, Quota(*values)))
+            parsed.append(LimitScope(key, Quota(*values), tag or None))
         return Lease(request_id=request_id, scopes=tuple(parsed), reserved_tokens=reserved,
                      day=day, month=month, acquired_at=float(acquired))
     except (ValueError, TypeError) as exc:

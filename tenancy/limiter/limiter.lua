@@ -1,10 +1,12 @@
 -- Lockgate's rate and quota limiter on Redis: one script, run by EVALSHA from
 -- tenancy/limiter/redis.py (whose docstring gives the key layout), ARGV[1] naming the
--- operation: acquire, settle, cancel, heartbeat or usage. Each runs atomically and reads the
+-- operation: acquire, reserve, settle, cancel, heartbeat, expired, usage, or register, tags and
+-- prune (the registry of tags). Each runs atomically and reads the
 -- time from Redis's own clock.
 --
 -- KEYS layout for acquire, reserve, settle and cancel: [marker, then per limited scope: win,
--- tok, lease, day, month, then the pending index: pending, info, res].
+-- tok, lease, day, month, then the pending index: pending, info, res], all of one hash tag
+-- (the request's), so that on Redis Cluster they are in one slot.
 -- Per-scope limits in ARGV: rpm, tpm, conc, day, month (-1 = unlimited). Times are integer
 -- microseconds (TIME), passed to Redis commands through fmt() so large numbers are never
 -- written in exponent notation.
@@ -388,8 +390,9 @@ elseif op == 'heartbeat' then
   return extended
 
 elseif op == 'expired' then
-  -- KEYS: pending, info, res. ARGV: the most to return. Admissions whose lease ran out (no
-  -- heartbeat for ttl): {request id, info, reserved}, oldest first. Read-only but for
+  -- KEYS: pending, info, res (of one tag). ARGV: the most to return. Admissions whose lease
+  -- ran out (no heartbeat for ttl): {request id, info, reserved}, oldest first, then the
+  -- number of admissions the index holds. Read-only but for
   -- entries without an info, which nothing could reconcile (dropped).
   local now = clock()
   local ids = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', fmt(now), 'LIMIT', 0, tonumber(ARGV[2]))
@@ -403,7 +406,28 @@ elseif op == 'expired' then
       redis.call('HDEL', KEYS[3], ids[i])
     end
   end
-  return {now, out}
+  return {now, out, redis.call('ZCARD', KEYS[1])}
+
+elseif op == 'register' then
+  -- KEYS: the registry of tags (sorted set: tag -> when last registered, ms on this node's
+  -- clock). ARGV: the tag. Written before a request of the tag is admitted, never together
+  -- with its keys (the registry is in a slot of its own on Redis Cluster).
+  redis.call('ZADD', KEYS[1], fmt(math.floor(clock() / 1000)), ARGV[2])
+  return 1
+
+elseif op == 'tags' then
+  -- KEYS: the registry. Every registered tag.
+  return redis.call('ZRANGE', KEYS[1], 0, -1)
+
+elseif op == 'prune' then
+  -- KEYS: the registry. ARGV: a tag whose pending index was seen empty, the age (ms) past
+  -- which it is dropped: only if nobody registered it again within that age.
+  local seen = tonumber(redis.call('ZSCORE', KEYS[1], ARGV[2]))
+  if seen and seen <= math.floor(clock() / 1000) - tonumber(ARGV[3]) then
+    redis.call('ZREM', KEYS[1], ARGV[2])
+    return 1
+  end
+  return 0
 
 elseif op == 'usage' then
   -- KEYS: win, tok, lease, day, month. Read-only.

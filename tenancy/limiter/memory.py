@@ -154,7 +154,7 @@ class InProcessLimiter(Limiter):
         counts: list[tuple[int, int]] = []
         for i, s in enumerate(limited):
             rpm, tpm, conc, _, _ = limits_of(s.quota)
-            st = self._state(s.key)
+            st = self._state(s.counters)
             st.trim(now)
             if (rpm >= 0 or tpm >= 0) and request_id in st.tokens:
                 raise duplicate(request_id)
@@ -184,7 +184,7 @@ class InProcessLimiter(Limiter):
                    (MONTH, monthb, periods.month, periods.month_end))
         for fld, budget, period, end in budgets:
             if budget >= 0:
-                used = self._budgets.get((s.key, period), 0)
+                used = self._budgets.get((s.counters, period), 0)
                 if used + tokens > budget:
                     wait = (end - now) if tokens <= budget else None
                     refusals.append(Refusal(i, fld, wait, used))
@@ -204,7 +204,7 @@ class InProcessLimiter(Limiter):
             counts: list[tuple[int, int]] = []
             for i, s in enumerate(limited):
                 tpm = limits_of(s.quota)[TPM]
-                st = self._state(s.key)
+                st = self._state(s.counters)
                 st.trim(now)
                 total = st.token_sum
                 counts.append((len(st.log), total))
@@ -214,7 +214,7 @@ class InProcessLimiter(Limiter):
                 refusals += self._budget_refusals(i, s, tokens, periods, now)
             if not refusals:
                 for s in limited:
-                    st = self._state(s.key)
+                    st = self._state(s.counters)
                     if rid in st.tokens:
                         st.tokens[rid] += tokens
                         st.token_sum += tokens
@@ -229,7 +229,7 @@ class InProcessLimiter(Limiter):
         """Count an admitted request in every limit of every scope; mark it pending."""
         for s in limited:
             rpm, tpm, conc, dayb, monthb = limits_of(s.quota)
-            st = self._state(s.key)
+            st = self._state(s.counters)
             if rpm >= 0 or tpm >= 0:
                 # Keep the log in time order should the clock step backwards.
                 t = max(now, st.log[-1][0]) if st.log else now
@@ -239,10 +239,10 @@ class InProcessLimiter(Limiter):
             if conc >= 0:
                 st.leases[request_id] = now + self.lease_ttl
             if dayb >= 0:
-                k = (s.key, periods.day)
+                k = (s.counters, periods.day)
                 self._budgets[k] = self._budgets.get(k, 0) + tokens
             if monthb >= 0:
-                k = (s.key, periods.month)
+                k = (s.counters, periods.month)
                 self._budgets[k] = self._budgets.get(k, 0) + tokens
         self._pending[request_id] = now + PENDING_TTL
 
@@ -253,7 +253,7 @@ class InProcessLimiter(Limiter):
         headers: list[Header] = []
         for i, s in enumerate(limited):
             rpm, tpm, _, _, _ = limits_of(s.quota)
-            st = self._state(s.key)
+            st = self._state(s.counters)
             count, total = counts[i]
             count, total = count + dcount, total + dtokens
             if rpm >= 0:
@@ -273,7 +273,7 @@ class InProcessLimiter(Limiter):
             return []
         exp = self._pending.pop(lease.request_id, None)
         for s in limited:
-            st = self._scopes.get(s.key)
+            st = self._scopes.get(s.counters)
             if st is not None:
                 st.leases.pop(lease.request_id, None)
         return limited if exp is not None and exp > now else []
@@ -282,7 +282,7 @@ class InProcessLimiter(Limiter):
         """Add `delta` tokens to the scope's day and month counters of the lease's periods."""
         _, _, _, dayb, monthb = limits_of(scope.quota)
         for budget, period in ((dayb, lease.day), (monthb, lease.month)):
-            k = (scope.key, period)
+            k = (scope.counters, period)
             if budget >= 0 and k in self._budgets:
                 self._budgets[k] += delta
 
@@ -292,7 +292,7 @@ class InProcessLimiter(Limiter):
         with self._lock:
             now = float(self._clock())
             for s in self._end(lease, now):
-                st = self._scopes.get(s.key)
+                st = self._scopes.get(s.counters)
                 if st is not None:
                     st.trim(now)
                     old = st.tokens.get(lease.request_id)
@@ -308,7 +308,7 @@ class InProcessLimiter(Limiter):
             now = float(self._clock())
             rid = lease.request_id
             for s in self._end(lease, now):
-                st = self._scopes.get(s.key)
+                st = self._scopes.get(s.counters)
                 if st is not None:
                     st.trim(now)
                     old = st.tokens.pop(rid, None)
@@ -329,7 +329,7 @@ class InProcessLimiter(Limiter):
                 if rid in self._pending and self._pending[rid] > now:
                     self._pending[rid] = now + PENDING_TTL
                 for s in lease.scopes:
-                    st = self._scopes.get(s.key)
+                    st = self._scopes.get(s.counters)
                     if st is not None and st.leases.get(rid, -math.inf) > now:
                         st.leases[rid] = now + self.lease_ttl
 
@@ -338,15 +338,15 @@ class InProcessLimiter(Limiter):
         with self._lock:
             now = float(self._clock())
             periods = Periods.at(now)
-            st = self._scopes.get(scope.key) or ScopeState()
+            st = self._scopes.get(scope.counters) or ScopeState()
             cutoff = now - WINDOW
             live = [rid for t, rid in st.log if t > cutoff]
             return {
                 "requests_in_window": len(live),
                 "tokens_in_window": sum(st.tokens.get(rid, 0) for rid in live),
                 "concurrent": sum(1 for exp in st.leases.values() if exp > now),
-                "day_tokens": self._budgets.get((scope.key, periods.day), 0),
-                "month_tokens": self._budgets.get((scope.key, periods.month), 0),
+                "day_tokens": self._budgets.get((scope.counters, periods.day), 0),
+                "month_tokens": self._budgets.get((scope.counters, periods.month), 0),
             }
 
     async def close(self) -> None:

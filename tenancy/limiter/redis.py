@@ -1,21 +1,33 @@
 """The Redis limiter backend (`RedisLimiter`), shared by all gateway replicas: one ``EVALSHA``
-of `limiter.lua` per acquire / settle / cancel / heartbeat, on Redis's own clock.
+of `limiter.lua` per acquire / reserve / settle / cancel, and per tag for heartbeat, on
+Redis's own clock. Redis is one node, a Redis Cluster or Sentinel's master (`redis_conn`).
 
-All keys are passed in ``KEYS`` (each scope's keys share a hash tag ``{scope}``), and the time
-is taken from ``redis.call('TIME')``, never from the caller. Per scope ``S`` and prefix ``P``:
+All keys are passed in ``KEYS``, every key of one call sharing one hash tag ``{T}``, the
+request's tag (`tenancy.limiter.keys`: the group of its first limited scope; on Redis Cluster
+all its limited scopes must share it), and the time is taken from ``redis.call('TIME')``,
+never from the caller. Per scope ``S`` of group ``T`` (``B`` = ``P{T}`` when ``S`` is ``T``
+itself, else ``P{T}S``; ``P`` the prefix):
 
-- ``P{S}:win``   sorted set, member = request id, score = admission time (µs): the window log.
-- ``P{S}:tok``   hash, request id -> tokens of that window entry; field ``""`` holds the sum.
-- ``P{S}:lease`` sorted set, member = request id, score = lease expiry (µs).
-- ``P{S}:day:2026-11-29`` / ``P{S}:month:2026-11``  token counters.
-- ``Preq:<request id>``  ``1``: marker of an unsettled admission (makes settlement and
+- ``B:win``   sorted set, member = request id, score = admission time (µs): the window log.
+- ``B:tok``   hash, request id -> tokens of that window entry; field ``""`` holds the sum.
+- ``B:lease`` sorted set, member = request id, score = lease expiry (µs).
+- ``B:day:2026-11-29`` / ``B:month:2026-11``  token counters.
+- ``P{T}:req:<request id>``  ``1``: marker of an unsettled admission (makes settlement and
   cancellation idempotent). ``0``: tombstone of a cancelled one, so that its id stays taken
   for as long as its window entry would have been in the window (as a settled one's is).
-  ``r``: an admission the reconciler abandoned (`abandon`: reservation refunded).
-- ``Ppending`` sorted set, request id -> lease expiry (µs), renewed by heartbeats;
-  ``Ppending:info`` / ``Ppending:res`` hashes, request id -> the lease's description
-  (`describe_lease`) / its reserved tokens: the unsettled admissions, so that `expired` finds
-  those whose process died.
+  ``r``: an admission the reconciler abandoned (`abandon`: reservation refunded). Request ids
+  must be unique; a reused one is caught (Invalid) within its tag.
+- ``P{T}:pending`` sorted set, request id -> lease expiry (µs), renewed by heartbeats;
+  ``P{T}:pending:info`` / ``P{T}:pending:res`` hashes, request id -> the lease's description
+  (`describe_lease`) / its reserved tokens: the tag's unsettled admissions, so that
+  `expired` finds those whose process died.
+- ``Ppending-tags`` (no tag: a slot of its own) sorted set, tag -> when last registered (ms,
+  its node's clock): the tags whose pending index may hold admissions. A limiter registers a
+  tag before the first admission of it, and again `REGISTER_EVERY` seconds later (one small
+  call per tag, per replica, per interval); `expired` drops a tag whose index it finds empty
+  and nobody registered for `PRUNE_AFTER` seconds. So an `expired` pass costs one call for
+  the registry and one per tag active in the last `PRUNE_AFTER` seconds (or with admissions
+  still pending), run ``EXPIRED_BATCH`` at a time, each bounded by the timeout.
 
 Window keys expire 61 s after the last admission, lease sets ``lease_ttl`` + 1 s after the
 last write, counters a day after their period ends, markers `PENDING_TTL` after the last
@@ -25,14 +37,17 @@ The script ships as package data beside this module and is read once per process
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Iterable, Sequence
 from functools import cache
 from importlib import resources
+from time import monotonic
 from typing import Any
 
 from tenancy.errors import Invalid, LimiterUnavailable
+from tenancy.limiter import keys as K
 from tenancy.limiter.base import (
     BUDGET_GRACE,
     PENDING_TTL,
@@ -56,6 +71,13 @@ from tenancy.limiter.periods import Periods
 from tenancy.validation import check_count
 
 _US = 1_000_000
+REGISTER_EVERY = 60.0
+"""A limiter registers a tag in the registry again after this many seconds, s."""
+PRUNE_AFTER = 600.0
+"""A tag with an empty pending index leaves the registry when nobody registered it for this
+long, s (well past `REGISTER_EVERY`, so that no limiter still counts on its registration)."""
+EXPIRED_BATCH = 64
+"""The most tags `RedisLimiter.expired` asks about at once."""
 logger = logging.getLogger(__name__)
 
 
@@ -74,24 +96,26 @@ class RedisLimiter(Limiter):
 
     def __init__(self, url: str, *, prefix: str = "lockgate:", lease_ttl: float = 30.0,
                  timeout: float = 0.25) -> None:
-        """``timeout``: the most any wait on Redis may take (connect, each reply), seconds;
-        past it the call raises LimiterUnavailable and the connection is dropped."""
+        """``url``: ``redis://``, ``rediss://``, ``unix://``, ``redis+cluster://`` or
+        ``redis+sentinel://`` (`redis_conn`). ``timeout``: the most any wait on Redis may
+        take (connect, each reply), seconds; past it the call raises LimiterUnavailable and
+        the connection is dropped."""
         from redis.exceptions import RedisError
 
-        from tenancy.limiter.redis_pipe import RedisPipe, RedisScript
+        from tenancy.limiter.redis_conn import connect
+        from tenancy.limiter.redis_pipe import RedisScript
 
         self.lease_ttl = check_lease_ttl(lease_ttl)
-        if not isinstance(prefix, str):
-            raise Invalid("prefix", f"must be a string, got {prefix!r}")
-        self.prefix = prefix
+        self.prefix = K.check_prefix(prefix)
         if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
             raise Invalid("timeout", f"must be a positive number of seconds, got {timeout!r}")
         self.timeout = float(timeout)
-        self._redis = RedisPipe(url, timeout=self.timeout)
+        self._redis = connect(url, timeout=self.timeout)
         self._redis_error = RedisError
         # EVALSHA, sending the script again on NOSCRIPT (e.g. after a Redis restart).
         self._script = RedisScript(self._redis, lua_source())
         self._skew = 0.0  # Redis's clock minus ours, as last seen: to guess the UTC day
+        self._registered: dict[str, float] = {}   # tag -> when we last registered it (monotonic)
 
     @property
     def where(self) -> str:
@@ -105,16 +129,26 @@ class RedisLimiter(Limiter):
         except self._redis_error as exc:
             raise LimiterUnavailable(f"Redis at {self._redis.where}: {exc}") from exc
 
-    def _scope_keys(self, scope: LimitScope, day: str, month: str) -> list[str]:
-        base = f"{self.prefix}{{{scope.key}}}"
-        return [f"{base}:win", f"{base}:tok", f"{base}:lease", f"{base}:day:{day}",
-                f"{base}:month:{month}"]
+    def _tag(self, limited: Sequence[LimitScope]) -> str:
+        return K.request_tag(limited, one_tag=self._redis.one_slot)
 
-    def _marker(self, request_id: str) -> str:
-        return f"{self.prefix}req:{request_id}"
+    async def _register(self, tag: str) -> None:
+        """Put ``tag`` in the registry `expired` walks, unless we did within REGISTER_EVERY."""
+        now = monotonic()   # (not time.monotonic: tests replace `time` to skew the clock)
+        if now - self._registered.get(tag, -REGISTER_EVERY) < REGISTER_EVERY:
+            return
+        await self._call([K.registry(self.prefix)], ["register", tag])
+        if len(self._registered) > 100_000:     # a bound on a long-lived replica's memory
+            self._registered.clear()
+        self._registered[tag] = now
 
-    def _pending_keys(self) -> list[str]:
-        return [f"{self.prefix}pending", f"{self.prefix}pending:info", f"{self.prefix}pending:res"]
+    def _request_keys(self, request_id: str, limited: Sequence[LimitScope], tag: str,
+                      day: str, month: str) -> list[str]:
+        """A request's marker, its scopes' keys and its tag's pending index."""
+        keys = [K.marker(self.prefix, tag, request_id)]
+        for s in limited:
+            keys += K.scope_keys(self.prefix, s, day, month)
+        return keys + K.pending_keys(self.prefix, tag)
 
     @staticmethod
     def _period_args(p: Periods) -> list[int]:
@@ -131,9 +165,10 @@ class RedisLimiter(Limiter):
             return decide(request_id=request_id, scopes=all_scopes, limited=limited,
                           tokens=tokens, now=guess, periods=Periods.at(guess),
                           refusals=[], headers=[])
+        tag = self._tag(limited)
+        await self._register(tag)
         for _ in range(4):
             p = Periods.at(guess)
-            keys = [self._marker(request_id)]
             args: list[Any] = [
                 "acquire", request_id, tokens, _us(WINDOW), _us(self.lease_ttl),
                 int(PENDING_TTL * 1000),
@@ -142,13 +177,12 @@ class RedisLimiter(Limiter):
                 len(limited),
             ]
             for s in limited:
-                keys += self._scope_keys(s, p.day, p.month)
                 args += limits_of(s.quota)
-            keys += self._pending_keys()
             # the lease's description, for the reconciler; its acquired_at is our guess of
             # Redis's clock (only its day and month matter, and those Redis checks)
             args.append(describe_lease(limited, p.day, p.month, guess))
-            reply = await self._call(keys, args)
+            reply = await self._call(self._request_keys(request_id, limited, tag, p.day, p.month),
+                                     args)
             status, now = reply[0], int(reply[1]) / _US
             if status == b"clock":  # Redis's clock is in another UTC day or month than ours
                 self._skew = now - time.time()
@@ -156,15 +190,7 @@ class RedisLimiter(Limiter):
                 continue
             if status == b"duplicate":
                 raise duplicate(request_id)
-            refusals = [
-                Refusal(int(si), int(f), None if int(w) < 0 else int(w) / _US, int(u))
-                for si, f, w, u in reply[2]
-            ]
-            headers = [
-                Header(int(si), int(kind), int(lim), int(rem),
-                       None if int(r) < 0 else int(r) / _US)
-                for si, kind, lim, rem, r in reply[3]
-            ]
+            refusals, headers = _findings(reply)
             return decide(request_id=request_id, scopes=all_scopes, limited=limited,
                           tokens=tokens, now=now, periods=p, refusals=refusals, headers=headers)
         raise RuntimeError("could not agree with Redis on the current UTC day")
@@ -176,12 +202,12 @@ class RedisLimiter(Limiter):
         limited = [s for s in lease.scopes if not s.quota.unlimited]
         if not limited:
             return None
-        keys = [self._marker(lease.request_id)]
+        keys = self._request_keys(lease.request_id, limited, self._tag(limited), lease.day,
+                                  lease.month)
         args = [*args, len(limited)]
         for s in limited:
-            keys += self._scope_keys(s, lease.day, lease.month)
             args += limits_of(s.quota)
-        return await self._call(keys + self._pending_keys(), [*args, *tail])
+        return await self._call(keys, [*args, *tail])
 
     async def reserve(self, lease: Lease, tokens: int) -> Decision:
         lease = check_lease(lease)
@@ -197,11 +223,7 @@ class RedisLimiter(Limiter):
                 raise Invalid("lease", f"the admission of {lease.request_id!r} is no longer "
                                        f"unsettled")
             now = int(reply[1]) / _US
-            refusals = [Refusal(int(si), int(f), None if int(w) < 0 else int(w) / _US, int(u))
-                        for si, f, w, u in reply[2]]
-            headers = [Header(int(si), int(kind), int(lim), int(rem),
-                              None if int(r) < 0 else int(r) / _US)
-                       for si, kind, lim, rem, r in reply[3]]
+            refusals, headers = _findings(reply)
         else:
             now, refusals, headers = lease.acquired_at, [], []
         d = decide(request_id=lease.request_id, scopes=lease.scopes, limited=limited,
@@ -221,10 +243,29 @@ class RedisLimiter(Limiter):
         return reply == 1
 
     async def expired(self, limit: int = 100) -> list[Lease]:
+        """The expired admissions of every registered tag (see the module docstring), at most
+        ``limit``, those acquired first first."""
         limit = check_count(limit, "limit")
-        reply = await self._call(self._pending_keys(), ["expired", limit])
+        tags = [t.decode() for t in await self._call([K.registry(self.prefix)], ["tags"])]
+        leases: list[Lease] = []
+        empty: list[str] = []
+        for i in range(0, len(tags), EXPIRED_BATCH):
+            batch = tags[i:i + EXPIRED_BATCH]
+            replies = await asyncio.gather(*(self._call(K.pending_keys(self.prefix, t),
+                                                        ["expired", limit]) for t in batch))
+            for tag, reply in zip(batch, replies, strict=True):
+                leases += self._parse_expired(reply[1])
+                if int(reply[2]) == 0:
+                    empty.append(tag)
+        for tag in empty:   # only if nobody registered it again meanwhile (the script checks)
+            await self._call([K.registry(self.prefix)], ["prune", tag, int(PRUNE_AFTER * 1000)])
+        leases.sort(key=lambda lease: lease.acquired_at)
+        return leases[:limit]
+
+    @staticmethod
+    def _parse_expired(rows: list[Any]) -> list[Lease]:
         leases = []
-        for rid, info, res in reply[1]:
+        for rid, info, res in rows:
             try:
                 leases.append(parse_lease(rid.decode(), info.decode(), int(res)))
             except (Invalid, ValueError):
@@ -237,29 +278,32 @@ class RedisLimiter(Limiter):
         await self._finish(lease, ["cancel", lease.request_id, reserved, _us(WINDOW)])
 
     async def heartbeat(self, leases: Iterable[Lease]) -> None:
-        keys: list[str] = []
-        args: list[Any] = []
-        n = 0
+        """One round trip per tag among ``leases`` (one on a single node's usual load: the
+        calls of all tags are pipelined together)."""
+        by_tag: dict[str, tuple[list[str], list[Any]]] = {}
         for lease in leases:
             lease = check_lease(lease)
             limited = [s for s in lease.scopes if not s.quota.unlimited]
             if not limited:
                 continue
-            lease_keys = [self._scope_keys(s, lease.day, lease.month)[2]
+            tag = self._tag(limited)
+            keys, args = by_tag.setdefault(tag, ([], []))
+            lease_keys = [K.scope_key(self.prefix, s, "lease")
                           for s in limited if s.quota.max_concurrent_requests is not None]
-            keys += [self._marker(lease.request_id), *lease_keys]
+            keys += [K.marker(self.prefix, tag, lease.request_id), *lease_keys]
             args += [lease.request_id, len(lease_keys)]
-            n += 1
-        if n:
-            await self._call([*keys, self._pending_keys()[0]],
-                             ["heartbeat", _us(self.lease_ttl), int(PENDING_TTL * 1000), n, *args])
+        await asyncio.gather(*(
+            self._call([*keys, K.pending_keys(self.prefix, tag)[0]],
+                       ["heartbeat", _us(self.lease_ttl), int(PENDING_TTL * 1000),
+                        len(args) // 2, *args])
+            for tag, (keys, args) in by_tag.items()))
 
     async def usage(self, scope: LimitScope) -> dict[str, int]:
         scope = check_scope(scope)
         guess = time.time() + self._skew
         for _ in range(4):
             p = Periods.at(guess)
-            reply = await self._call(self._scope_keys(scope, p.day, p.month),
+            reply = await self._call(K.scope_keys(self.prefix, scope, p.day, p.month),
                                      ["usage", _us(WINDOW), *self._period_args(p)])
             if reply[0] == b"clock":
                 guess = int(reply[1]) / _US
@@ -280,3 +324,12 @@ class RedisLimiter(Limiter):
 
     async def close(self) -> None:
         await self._redis.aclose()
+
+
+def _findings(reply: list[Any]) -> tuple[list[Refusal], list[Header]]:
+    """The refusals and header rows of an acquire or reserve reply."""
+    refusals = [Refusal(int(si), int(f), None if int(w) < 0 else int(w) / _US, int(u))
+                for si, f, w, u in reply[2]]
+    headers = [Header(int(si), int(kind), int(lim), int(rem), None if int(r) < 0 else int(r) / _US)
+               for si, kind, lim, rem, r in reply[3]]
+    return refusals, headers

@@ -11,7 +11,8 @@ answers them in order, and replies go to their waiters first in, first out.
 What it keeps from redis-py: its URL parser (redis://, rediss://, unix://, user, password,
 db) and its exception types (`redis.exceptions.ConnectionError`, `ResponseError`), so
 callers handle failures as before. What it leaves out: pub/sub, blocking commands,
-transactions, cluster and Sentinel (the limiter uses none). A connection found closed is
+transactions, cluster and Sentinel (for those the limiter uses redis-py's own clients:
+`redis_conn`). A connection found closed is
 opened again before the next command; a command whose connection breaks after it was
 written fails with ConnectionError (it may or may not have run: no blind retry).
 
@@ -34,7 +35,7 @@ from typing import Any
 import hiredis
 from redis.connection import SSLConnection, parse_url
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError
+from redis.exceptions import NoScriptError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 
@@ -73,6 +74,8 @@ class _Pipe(asyncio.Protocol):
 
 class RedisPipe:
     """Commands over one pipelined connection, opened on first use."""
+
+    one_slot = False        # one node: a script may touch any keys
 
     def __init__(self, url: str, *, timeout: float = 0.25) -> None:
         if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
@@ -167,9 +170,11 @@ class RedisPipe:
 
 class RedisScript:
     """A Lua script run by its SHA-1; sent whole once when Redis does not know it (first use,
-    or after a restart or SCRIPT FLUSH)."""
+    or after a restart or SCRIPT FLUSH). ``pipe`` is a `RedisPipe` or anything with its
+    ``execute`` (`redis_conn.ClientConnection`: on Redis Cluster both EVALSHA and the EVAL
+    after NOSCRIPT go to the node that owns the keys' slot, which then caches the script)."""
 
-    def __init__(self, pipe: RedisPipe, source: str) -> None:
+    def __init__(self, pipe: Any, source: str) -> None:
         self.pipe = pipe
         self.source = source
         self.sha = hashlib.sha1(source.encode(), usedforsecurity=False).hexdigest()
@@ -178,6 +183,7 @@ class RedisScript:
         try:
             return await self.pipe.execute("EVALSHA", self.sha, len(keys), *keys, *args)
         except ResponseError as exc:
-            if not str(exc).startswith("NOSCRIPT"):
+            # redis-py's clients raise NoScriptError, its message stripped of the code
+            if not isinstance(exc, NoScriptError) and not str(exc).startswith("NOSCRIPT"):
                 raise
             return await self.pipe.execute("EVAL", self.source, len(keys), *keys, *args)

@@ -10,6 +10,9 @@ Fixtures:
 - `db_url`: parametrized over both of the above (the test runs twice).
 - `redis_url`: `redis://127.0.0.1:6379/0`, after a ping; and `redis_prefix`, a key prefix
   unique to this test, whose keys are deleted afterwards.
+- `redis_cluster`: a three-node Redis Cluster of the machine's ``redis-server``
+  (`tests.support.redis_cluster`), one per session, stopped at its end; and
+  `cluster_prefix`, a key prefix unique to this test, its keys deleted afterwards.
 """
 
 from __future__ import annotations
@@ -105,3 +108,22 @@ def redis_prefix(redis_url):
     prefix = f"lgtest:{os.getpid()}:{secrets.token_hex(4)}:"
     yield prefix
     drop_redis_prefix(prefix)
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory):
+    from tests.support.redis_cluster import LocalRedisCluster
+
+    try:
+        cluster = LocalRedisCluster(tmp_path_factory.mktemp("redis-cluster"))
+    except Exception as exc:  # noqa: BLE001 - no redis-server, or it would not form a cluster
+        _missing("a local Redis Cluster", exc)
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture
+def cluster_prefix(redis_cluster):
+    prefix = f"lgtest:{os.getpid()}:{secrets.token_hex(4)}:"
+    yield prefix
+    redis_cluster.drop_prefix(prefix)

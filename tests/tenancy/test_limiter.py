@@ -1,9 +1,12 @@
 """The limiter (`tenancy.limiter`): same semantics in-process and on Redis.
 
-Tests parametrized over ``backend`` run twice: in-process with a fake clock, and on the real
-Redis of `tests.support.services` (real time, a key prefix unique to the test). Time travel (window
-expiry, day/month rollover) uses the in-process limiter's fake clock; Redis is checked on
-counts, atomicity, short lease expiry and exactness across OS processes.
+Tests parametrized over ``backend`` run three times: in-process with a fake clock, on the real
+Redis of `tests.support.services`, and on a three-node Redis Cluster of the session
+(`tests.support.redis_cluster`; both in real time, a key prefix unique to the test). Time travel
+(window expiry, day/month rollover) uses the in-process limiter's fake clock; Redis is checked on
+counts, atomicity, short lease expiry and exactness across OS processes, on one node and on
+Cluster. As in the gateway, an API key's scope is in its tenant's tag (`LimitScope.tag`), so
+that one request's keys are in one Cluster slot.
 """
 
 from __future__ import annotations
@@ -55,7 +58,7 @@ class Backend:
         self.made: list[Limiter] = []
 
     def __call__(self, **kw) -> Limiter:
-        if self.kind == "redis":
+        if self.kind in ("redis", "cluster"):
             lim: Limiter = RedisLimiter(self.redis_url, prefix=self.prefix, **kw)
         else:
             lim = InProcessLimiter(clock=self.clock, **kw)
@@ -64,22 +67,35 @@ class Backend:
 
     async def sleep(self, seconds: float) -> None:
         """Let time pass: really on Redis, on the fake clock in-process."""
-        if self.kind == "redis":
+        if self.kind in ("redis", "cluster"):
             await asyncio.sleep(seconds)
         else:
             self.clock.advance(seconds)
 
 
-@pytest.fixture(params=["memory", "redis"])
+def redis_of(request, kind: str) -> tuple[str | None, str | None]:
+    """The URL and a key prefix unique to the test, of one Redis node or of the Cluster
+    (none in-process)."""
+    if kind == "memory":
+        return None, None
+    if kind == "cluster":
+        return (request.getfixturevalue("redis_cluster").url,
+                request.getfixturevalue("cluster_prefix"))
+    return request.getfixturevalue("redis_url"), request.getfixturevalue("redis_prefix")
+
+
+@pytest.fixture(params=["memory", "redis", "cluster"])
 async def backend(request):
-    if request.param == "redis":
-        b = Backend("redis", request.getfixturevalue("redis_url"),
-                    request.getfixturevalue("redis_prefix"))
-    else:
-        b = Backend("memory")
+    b = Backend(request.param, *redis_of(request, request.param))
     yield b
     for lim in b.made:
         await lim.close()
+
+
+@pytest.fixture(params=["redis", "cluster"])
+def redis_kind(request):
+    """(URL, prefix) of one Redis node, then of the Cluster."""
+    return redis_of(request, request.param)
 
 
 @pytest.fixture
@@ -90,8 +106,8 @@ async def mem():
         await lim.close()
 
 
-def scope(key: str = "tenant:t1", **limits) -> LimitScope:
-    return LimitScope(key, Quota(**limits))
+def scope(key: str = "tenant:t1", tag: str | None = None, **limits) -> LimitScope:
+    return LimitScope(key, Quota(**limits), tag)
 
 
 # --------------------------------------------------------------------------------------------
@@ -146,7 +162,7 @@ async def test_rpm_window_slides_exactly(mem):
 async def test_headers_report_the_tightest_scope(backend):
     lim = backend()
     tenant = scope("tenant:t1", requests_per_minute=10, tokens_per_minute=10_000)
-    key = scope("key:k1", requests_per_minute=3)
+    key = scope("key:k1", "tenant:t1", requests_per_minute=3)
     d = await lim.acquire("r1", [tenant, key], 400)
     assert d.allowed
     assert (d.limit_requests, d.remaining_requests) == (3, 2)
@@ -231,9 +247,9 @@ async def test_all_or_nothing_across_scopes(backend, refuse_with):
               max_concurrent_requests=10, daily_token_budget=100_000,
               monthly_token_budget=1_000_000)
     if refuse_with == "requests_per_minute":
-        b = scope("key:b", requests_per_minute=1)
+        b = scope("key:b", "tenant:a", requests_per_minute=1)
     else:
-        b = scope("key:b", daily_token_budget=150)
+        b = scope("key:b", "tenant:a", daily_token_budget=150)
     first = await lim.acquire("pre", [b], 100)  # fills B
     assert first.allowed
     before_b = await lim.usage(b)
@@ -316,7 +332,8 @@ async def test_expired_lease_frees_its_slot_and_heartbeat_keeps_it(mem):
     assert (await lim.usage(s))["concurrent"] == 1
 
 
-async def test_lease_expiry_and_heartbeat_on_redis(redis_url, redis_prefix):
+async def test_lease_expiry_and_heartbeat_on_redis(redis_kind):
+    redis_url, redis_prefix = redis_kind
     lim = RedisLimiter(redis_url, prefix=redis_prefix, lease_ttl=1.0)
     try:
         s = scope(max_concurrent_requests=1)
@@ -389,7 +406,8 @@ async def test_monthly_budget_refuses_until_next_month(mem):
     assert (await lim.acquire("r3", [s], 1000)).allowed
 
 
-async def test_budgets_on_redis(redis_url, redis_prefix):
+async def test_budgets_on_redis(redis_kind):
+    redis_url, redis_prefix = redis_kind
     lim = RedisLimiter(redis_url, prefix=redis_prefix)
     try:
         s = scope(daily_token_budget=1000, monthly_token_budget=100_000)
@@ -433,7 +451,7 @@ async def test_cancel_undoes_the_admission(backend):
     """Another request (300 tokens, settled at 200) is counted before and after; r1 reserves
     500 in both scopes and its cancellation takes all of it back out, everywhere."""
     lim = backend()
-    tenant, key = full("tenant:t1"), scope("key:k1", requests_per_minute=5)
+    tenant, key = full("tenant:t1"), scope("key:k1", "tenant:t1", requests_per_minute=5)
     other = await lim.acquire("other", [tenant], 300)
     await lim.settle(other.lease, 200)
     before = await lim.usage(tenant), await lim.usage(key)
@@ -552,7 +570,7 @@ async def test_redis_cancel_leaves_a_tombstone_for_the_window(redis_url, redis_p
 
     lim = RedisLimiter(redis_url, prefix=redis_prefix)
     client = aioredis.Redis.from_url(redis_url)
-    marker = redis_prefix + "req:r1"
+    marker = redis_prefix + "{tenant:t1}:req:r1"
     try:
         s = full()
         d = await lim.acquire("r1", [s], 100)
@@ -593,12 +611,15 @@ async def test_redis_keys_expire_and_unlimited_costs_nothing(redis_url, redis_pr
         d = await lim.acquire("r1", [s, free], 100)
         assert d.allowed
         keys = sorted([k.decode() async for k in client.scan_iter(match=redis_prefix + "*")])
-        # win, tok, lease, day, month, marker; the pending index (3 keys); nothing for `free`
-        assert len(keys) == 9, keys
+        # win, tok, lease, day, month, marker; the pending index (3 keys) and the registry of
+        # tags; nothing for `free`
+        assert len(keys) == 10, keys
         assert not any("tenant:free" in k for k in keys)
-        index = {redis_prefix + k for k in ("pending", "pending:info", "pending:res")}
-        assert index <= set(keys)
-        for k in set(keys) - index:   # the index keys live as long as they hold an admission
+        index = {redis_prefix + "{tenant:t1}:" + k for k in ("pending", "pending:info", "pending:res")}
+        registry = redis_prefix + "pending-tags"
+        assert index | {registry} <= set(keys)
+        assert [t async for t, _ in client.zscan_iter(registry)] == [b"tenant:t1"]
+        for k in set(keys) - index - {registry}:   # the index keys live as long as they hold an admission
             ttl = await client.pttl(k)
             assert ttl > 0, (k, ttl)
             if k.endswith(":win") or k.endswith(":tok"):
@@ -606,14 +627,15 @@ async def test_redis_keys_expire_and_unlimited_costs_nothing(redis_url, redis_pr
             if k.endswith(":lease"):
                 assert ttl <= 31_000
         await lim.settle(d.lease, 100)
-        assert not await client.exists(redis_prefix + "req:r1")
+        assert not await client.exists(redis_prefix + "{tenant:t1}:req:r1")
         assert not await client.exists(*index)   # settled: out of the index, which is empty
     finally:
         await lim.close()
         await client.aclose()
 
 
-async def test_redis_uses_its_own_clock(redis_url, redis_prefix, monkeypatch):
+async def test_redis_uses_its_own_clock(redis_kind, monkeypatch):
+    redis_url, redis_prefix = redis_kind
     import types
 
     import tenancy.limiter.redis as limiter_mod
@@ -718,7 +740,8 @@ def _join(procs):
 
 
 @pytest.mark.parametrize("case", ["rpm", "daily_budget"])
-def test_cross_process_exactness(redis_url, redis_prefix, case):
+def test_cross_process_exactness(redis_kind, case):
+    redis_url, redis_prefix = redis_kind
     ctx = mp.get_context("spawn")
     ready_q, out_q, start = ctx.Queue(), ctx.Queue(), ctx.Event()
     if case == "rpm":
@@ -735,7 +758,8 @@ def test_cross_process_exactness(redis_url, redis_prefix, case):
     assert sum(r[2] for r in results) <= 1000
 
 
-def test_cross_process_concurrency(redis_url, redis_prefix):
+def test_cross_process_concurrency(redis_kind):
+    redis_url, redis_prefix = redis_kind
     ctx = mp.get_context("spawn")
     quota = {"max_concurrent_requests": 3}
     s = LimitScope("tenant:shared", Quota(**quota))
@@ -853,3 +877,187 @@ async def test_redis_unreachable_is_limiter_unavailable():
             await lim.usage(sc)
     finally:
         await lim.close()
+
+
+# --------------------------------------------------------------------------------------------
+# Redis Cluster: one slot per request, the registry of tags, URLs
+# --------------------------------------------------------------------------------------------
+
+
+async def test_a_requests_keys_share_one_cluster_slot(redis_cluster, cluster_prefix):
+    """Every key a request's scripts touch (both scopes' win/tok/lease/day/month, its marker,
+    its tag's pending index) hashes to one slot, asked of the cluster (CLUSTER KEYSLOT);
+    another tenant's keys are elsewhere, and the registry of tags is apart from both."""
+    lim = RedisLimiter(redis_cluster.url, prefix=cluster_prefix)
+    client = redis_cluster.client()
+    try:
+        slots = {}
+        for t in ("t1", "t2"):
+            tenant = full(f"tenant:{t}")
+            key = scope(f"key:{t}k", f"tenant:{t}", requests_per_minute=5, tokens_per_minute=9000,
+                        max_concurrent_requests=2, daily_token_budget=9000,
+                        monthly_token_budget=90_000)
+            d = await lim.acquire(f"r-{t}", [tenant, key], 10)
+            assert d.allowed
+            await lim.heartbeat([d.lease])
+            keys = {k.decode() for port in redis_cluster.ports
+                    for k in _node(port).scan_iter(match=f"{cluster_prefix}{{tenant:{t}}}*")}
+            # 2 scopes x (win, tok, lease, day, month) + marker + the pending index (3)
+            assert len(keys) == 14, sorted(keys)
+            assert f"{cluster_prefix}{{tenant:{t}}}key:{t}k:lease" in keys
+            slots[t] = {client.cluster_keyslot(k) for k in keys}
+            assert len(slots[t]) == 1, (t, slots[t])
+        assert slots["t1"] != slots["t2"]     # two slots (so, as it happens, here two nodes)
+        assert client.cluster_keyslot(f"{cluster_prefix}pending-tags") not in slots["t1"] | slots["t2"]
+    finally:
+        await lim.close()
+        client.close()
+
+
+def _node(port: int):
+    import redis
+
+    return redis.Redis(host="127.0.0.1", port=port)
+
+
+async def test_scopes_of_two_tags_are_refused_on_cluster_only(redis_cluster, cluster_prefix,
+                                                             redis_url, redis_prefix):
+    """On Cluster one request's limited scopes must share a tag (a script cannot span slots):
+    Invalid, nothing counted. One node takes them; an unlimited scope of another tag is fine
+    anywhere (it touches no key)."""
+    tenant, stray = scope(requests_per_minute=5), scope("key:other", requests_per_minute=5)
+    free = LimitScope("key:free", Quota())
+    cluster = RedisLimiter(redis_cluster.url, prefix=cluster_prefix)
+    single = RedisLimiter(redis_url, prefix=redis_prefix)
+    try:
+        with pytest.raises(ValueError, match="share a tag"):
+            await cluster.acquire("r1", [tenant, stray], 1)
+        assert (await cluster.usage(tenant))["requests_in_window"] == 0
+        assert (await cluster.acquire("r2", [tenant, free], 1)).allowed
+        d = await single.acquire("r1", [tenant, stray], 1)
+        assert d.allowed
+        assert (await single.usage(stray))["requests_in_window"] == 1
+        await single.settle(d.lease, 1)
+    finally:
+        await cluster.close()
+        await single.close()
+
+
+async def test_expired_walks_every_tag_and_prunes_idle_ones(redis_kind, monkeypatch):
+    """Three tenants' admissions die; `expired` finds all three through the registry of tags
+    (on Cluster, in different slots), oldest first, at most `limit`. A tag whose index is empty
+    leaves the registry only once nobody registered it for PRUNE_AFTER."""
+    import tenancy.limiter.redis as limiter_mod
+
+    redis_url, redis_prefix = redis_kind
+    lim = RedisLimiter(redis_url, prefix=redis_prefix, lease_ttl=0.2)
+    try:
+        for t in ("a", "b", "c"):
+            assert (await lim.acquire(f"r-{t}", [scope(f"tenant:{t}", daily_token_budget=100)], 7)).allowed
+        await asyncio.sleep(0.3)
+        found = await lim.expired()
+        assert [x.request_id for x in found] == ["r-a", "r-b", "r-c"]
+        assert [x.request_id for x in await lim.expired(limit=2)] == ["r-a", "r-b"]
+        for lease in found:
+            assert await lim.abandon(lease)
+        assert await lim.expired() == []
+        tags = await lim._call([f"{redis_prefix}pending-tags"], ["tags"])
+        assert sorted(tags) == [b"tenant:a", b"tenant:b", b"tenant:c"]    # registered just now
+        monkeypatch.setattr(limiter_mod, "PRUNE_AFTER", 0.0)
+        assert await lim.expired() == []
+        assert await lim._call([f"{redis_prefix}pending-tags"], ["tags"]) == []
+        # the limiter's own note says "registered": it still is, until REGISTER_EVERY has
+        # passed; so a pruned tag's new admissions are only found once it registers again
+        monkeypatch.setattr(limiter_mod, "REGISTER_EVERY", 0.0)
+        assert (await lim.acquire("r-d", [scope("tenant:a", daily_token_budget=100)], 7)).allowed
+        await asyncio.sleep(0.3)
+        assert [x.request_id for x in await lim.expired()] == ["r-d"]
+    finally:
+        await lim.close()
+
+
+def test_cluster_and_sentinel_urls_parse():
+    from tenancy.limiter.redis_conn import ClientConnection, connect, parse_multi_host
+    from tenancy.limiter.redis_pipe import RedisPipe
+
+    u = parse_multi_host("rediss+cluster://me:s%40cret@10.0.0.1:7000,[::1]:7001,node3")
+    assert u.tls and u.hosts == (("10.0.0.1", 7000), ("::1", 7001), ("node3", 6379))
+    assert (u.username, u.password) == ("me", "s@cret")
+    u = parse_multi_host("redis+sentinel://:pw@s1:26379,s2:26380/mymaster/2?sentinel_password=x")
+    assert not u.tls and u.path == ("mymaster", "2") and u.query == {"sentinel_password": "x"}
+    assert (u.username, u.password) == (None, "pw")
+    assert isinstance(connect("redis://127.0.0.1:6379/0", timeout=0.25), RedisPipe)
+    conn = connect("redis+cluster://127.0.0.1:7000", timeout=0.25)
+    assert isinstance(conn, ClientConnection) and conn.one_slot
+    conn = connect("redis+sentinel://127.0.0.1:26379/mymaster", timeout=0.25)
+    assert isinstance(conn, ClientConnection) and not conn.one_slot and "mymaster" in conn.where
+    for bad in ("redis+sentinel://127.0.0.1:26379", "redis+sentinel://h:1/m/x",
+                "redis+cluster://h:port"):
+        with pytest.raises(ValueError, match="redis_url"):
+            connect(bad, timeout=0.25)
+    with pytest.raises(ValueError, match="prefix"):
+        RedisLimiter("redis://127.0.0.1:6379/0", prefix="{x}")
+
+
+async def test_unreachable_cluster_and_sentinel_are_limiter_unavailable():
+    """Nothing listens at the cluster's or the sentinel's address: LimiterUnavailable naming it,
+    within the bound of a call (CLIENT_CALL_WAITS x timeout; asserted with a wide margin, since
+    the bound is the behaviour)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for url in (f"redis+cluster://127.0.0.1:{port}", f"redis+sentinel://127.0.0.1:{port}/m"):
+        lim = RedisLimiter(url, prefix="none:", timeout=0.2)
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(LimiterUnavailable, match=f"127.0.0.1:{port}"):
+                await lim.acquire("r1", [scope(requests_per_minute=5)], 1)
+            assert time.monotonic() - t0 < 3.0
+            assert await lim.check() == "unavailable"
+        finally:
+            await lim.close()
+
+
+async def test_limiter_through_sentinel(tmp_path):
+    """A ``redis+sentinel://`` URL: the limiter asks a sentinel (a ``redis-server
+    --sentinel`` of the test's own) for the master of ``mymaster`` and counts there."""
+    import shutil
+    import subprocess
+
+    from tests.support.gateway_server import free_port
+    from tests.support.own_redis import OwnRedis
+
+    if shutil.which("redis-server") is None:
+        pytest.skip("no redis-server")
+    master = OwnRedis(tmp_path)
+    port = free_port()
+    conf = tmp_path / "sentinel.conf"
+    conf.write_text(f"port {port}\nbind 127.0.0.1\ndir {tmp_path}\n"
+                    f"sentinel monitor mymaster 127.0.0.1 {master.port} 1\n")
+    sentinel = subprocess.Popen(["redis-server", str(conf), "--sentinel"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    lim = RedisLimiter(f"redis+sentinel://127.0.0.1:{port}/mymaster", prefix="sentinel:",
+                       timeout=1.0)
+    try:
+        s = scope(requests_per_minute=2, daily_token_budget=1000)
+        deadline = time.monotonic() + 10
+        while await lim.check() != "ok":          # the sentinel starts
+            assert time.monotonic() < deadline, "sentinel not up"
+            await asyncio.sleep(0.05)
+        d = await lim.acquire("r1", [s], 100)
+        assert d.allowed and (await lim.acquire("r2", [s], 100)).allowed
+        assert not (await lim.acquire("r3", [s], 100)).allowed
+        await lim.settle(d.lease, 40)
+        assert (await lim.usage(s))["day_tokens"] == 140
+        import redis
+
+        direct = redis.Redis(port=master.port)
+        assert direct.get("sentinel:{tenant:t1}:day:" + d.lease.day) == b"140"  # on the master
+        direct.close()
+    finally:
+        await lim.close()
+        sentinel.terminate()
+        sentinel.wait(10)
+        master.stop()

@@ -16,16 +16,12 @@ import pytest
 
 from tenancy.errors import Invalid
 from tenancy.limiter import InProcessLimiter, RedisLimiter
-from tests.tenancy.test_limiter import Backend, scope
+from tests.tenancy.test_limiter import Backend, redis_of, scope
 
 
-@pytest.fixture(params=["memory", "redis"])
+@pytest.fixture(params=["memory", "redis", "cluster"])
 async def backend(request):
-    if request.param == "redis":
-        b = Backend("redis", request.getfixturevalue("redis_url"),
-                    request.getfixturevalue("redis_prefix"))
-    else:
-        b = Backend("memory")
+    b = Backend(request.param, *redis_of(request, request.param))
     yield b
     for lim in b.made:
         await lim.close()
@@ -126,8 +122,10 @@ async def test_in_process_admissions_never_expire_into_the_reconciler():
 # -- the reconciler's operations, on Redis -------------------------------------------------------
 
 
-@pytest.fixture
-async def redis_lim(redis_url, redis_prefix):
+@pytest.fixture(params=["redis", "cluster"])
+async def redis_lim(request):
+    """Makes Redis limiters (one node, then the Cluster) on a prefix of the test's own."""
+    redis_url, redis_prefix = redis_of(request, request.param)
     lims: list[RedisLimiter] = []
 
     def make(**kw) -> RedisLimiter:
@@ -143,7 +141,7 @@ async def redis_lim(redis_url, redis_prefix):
 async def test_expired_finds_an_unheartbeaten_admission_and_abandon_refunds_it(redis_lim):
     dead = redis_lim(lease_ttl=0.3)           # the replica that dies
     alive = redis_lim(lease_ttl=0.3)          # the one that reconciles
-    s, k = scope(**LIMITS), scope("key:k1", requests_per_minute=10)
+    s, k = scope(**LIMITS), scope("key:k1", "tenant:t1", requests_per_minute=10)
     d = await dead.acquire("r1", [s, k], 0)
     assert d.lease is not None
     r = await dead.reserve(d.lease, 300)
