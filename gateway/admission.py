@@ -41,7 +41,7 @@ def new_request_id() -> str:
 def scopes_of(principal: Principal) -> list[LimitScope]:
     """The limits a tenant's request is counted against: its tenant's and its key's."""
     return [LimitScope(f"tenant:{principal.tenant_id}", principal.tenant_quota),
-            LimitScope(f"key:{principal.key_id}", principal.key_quota)]
+            LimitScope(f"key:{principal.key_id}", principal.key_quota, tag=f"tenant:{principal.tenant_id}")]
 
 
 async def ask(step: Awaitable[Decision], request_id: str) -> Decision:

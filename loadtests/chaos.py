@@ -302,8 +302,9 @@ async def _budgets(cfg: ChaosConfig, cluster: Cluster, watch: LeaseWatch, rows_d
 
 async def _run(cfg: ChaosConfig, cluster: Cluster, echo: Callable[[str], None]) -> ChaosResult:
     tenant_sets = [lease_key(PREFIX, f"tenant:{t}") for t in cluster.tenant_ids]
-    replica_sets = [[lease_key(PREFIX, f"key:{ids[r]}") for ids in cluster.key_ids] for r in range(2)]
-    watch = LeaseWatch(cluster.redis.url, PREFIX, tenant_sets, replica_sets)
+    replica_sets = [[lease_key(PREFIX, f"key:{ids[r]}", tag=f"tenant:{t}")
+                     for t, ids in zip(cluster.tenant_ids, cluster.key_ids, strict=True)] for r in range(2)]
+    watch = LeaseWatch(cluster.redis.url, PREFIX, tenant_sets, replica_sets, cluster.tenant_ids)
     state = LoadState()
     plan = LoadPlan(cfg.num_requests, cfg.num_requests / cfg.duration_s, cfg.concurrency,
                     cluster.keys, [r.url for r in cluster.replicas], cfg.max_tokens,

@@ -56,6 +56,7 @@ class Pool:
         self.down: set[str] = set()
         self.assigned: dict[str, list[str]] = {}
         self.inflight: Counter[str] = Counter()
+        self.restarts: Counter[str] = Counter()            # worker restarts this replica saw
         self.placement: Any = None
         self.failures: tuple[type[BaseException], ...] = ()
         self._poller: asyncio.Task[None] | None = None
@@ -118,7 +119,14 @@ class Pool:
             old = self.reports.get(name)
             if old is not None and old.pid != report.pid:      # restarted: its cache is empty
                 self.router.forget_worker(name)
+                self.restarts[name] += 1
                 logger.warning("pool: worker %s restarted (pid %d -> %d)", name, old.pid, report.pid)
+            if not report.started:          # Ray restarted the actor: its engine starts again
+                try:
+                    report = await self._bounded(h.start.remote(), self.config.start_timeout_s)
+                except self._retryable():
+                    self.down.add(name)
+                    return
             self.reports[name] = report
             self.down.discard(name)
 
@@ -166,9 +174,19 @@ class Pool:
                 "assigned": self.assigned}
 
     async def close(self) -> None:
+        """Stop this replica's side; the workers stay for the other replicas."""
         if self._poller is not None:
             self._poller.cancel()
             self._poller = None
+
+    async def destroy(self) -> None:
+        """Stop this replica's side and kill the pool's actors (the last replica, a test)."""
+        import ray
+
+        await self.close()
+        for h in [*self.handles.values(), self.placement]:
+            if h is not None:
+                ray.kill(h, no_restart=True)
 
 
 def _report_dict(r: WorkerReport) -> dict:
@@ -211,10 +229,13 @@ class RemoteStream(RequestStream):
                 gen = handle.generate.remote(pool.owner, prompt, params, self.request_id, kwargs)
                 ref = await pool._bounded(gen.__anext__())
                 kind, value = await pool._bounded(ref)
+                if kind == "error" and isinstance(value, EngineDead) and attempt == 0:
+                    raise _WorkerCannotServe(str(value))      # retried on another worker
                 if kind == "error":
                     self._fail(value)
                     return
-                self._accepted.set_result(None)
+                if not self._accepted.done():      # (a retry was accepted before)
+                    self._accepted.set_result(None)
                 async for ref in gen:
                     kind, value = await ref
                     if kind == "out":
@@ -226,7 +247,7 @@ class RemoteStream(RequestStream):
             except StopAsyncIteration:
                 self._fail(EngineDead(f"worker {self.worker} ended the request without an answer"))
                 return
-            except pool._retryable() as exc:
+            except (_WorkerCannotServe, *pool._retryable()) as exc:
                 pool.down.add(self.worker)
                 logger.warning("pool: worker %s failed on %s: %r", self.worker, self.request_id, exc)
                 if attempt == 0 and not sent:
@@ -253,6 +274,10 @@ class RemoteStream(RequestStream):
     def _forget_remote(self, request_id: str) -> None:
         if self.pool.inflight[self.worker] > 0:
             self.pool.inflight[self.worker] -= 1
+
+
+class _WorkerCannotServe(Exception):
+    """The worker answered that it cannot serve (not started yet, or its engine stopped)."""
 
 
 def _ids(prompt: Prompt) -> list[int] | None:

@@ -55,6 +55,7 @@ class WorkerReport:
     kv_total: int
     owned: int                                  # requests in flight
     capacity: int                               # models it can keep resident at once
+    started: bool                               # its engine runs (false after a restart)
     at: float
     stats: EngineStats = field(repr=False, default_factory=EngineStats)
 
@@ -166,7 +167,7 @@ class EngineWorker:
             models=resident, loras=sorted(self.engine.loras) if self.engine is not None else [],
             waiting=dict(s.waiting_requests), running=dict(s.running),
             kv_used=s.kv.used, kv_total=s.kv.total, owned=len(self._owned), capacity=capacity,
-            at=time.time(),
+            started=self.engine is not None, at=time.time(),
             stats=s)
 
     # -- admin ------------------------------------------------------------------------------------

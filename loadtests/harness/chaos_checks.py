@@ -20,8 +20,9 @@ score ever seen for such a member (sampled through the run, at the kill, and at 
 <= T_k + ttl + one heartbeat (the promise), reports the largest score - T_k, and, once
 Redis's clock is past the last kill + ttl + heartbeat, that no scope holds a live lease
 (ZCOUNT of scores > now is 0 everywhere: every request of the run has ended by then).
-It also reports when each kill's admissions left the pending index ``{prefix}pending`` (a
-reconciler settled them to their rows or refunded them: their budgets corrected), as first
+It also reports when each kill's admissions left the pending index (a
+reconciler settled them to their rows or refunded them: their budgets corrected; one index
+per tenant, ``{prefix}{tenant:ID}:pending``), as first
 seen by the sampler, on Redis's clock.
 
 **Budgets** (`budget_gaps`): each tenant's day counters ``{prefix}{tenant:ID}:day:*`` against
@@ -44,8 +45,14 @@ from loadtests.harness.chaos_client import OUTCOMES, Attempt
 _US = 1_000_000
 
 
-def lease_key(prefix: str, scope: str) -> str:
-    return f"{prefix}{{{scope}}}:lease"
+def lease_key(prefix: str, scope: str, tag: str | None = None) -> str:
+    """A scope's lease set (tenancy/limiter/keys.py): ``P{tag}scope:lease``; a scope that is its
+    own tag (a tenant) ``P{scope}:lease``. The gateway tags an API key's scope by its tenant."""
+    from tenancy.limiter import LimitScope
+    from tenancy.limiter.keys import scope_key
+    from tenancy.quota import Quota
+
+    return scope_key(prefix, LimitScope(scope, Quota(), tag=tag), "lease")
 
 
 @dataclass(slots=True)
@@ -61,7 +68,7 @@ class LeaseWatch:
     per member; `at_kill` attributes a killed replica's members to its kill."""
 
     def __init__(self, redis_url: str, prefix: str, tenant_keys: Sequence[str],
-                 replica_keys: Sequence[Sequence[str]]) -> None:
+                 replica_keys: Sequence[Sequence[str]], tenant_ids: Sequence[str] = ()) -> None:
         import redis.asyncio as aioredis
 
         self.client = aioredis.Redis.from_url(redis_url, socket_timeout=0.5,
@@ -71,8 +78,12 @@ class LeaseWatch:
         self.all_keys = self.tenant_keys + [k for keys in self.replica_keys for k in keys]
         self.max_score: dict[str, int] = {}
         self.kills: list[KillSnapshot] = []
-        self.pending_key = f"{prefix}pending"
-        self.reserved_key = f"{prefix}pending:res"
+        from tenancy.limiter.keys import pending_keys
+
+        # the pending index is per tenant (the request's hash tag)
+        index = [pending_keys(prefix, f"tenant:{t}") for t in tenant_ids]
+        self.pending_keys = [k[0] for k in index]
+        self.reserved_keys = [k[2] for k in index]
         self.reconciled_at: dict[str, int] = {}   # killed admission -> first seen unpending (µs)
         self.samples = 0
         self.failed_samples = 0          # Redis hung or gone: nothing read that time
@@ -103,10 +114,11 @@ class LeaseWatch:
         index: settled to its row or refunded by a reconciler."""
         pipe = self.client.pipeline(transaction=False)
         pipe.time()
-        pipe.zrange(self.pending_key, 0, -1)
-        (sec, usec), members = await pipe.execute()
+        for k in self.pending_keys:
+            pipe.zrange(k, 0, -1)
+        (sec, usec), *sets = await pipe.execute()
         now = int(sec) * _US + int(usec)
-        pending = {m.decode() for m in members}
+        pending = {m.decode() for members in sets for m in members}
         for k in self.kills:
             for m in k.leases:
                 if m not in pending and m not in self.reconciled_at:
@@ -139,8 +151,10 @@ class LeaseWatch:
         sets = await self._read(self.replica_keys[replica])
         earlier = {m for k in self.kills for m in k.leases}
         leases = {m: s for members in sets.values() for m, s in members.items() if m not in earlier}
-        reserved = await self.client.hmget(self.reserved_key, list(leases)) if leases else []
-        snap = KillSnapshot(replica, now, leases, sum(int(r or 0) for r in reserved))
+        total = 0
+        for k in self.reserved_keys if leases else []:
+            total += sum(int(r or 0) for r in await self.client.hmget(k, list(leases)))
+        snap = KillSnapshot(replica, now, leases, total)
         self.kills.append(snap)
         return snap
 

@@ -1,0 +1,138 @@
+"""The engine pool on a real local Ray cluster (tests/pool/conftest.py): two workers on two
+nodes, routing, placement, and a worker killed mid-request. Outputs are compared with HF
+transformers; nothing here is timed."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+
+pytestmark = pytest.mark.timeout(300)
+
+from engine import EngineDead, Pool, PoolConfig, PoolEngine, SamplingParams
+from engine.config import EngineConfig
+from engine.model_pool import ModelPool
+from tests.support.helpers import demo_model, hf_greedy, random_prompts
+
+
+@pytest.fixture(scope="module")
+def dirs() -> dict[str, str]:
+    return {"a": demo_model("llama", "tiny", 0), "b": demo_model("qwen2", "tiny", 1)}
+
+
+def one_model_budget(dirs) -> int:
+    probe = ModelPool(EngineConfig(model=dirs["a"], models={"b": dirs["b"]}, dtype="float32",
+                                   num_kv_blocks=64))
+    sizes = [s.memory_bytes for s in probe.stats().pool.models.values()]
+    return max(sizes) + min(sizes) // 2
+
+
+@pytest.fixture
+async def pool(ray_cluster, namespace, dirs):
+    p = Pool(PoolConfig(address=ray_cluster.address, models=dirs, namespace=namespace,
+                        engine_kwargs={"dtype": "float32", "num_kv_blocks": 64,
+                                       "memory_budget": one_model_budget(dirs)},
+                        report_interval_s=0.2, call_timeout_s=20.0))
+    await p.start()
+    try:
+        yield p
+    finally:
+        await p.destroy()
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+async def run(engine: PoolEngine, ids: list[int], rid: str, n: int = 8, tenant: str = "t1"):
+    stream = engine.submit(ids, greedy(n), rid, tenant=tenant)
+    await stream.accepted()
+    outs = [o async for o in stream]
+    return outs[-1], stream.worker
+
+
+async def test_two_models_on_budgets_of_one_are_served_at_once_and_equal_hf(pool, dirs):
+    assert sorted(pool.assigned) == ["a", "b"]
+    assert {tuple(w) for w in pool.assigned.values()} == {("lockgate-worker-0",), ("lockgate-worker-1",)}
+    ea, eb = PoolEngine(pool, "a"), PoolEngine(pool, "b")
+    pa = random_prompts(dirs["a"], [9, 23, 40], seed=1)
+    pb = random_prompts(dirs["b"], [11, 31], seed=2)
+    jobs = [run(ea, p, f"a{i}") for i, p in enumerate(pa)] + [run(eb, p, f"b{i}") for i, p in enumerate(pb)]
+    results = await asyncio.gather(*jobs)
+    for (out, worker), (model, ids) in zip(results, [("a", p) for p in pa] + [("b", p) for p in pb],
+                                           strict=True):
+        assert worker == pool.assigned[model][0]
+        assert out.outputs[0].token_ids == hf_greedy(dirs[model], ids, 8)
+    await pool.refresh()
+    workers = pool.snapshot()["workers"]
+    # each worker kept its own model resident the whole time: no switching
+    assert {w: [m for m, r in v["models"].items() if r] for w, v in workers.items()} == \
+        {pool.assigned["a"][0]: ["a"], pool.assigned["b"][0]: ["b"]}
+    assert len({v["node"] for v in workers.values()} | {v["pid"] for v in workers.values()}) >= 2
+
+
+async def test_a_shared_prefix_stays_on_one_worker_and_tenants_never_share_it(pool, dirs):
+    engine = PoolEngine(pool, "a")
+    pool.assigned = {"a": list(pool.names), "b": list(pool.names)}   # both may serve a
+    pool.placement = None                                             # and stay so here
+    (system,) = random_prompts(dirs["a"], [512], seed=3)
+    tails = random_prompts(dirs["a"], [8] * 16, seed=4)
+    first, worker = await run(engine, system + tails[0], "p0", n=2)
+    results = [await run(engine, system + t, f"p{i}", n=2) for i, t in enumerate(tails[1:], 1)]
+    assert {w for _, w in results} == {worker}
+    assert first.num_cached_tokens == 0
+    assert all(out.num_cached_tokens >= 496 for out, _ in results)    # 31 full blocks of 16
+    other, _ = await run(engine, system + tails[0], "q0", n=2, tenant="t2")
+    assert other.num_cached_tokens == 0                                # tenant-salted
+    # distinct prefixes: spread over both workers
+    distinct = random_prompts(dirs["a"], [64] * 12, seed=5)
+    where = [w for _, w in await asyncio.gather(*(run(engine, p, f"d{i}", n=2)
+                                                  for i, p in enumerate(distinct)))]
+    counts = {w: where.count(w) for w in pool.names}
+    assert min(counts.values()) >= len(where) / 3, counts
+
+
+async def test_a_killed_worker_fails_or_retries_its_requests_and_comes_back(pool, dirs):
+    engine = PoolEngine(pool, "a")
+    victim = pool.assigned["a"][0]
+    pid = pool.reports[victim].pid
+    prompts = random_prompts(dirs["a"], [20] * 5, seed=6)
+    streams = []
+    for i, p in enumerate(prompts):
+        s = engine.submit(p, greedy(600), f"k{i}", tenant="t1")
+        await s.accepted()
+        streams.append(s)
+    first = await streams[0].__anext__()                 # the first one is running
+    assert first.outputs[0].token_ids
+    os.kill(pid, signal.SIGKILL)
+    killed_at = time.monotonic()
+    # a request sent to the dead worker before the pool noticed: retried on the other one
+    late = engine.submit(prompts[1], greedy(8), "late", tenant="t1")
+    await late.accepted()
+    late_out = [o async for o in late][-1]
+    assert late.worker != victim
+    assert late_out.outputs[0].token_ids == hf_greedy(dirs["a"], prompts[1], 8)
+    ended: dict[str, str] = {}
+    for s in streams:
+        try:
+            async for out in s:
+                if out.finished:
+                    ended[s.request_id] = "finished"
+        except EngineDead as exc:
+            assert "failed" in str(exc)
+            ended[s.request_id] = "dead"
+    # a request that had sent tokens ends with EngineDead; none is left hanging
+    assert ended["k0"] == "dead" and len(ended) == len(streams)
+    # the pool sees the restart in its own state and serves on the new process
+    while pool.reports[victim].pid == pid or victim in pool.down:
+        await asyncio.sleep(0.2)
+        await pool.refresh()
+        assert time.monotonic() - killed_at < 120, "worker not restarted"
+    print(f"worker {victim} restarted and serving {time.monotonic() - killed_at:.1f} s after the kill")
+    assert pool.restarts[victim] == 1 and pool.reports[victim].started
+    out, worker = await run(engine, prompts[0], "after", n=8)
+    assert out.outputs[0].token_ids == hf_greedy(dirs["a"], prompts[0], 8)
