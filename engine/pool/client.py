@@ -57,6 +57,7 @@ class Pool:
         self.assigned: dict[str, list[str]] = {}
         self.inflight: Counter[str] = Counter()
         self.restarts: Counter[str] = Counter()            # worker restarts this replica saw
+        self.decisions: list[dict] = []                      # placement's recent, with reasons
         self.placement: Any = None
         self.failures: tuple[type[BaseException], ...] = ()
         self._poller: asyncio.Task[None] | None = None
@@ -91,9 +92,9 @@ class Pool:
         self.assigned = await self._bounded(self.placement.place_free.remote(list(c.models)))
         self._poller = asyncio.get_running_loop().create_task(self._poll())
 
-    def _retryable(self) -> tuple[type[BaseException], ...]:
-        """What a dead, restarting or silent worker raises at a caller."""
-        return (TimeoutError, *self.failures)
+    def _retryable(self, *more: type[BaseException]) -> tuple[type[BaseException], ...]:
+        """What a dead, restarting or silent worker raises at a caller (and `more`)."""
+        return (TimeoutError, *self.failures, *more)
 
     async def _bounded(self, ref: Any, timeout: float | None = None) -> Any:
         return await asyncio.wait_for(ref, timeout or self.config.call_timeout_s)
@@ -131,8 +132,8 @@ class Pool:
             self.down.discard(name)
 
         await asyncio.gather(*(one(n) for n in self.names))
-        demand = self.demand()
-        self.assigned = await self._bounded(self.placement.rebalance.remote(demand))
+        snap = await self._bounded(self.placement.rebalance.remote(self.demand()))
+        self.assigned, self.decisions = snap["assigned"], snap["decisions"]
 
     def demand(self) -> dict[str, int]:
         """Requests waiting or running per model, pool-wide (last reports)."""
@@ -169,9 +170,9 @@ class Pool:
 
     def snapshot(self) -> dict:
         """For `/admin/v1/engine`: each worker's report and the placement."""
-        return {"workers": {n: {"down": n in self.down, **_report_dict(r)}
+        return {"workers": {n: {"down": n in self.down, "restarts": self.restarts[n], **_report_dict(r)}
                             for n, r in self.reports.items()},
-                "assigned": self.assigned}
+                "assigned": self.assigned, "decisions": self.decisions}
 
     async def close(self) -> None:
         """Stop this replica's side; the workers stay for the other replicas."""
@@ -247,7 +248,7 @@ class RemoteStream(RequestStream):
             except StopAsyncIteration:
                 self._fail(EngineDead(f"worker {self.worker} ended the request without an answer"))
                 return
-            except (_WorkerCannotServe, *pool._retryable()) as exc:
+            except pool._retryable(_WorkerCannotServe) as exc:
                 pool.down.add(self.worker)
                 logger.warning("pool: worker %s failed on %s: %r", self.worker, self.request_id, exc)
                 if attempt == 0 and not sent:

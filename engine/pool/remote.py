@@ -28,9 +28,10 @@ class PlacementHolder:
                 self.placement.workers_for(m, {})
         return self.snapshot()["assigned"]
 
-    def rebalance(self, demand: dict[str, int]) -> dict[str, list[str]]:
+    def rebalance(self, demand: dict[str, int]) -> dict:
+        """Apply the rules to `demand`; the placement as it stands, with its recent decisions."""
         self.placement.rebalance(demand)
-        return self.snapshot()["assigned"]
+        return self.snapshot()
 
     def snapshot(self) -> dict:
         return self.placement.snapshot()

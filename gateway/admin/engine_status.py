@@ -8,7 +8,7 @@ from typing import Any
 
 from fastapi import Request
 
-from engine import EngineStats
+from engine import EngineStats, PoolEngine
 from gateway.admin.route import admin_router
 from gateway.state import app_state
 
@@ -59,7 +59,10 @@ async def models(request: Request) -> dict:
     in host memory, or registered and on disk)."""
     state = app_state(request)
     data = []
+    pool = None
     for m in state.models.values():
+        if isinstance(m.engine, PoolEngine):    # the pool's workers, placement and its reasons
+            pool = m.engine.pool.snapshot()
         stats = m.engine.stats() if m.engine.is_ready else EngineStats()
         own = stats.residency
         data.append({
@@ -83,4 +86,4 @@ async def models(request: Request) -> dict:
                      "host" if lora and name in lora.in_cpu else "disk")
             data.append({"id": name, "object": "model", "parent": m.name, "residency": where,
                          "requests": lora.requests.get(name, 0) if lora else 0})
-    return {"object": "list", "data": data}
+    return {"object": "list", "data": data, "pool": pool}

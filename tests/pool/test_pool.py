@@ -11,12 +11,12 @@ import time
 
 import pytest
 
-pytestmark = pytest.mark.timeout(300)
-
 from engine import EngineDead, Pool, PoolConfig, PoolEngine, SamplingParams
 from engine.config import EngineConfig
 from engine.model_pool import ModelPool
 from tests.support.helpers import demo_model, hf_greedy, random_prompts
+
+pytestmark = pytest.mark.timeout(300)
 
 
 @pytest.fixture(scope="module")
@@ -134,5 +134,5 @@ async def test_a_killed_worker_fails_or_retries_its_requests_and_comes_back(pool
         assert time.monotonic() - killed_at < 120, "worker not restarted"
     print(f"worker {victim} restarted and serving {time.monotonic() - killed_at:.1f} s after the kill")
     assert pool.restarts[victim] == 1 and pool.reports[victim].started
-    out, worker = await run(engine, prompts[0], "after", n=8)
+    out, _ = await run(engine, prompts[0], "after", n=8)
     assert out.outputs[0].token_ids == hf_greedy(dirs["a"], prompts[0], 8)
