@@ -368,3 +368,19 @@ def bench_chaos(
         typer.echo(f"lockgate bench chaos: {exc}", err=True)
         raise typer.Exit(2) from None
     raise typer.Exit(0 if ok else 1)
+
+
+@bench_app.command("pool")
+def bench_pool(
+    repeats: Annotated[int, typer.Option(min=1, help="runs of each side; the best counts")] = 3,
+    tenants: Annotated[int, typer.Option(min=1)] = 4,
+    per_tenant: Annotated[int, typer.Option(min=1)] = 8,
+    prefix: Annotated[int, typer.Option(min=16, help="tokens of each tenant's shared prompt")] = 512,
+    json_out: Annotated[Path | None, typer.Option("--json", help="also write the results here")] = None,
+) -> None:
+    """The engine pool on a local two-node Ray cluster: prefix-affinity routing vs round-robin,
+    two models on one worker vs two, and the latency a pooled request adds over an embedded one."""
+    from loadtests.bench_pool import bench_pool as run
+
+    out = run(repeats=repeats, tenants=tenants, per_tenant=per_tenant, prefix=prefix, echo=typer.echo)
+    _dump(json_out, out)

@@ -32,3 +32,30 @@ def offline_workload(
         ids = allowed[torch.randint(0, len(allowed), (p_len,), generator=g)].tolist()
         out.append(OfflineRequest(ids, o_len))
     return out
+
+
+def prompts_for(model_dir: str, lengths: list[int], seed: int = 0) -> list[list[int]]:
+    """Prompts of the given lengths, token ids drawn uniformly from the model's vocabulary
+    without its special tokens."""
+    from engine.config import ModelConfig
+    from engine.tokenizer import Tokenizer
+
+    vocab = ModelConfig.from_dir(model_dir).vocab_size
+    special = Tokenizer(model_dir).special_token_ids | set(ModelConfig.from_dir(model_dir).eos_token_ids)
+    allowed = torch.tensor(sorted(set(range(vocab)) - special))
+    g = torch.Generator().manual_seed(seed)
+    return [allowed[torch.randint(0, len(allowed), (n,), generator=g)].tolist() for n in lengths]
+
+
+def demo_dir(family: str, size: str, seed: int) -> str:
+    """A demo model directory under the user's cache, written on first use."""
+    import os
+    from pathlib import Path
+
+    from engine import write_demo_model
+
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lockgate" / "bench-models"
+    path = root / f"{family}-{size}-{seed}"
+    if not (path / "config.json").is_file():
+        write_demo_model(path, family=family, size=size, seed=seed)
+    return str(path)

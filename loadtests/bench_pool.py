@@ -1,0 +1,193 @@
+"""`lockgate bench pool`: the engine pool on a local two-node Ray cluster (each node lending one
+device of one CPU thread), three comparisons printed side by side in one run:
+
+1. routing: prefix affinity (the pool's `Router`) vs round-robin, on a multi-tenant workload
+   whose tenants each share a long system prompt: prompt tokens computed (not served from a
+   prefix cache) and TTFT p50/p99;
+2. two models on one worker vs on two workers (budgets that hold one model each): the time
+   for an alternating two-model workload;
+3. the latency a pooled request adds over an embedded one (an `AsyncEngine` in this
+   process): TTFT p50 of short sequential requests.
+
+Each comparison alternates its sides `repeats` times on the same cluster and reports the
+best run of each side. Loopback only; bounded request counts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from collections.abc import Callable
+from typing import Any
+
+from loadtests.stats import percentile
+
+
+def _greedy(n: int) -> Any:
+    from engine import SamplingParams
+
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+async def _one(engine: Any, ids: list[int], rid: str, tenant: str, n: int) -> tuple[float, int, int]:
+    """(TTFT s, prompt tokens computed, total time s) of one request."""
+    t0 = time.perf_counter()
+    stream = engine.submit(ids, _greedy(n), rid, tenant=tenant)
+    await stream.accepted()
+    ttft = None
+    last = None
+    async for out in stream:
+        if ttft is None:
+            ttft = time.perf_counter() - t0
+        last = out
+    if last is None or ttft is None:
+        raise RuntimeError(f"request {rid} ended without an output")
+    return ttft, len(ids) - last.num_cached_tokens, time.perf_counter() - t0
+
+
+class RoundRobin:
+    """The baseline router: each request to the next worker, prefixes ignored."""
+
+    def __init__(self) -> None:
+        self.turn = 0
+
+    def choose(self, candidates, load, chain):
+        self.turn += 1
+        return sorted(candidates)[self.turn % len(candidates)], 0
+
+    def remember(self, chain, worker) -> None:
+        pass
+
+    def forget_worker(self, worker) -> None:
+        pass
+
+
+async def _routing(pool: Any, model_dir: str, tenants: int, per_tenant: int, prefix: int) -> dict:
+    from engine import PoolEngine
+    from loadtests.workload import prompts_for
+
+    engine = PoolEngine(pool, "a")
+    systems = prompts_for(model_dir, [prefix] * tenants, seed=secrets.randbelow(10**6))
+    tails = prompts_for(model_dir, [16] * (tenants * per_tenant), seed=secrets.randbelow(10**6))
+    jobs = [(f"t{k}", systems[k] + tails[k * per_tenant + j])
+            for j in range(per_tenant) for k in range(tenants)]
+    sem = asyncio.Semaphore(4)
+
+    async def go(i: int, tenant: str, ids: list[int]):
+        async with sem:
+            return await _one(engine, ids, f"r{secrets.token_hex(4)}-{i}", tenant, 4)
+
+    t0 = time.perf_counter()
+    res = await asyncio.gather(*(go(i, t, ids) for i, (t, ids) in enumerate(jobs)))
+    ttfts = sorted(r[0] for r in res)
+    return {"computed_tokens": sum(r[1] for r in res), "ttft_p50_ms": percentile(ttfts, 50) * 1e3,
+            "ttft_p99_ms": percentile(ttfts, 99) * 1e3, "wall_s": time.perf_counter() - t0}
+
+
+async def _two_models(pool: Any, dirs: dict[str, str], n: int) -> float:
+    from engine import PoolEngine
+    from loadtests.workload import prompts_for
+
+    engines = {m: PoolEngine(pool, m) for m in dirs}
+    prompts = {m: prompts_for(d, [24] * n, seed=3) for m, d in dirs.items()}
+    t0 = time.perf_counter()
+    sem = asyncio.Semaphore(4)
+
+    async def go(m: str, i: int):
+        async with sem:
+            return await _one(engines[m], prompts[m][i], f"{m}-{secrets.token_hex(4)}-{i}", "t", 16)
+
+    await asyncio.gather(*(go(m, i) for i in range(n) for m in dirs))
+    return time.perf_counter() - t0
+
+
+def _best(runs: list[dict], key: str) -> dict:
+    return min(runs, key=lambda r: r[key])
+
+
+def bench_pool(*, repeats: int = 3, tenants: int = 4, per_tenant: int = 8, prefix: int = 512,
+               two_model_requests: int = 12, latency_requests: int = 30,
+               echo: Callable[[str], None] = print) -> dict:
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from engine import AsyncEngine, Pool, PoolConfig, PoolEngine
+    from engine.config import EngineConfig
+    from engine.model_pool import ModelPool
+    from loadtests.workload import demo_dir, prompts_for
+
+    dirs = {"a": demo_dir("llama", "tiny", 0), "b": demo_dir("qwen2", "tiny", 1)}
+    probe = ModelPool(EngineConfig(model=dirs["a"], models={"b": dirs["b"]}, dtype="float32",
+                                   num_kv_blocks=256))
+    sizes = [s.memory_bytes for s in probe.stats().pool.models.values()]
+    budget = max(sizes) + min(sizes) // 2
+    kw = {"dtype": "float32", "num_kv_blocks": 256, "memory_budget": budget}
+    args = {"num_cpus": 1, "resources": {"lockgate_device": 1}}
+    cluster = Cluster(initialize_head=True, head_node_args={**args, "include_dashboard": False})
+    cluster.add_node(**args)
+    cluster.wait_for_nodes()
+    out: dict[str, Any] = {}
+
+    async def main() -> None:
+        async def make(workers: int, models: dict[str, str]) -> Any:
+            p = Pool(PoolConfig(address=cluster.address, models=models, engine_kwargs=kw,
+                                namespace=f"bench-{secrets.token_hex(3)}", workers=workers,
+                                report_interval_s=0.25))
+            await p.start()
+            return p
+
+        # 1. routing, one model on both workers
+        pool = await make(2, {"a": dirs["a"]})
+        pool.assigned = {"a": list(pool.names)}
+        pool.placement = None                  # keep both workers on it
+        affinity_router = pool.router
+        runs: dict[str, list[dict]] = {"affinity": [], "round_robin": []}
+        for _ in range(repeats):
+            for side in ("affinity", "round_robin"):
+                pool.router = affinity_router if side == "affinity" else RoundRobin()
+                runs[side].append(await _routing(pool, dirs["a"], tenants, per_tenant, prefix))
+        await pool.destroy()
+        out["routing"] = {s: _best(r, "ttft_p99_ms") | {"computed_tokens": min(x["computed_tokens"] for x in r)}
+                          for s, r in runs.items()}
+        # 2. two models: one worker vs two
+        times: dict[str, list[float]] = {"one_worker": [], "two_workers": []}
+        pools = {"one_worker": await make(1, dirs), "two_workers": await make(2, dirs)}
+        for _ in range(repeats):
+            for side, p in pools.items():
+                times[side].append(await _two_models(p, dirs, two_model_requests))
+        for p in pools.values():
+            await p.destroy()
+        out["two_models"] = {s: min(t) for s, t in times.items()}
+        # 3. added latency: pooled vs embedded
+        pool = await make(1, {"a": dirs["a"]})
+        local = AsyncEngine(dirs["a"], **{k: v for k, v in kw.items() if k != "memory_budget"})
+        await local.start()
+        ids = prompts_for(dirs["a"], [16] * latency_requests, seed=9)
+        lat: dict[str, list[float]] = {"embedded": [], "pooled": []}
+        for _ in range(repeats):
+            for side, eng in (("embedded", local), ("pooled", PoolEngine(pool, "a"))):
+                ts = sorted([(await _one(eng, p, f"l{secrets.token_hex(4)}", "t", 2))[0] for p in ids])
+                lat[side].append(percentile(ts, 50) * 1e3)
+        await local.shutdown()
+        await pool.destroy()
+        out["latency_ttft_p50_ms"] = {s: min(v) for s, v in lat.items()}
+
+    try:
+        asyncio.run(main())
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+    r, t, lat = out["routing"], out["two_models"], out["latency_ttft_p50_ms"]
+    echo("routing (shared-prefix tenants)      affinity      round-robin   ratio")
+    echo(f"  prompt tokens computed           {r['affinity']['computed_tokens']:>9}     "
+         f"{r['round_robin']['computed_tokens']:>9}     "
+         f"{r['round_robin']['computed_tokens'] / max(1, r['affinity']['computed_tokens']):.2f}x")
+    for k in ("ttft_p50_ms", "ttft_p99_ms"):
+        echo(f"  {k:<30} {r['affinity'][k]:>9.1f}     {r['round_robin'][k]:>9.1f}     "
+             f"{r['round_robin'][k] / max(1e-9, r['affinity'][k]):.2f}x")
+    echo(f"two models, one-model budgets      one worker {t['one_worker']:.2f} s   two workers "
+         f"{t['two_workers']:.2f} s   {t['one_worker'] / t['two_workers']:.2f}x")
+    echo(f"TTFT p50 of a short request        embedded {lat['embedded']:.1f} ms   pooled "
+         f"{lat['pooled']:.1f} ms   added {lat['pooled'] - lat['embedded']:.1f} ms")
+    return out
