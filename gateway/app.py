@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from engine import AsyncEngine
+from engine import AsyncEngine, PoolEngine
 from gateway import admin, openai_api
 from gateway.errors import APIError, install_error_handlers
 from gateway.model_catalog import read_catalog
@@ -321,6 +321,9 @@ async def lifespan(app: FastAPI, settings: Settings, engine_factory: EngineFacto
         state = AppState(settings=s, models=models, db=database, sessions=sessions,
                          limiter=limiter, usage=usage, pepper=pepper, lifecycle=lifecycle)
         app.state.lockgate = state
+        pools = {id(m.engine.pool): m.engine.pool for m in models.values() if isinstance(m.engine, PoolEngine)}
+        for pool in pools.values():
+            state.metrics.watch_pool(pool.snapshot)
         if isinstance(limiter, FailoverLimiter):
             state.metrics.watch_limiter(lambda: limiter.counts)
         await bootstrap_keys(state)

@@ -44,6 +44,39 @@ class _EngineCollector(Collector):
         yield from (waiting, running, kv, kv_usage, pre)
 
 
+class _PoolCollector(Collector):
+    """Each pool worker's last report, with a `worker` label (vLLM's names for the engine
+    series: a pool worker is one engine): waiting and running per class, KV use, adapters,
+    restarts seen, and whether this replica considers it down."""
+
+    def __init__(self, snapshot: Callable[[], dict]) -> None:
+        self._snapshot = snapshot
+
+    def collect(self):
+        waiting = GaugeMetricFamily("vllm:num_requests_waiting", "Requests waiting, per pool worker and class",
+                                    labels=["worker", "service_class"])
+        running = GaugeMetricFamily("vllm:num_requests_running", "Sequences running, per pool worker and class",
+                                    labels=["worker", "service_class"])
+        kv = GaugeMetricFamily("vllm:kv_cache_usage_perc", "Fraction of KV blocks in use, per pool worker",
+                               labels=["worker"])
+        loras = GaugeMetricFamily("lockgate_pool_worker_loras", "Adapters a pool worker serves",
+                                  labels=["worker"])
+        up = GaugeMetricFamily("lockgate_pool_worker_up", "1 while this replica reaches the worker",
+                               labels=["worker"])
+        restarts = CounterMetricFamily("lockgate_pool_worker_restarts", "Worker restarts this replica saw",
+                                       labels=["worker"])
+        for name, w in self._snapshot().get("workers", {}).items():
+            for cls, n in w["waiting"].items():
+                waiting.add_metric([name, cls], n)
+            for cls, n in w["running"].items():
+                running.add_metric([name, cls], n)
+            kv.add_metric([name], w["kv_used"] / w["kv_total"] if w["kv_total"] else 0.0)
+            loras.add_metric([name], len(w["loras"]))
+            up.add_metric([name], 0.0 if w["down"] else 1.0)
+            restarts.add_metric([name], w["restarts"])
+        yield from (waiting, running, kv, loras, up, restarts)
+
+
 class _LimiterCollector(Collector):
     """The limiter's own counts while Redis fails (`FailoverLimiter.counts`), at scrape time."""
 
@@ -86,6 +119,10 @@ class Metrics:
                                    ["status", "code"], registry=r)
         r.register(_EngineCollector(engine_stats))
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
+
+    def watch_pool(self, snapshot: Callable[[], dict]) -> None:
+        """Export each pool worker's series with a `worker` label (`Pool.snapshot`)."""
+        self.registry.register(_PoolCollector(snapshot))
 
     def watch_limiter(self, counts: Callable[[], dict[str, int]]) -> None:
         """Export the limiter's failure counts (event -> count) as `lockgate_limiter_redis_events`."""

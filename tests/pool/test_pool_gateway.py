@@ -186,3 +186,17 @@ def test_a_worker_killed_during_mixed_requests_loses_no_usage_row(replicas):
     from engine import Tokenizer
     tok = Tokenizer(demo_model("llama", "tiny", 0))
     assert r.json()["choices"][0]["text"] == tok.decode(hf_greedy(demo_model("llama", "tiny", 0), prompt, 6))
+
+
+def test_metrics_carry_each_workers_series(replicas):
+    a, _ = replicas
+    deadline = time.monotonic() + 10
+    while True:
+        text = httpx.get(a.url + "/metrics", timeout=10).text
+        ok = all(f'vllm:kv_cache_usage_perc{{worker="lockgate-worker-{i}"}}' in text for i in (0, 1))
+        if ok or time.monotonic() > deadline:
+            break
+        time.sleep(0.3)
+    assert ok, text[-2000:]
+    assert 'lockgate_pool_worker_up{worker="lockgate-worker-0"} 1.0' in text
+    assert "lockgate_pool_worker_restarts_total" in text

@@ -1,0 +1,104 @@
+"""The pool's decisions without Ray: routing (`Router`), placement (`Placement`) and a worker's
+own checks (`EngineWorker` as a plain object, its model files, its owners' keepalives)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from engine import SamplingParams
+from engine.pool import EngineWorker, ModelFilesMissing, Placement, Router, prefix_chain
+from tests.support.helpers import demo_model, random_prompts
+
+
+def test_prefix_chains_are_salted_and_cover_full_blocks_only():
+    ids = list(range(100, 140))                       # 40 tokens: two full blocks of 16
+    a, b = prefix_chain("m\0t1\0", ids), prefix_chain("m\0t2\0", ids)
+    assert len(a) == 2 and len(b) == 2 and not set(a) & set(b)
+    assert prefix_chain("m\0t1\0", ids[:32] + [1, 2]) == a          # same full blocks
+    assert prefix_chain("m\0t1\0", [7] + ids[1:])[0] != a[0]
+
+
+def test_router_keeps_a_prefix_on_its_worker_unless_it_is_much_busier():
+    r = Router(slack=2)
+    load = {"w0": 0, "w1": 0}
+    chain = prefix_chain("s", list(range(64)))
+    first, depth = r.choose(["w0", "w1"], load.get, chain)
+    assert depth == 0
+    again, depth = r.choose(["w0", "w1"], load.get, chain)
+    assert again == first and depth == len(chain)
+    other = "w1" if first == "w0" else "w0"
+    load[first] = 3                                    # more than least + slack
+    moved, depth = r.choose(["w0", "w1"], load.get, chain)
+    assert moved == other and depth == 0
+    r.forget_worker(other)
+    load[first] = 0
+    assert r.choose(["w0", "w1"], load.get, chain)[0] == first     # the older entry was overwritten
+    with pytest.raises(ValueError, match="no worker"):
+        r.choose([], load.get, chain)
+
+
+def test_router_spreads_distinct_prefixes_in_turn():
+    r = Router()
+    got = [r.choose(["w0", "w1"], lambda w: 0, prefix_chain("s", [i] * 32))[0] for i in range(10)]
+    assert got.count("w0") == got.count("w1") == 5
+
+
+def test_placement_places_on_free_places_then_evicts_the_coldest():
+    p = Placement(["w0", "w1"], {"w0": 1, "w1": 1})
+    assert p.workers_for("a", {}, now=0) == ["w0"]
+    assert p.workers_for("b", {}, now=0) == ["w1"]
+    # c is asked for with no free place: the coldest model with demand 0 gives its place
+    assert p.workers_for("c", {"a": 5, "b": 0}, now=10) == ["w1"]
+    assert p.assigned["b"] == [] and p.assigned["a"] == ["w0"]
+    reasons = [(d.model, d.action, d.reason) for d in p.decisions]
+    assert ("b", "remove", "gave its place to c (demand 0)") in reasons
+    assert ("c", "place", "asked for; took the place of b, the coldest") in reasons
+
+
+def test_placement_gives_a_hot_model_another_worker_and_takes_it_back_when_cold():
+    p = Placement(["w0", "w1"], {"w0": 2, "w1": 2}, hot_per_worker=4, cold_s=30, min_turn_s=5)
+    p.workers_for("a", {}, now=0)
+    p.rebalance({"a": 20}, now=10)                     # 20 queued on one worker: hot
+    assert sorted(p.assigned["a"]) == ["w0", "w1"]
+    assert p.decisions[-1].reason == "hot: 20 requests on 1 worker(s)"
+    p.rebalance({"a": 0}, now=12)                      # within min_turn_s: no change
+    assert len(p.assigned["a"]) == 2
+    p.rebalance({"a": 0}, now=50)                      # no demand for 40 s > cold_s
+    assert p.assigned["a"] == ["w0"] and p.decisions[-1].action == "remove"
+    p.rebalance({"a": 0}, now=200)                     # never below one worker
+    assert p.assigned["a"] == ["w0"]
+    assert p.snapshot()["decisions"][-1]["reason"].startswith("cold")
+
+
+def test_a_worker_refuses_to_start_without_its_model_files(tmp_path):
+    w = EngineWorker("w", {"a": str(tmp_path / "missing")}, {})
+    with pytest.raises(ModelFilesMissing, match="a=.*missing"):
+        asyncio.run(w.start())
+    with pytest.raises(ValueError, match="at least one model"):
+        EngineWorker("w", {}, {})
+
+
+async def test_a_silent_owners_requests_are_aborted():
+    """A gateway replica that stops sending keepalives (it died): after `owner_ttl_s` its
+    requests are aborted on the worker, their KV freed."""
+    path = demo_model("llama", "tiny", 0)
+    w = EngineWorker("w", {"a": path}, {"dtype": "float32", "num_kv_blocks": 64}, owner_ttl_s=0.3)
+    await w.start()
+    try:
+        ids = random_prompts(path, [12], seed=1)[0]
+        gen = w.generate("gw-dead", ids, SamplingParams(max_tokens=1500, ignore_eos=True), "r1", {})
+        assert (await gen.__anext__())[0] == "accepted"
+        outs = []
+        async for kind, value in gen:          # no keepalive after the first: aborted in time
+            outs.append(value)
+        assert outs and outs[-1].finished and len(outs[-1].outputs[0].token_ids) < 1500
+        assert w.report().owned == 0 and w.report().kv_used == 0
+        # a live owner's request runs to the end
+        await w.keepalive("gw-live")
+        gen = w.generate("gw-live", ids, SamplingParams(max_tokens=20, ignore_eos=True), "r2", {})
+        kinds = [k async for k, _ in gen]
+        assert kinds[0] == "accepted" and kinds.count("out") >= 1
+    finally:
+        await w.shutdown()
