@@ -14,6 +14,11 @@ lease freed (`release`), as OpenAI counts failed requests against the rate. Once
 `RequestRun` takes the ticket (`take`), the run settles or cancels it; a refusal for lack of
 capacity (the engine's 503, flex's 429 `resource_unavailable`) cancels the admission, so it
 never counts. A request refused by a limit writes no usage row.
+
+A body declared no larger than `FAST_BODY_BYTES` is cheap to read, so its request takes one
+round trip instead of two: it is admitted at once with its tokens once they are known, and
+one that ends before (a 400, a token refusal) is counted then (`Ticket.count`), with the same
+answers and counts as two steps would give.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
+
+from fastapi import Request
 
 from gateway.errors import APIError
 from gateway.state import AppState
@@ -94,24 +101,65 @@ def refusal(state: AppState, tenant_name: str, d: Decision) -> APIError:
     return APIError(429, d.message, code=d.code or "rate_limit_exceeded", headers=headers)
 
 
+FAST_BODY_BYTES = 16 << 10
+"""A body declared (Content-Length) this small is cheap to parse and tokenize: its request is
+admitted in one limiter round trip once its tokens are known, and counted as step 1 would
+have counted it if it ends before (`Ticket.count`). Larger or chunked bodies take two steps."""
+
+
 class Ticket:
-    """An admitted request before its run: its id, start time, lease and latest decision."""
+    """An admitted request before its run: its id, start time, lease and latest decision.
+    A deferred ticket (`decision` None: a small body) is admitted at `reserve`."""
 
     def __init__(self, state: AppState, principal: Principal, request_id: str, t0: float,
-                 decision: Decision) -> None:
+                 decision: Decision | None) -> None:
         self.state = state
         self.principal = principal
         self.id = request_id
         self.t0 = t0
         self.decision = decision
-        self.lease: Lease | None = decision.lease
+        self.deferred = decision is None
+        self.lease: Lease | None = decision.lease if decision is not None else None
         self.taken = False
         if self.lease is not None:
             state.inflight[request_id] = self.lease     # heart-beaten from now on
 
+    def _refusal(self, d: Decision) -> APIError:
+        return refusal(self.state, self.principal.tenant_name or "", d)
+
+    async def count(self) -> None:
+        """A deferred request that ends before its tokens are reserved (a 400, a 404, a token
+        refusal) counts as step 1 would have counted it: against the request rate, holding
+        nothing. If the rate or the concurrency refuses it, that 429 is its answer, as it
+        would have been before its body was read."""
+        self.deferred = False
+        d = await ask(self.state.limiter.acquire(self.id, scopes_of(self.principal), 0), self.id)
+        if not d.allowed:
+            raise self._refusal(d)
+        if d.lease is not None:
+            try:
+                await asyncio.shield(self.state.limiter.settle(d.lease, 0))
+            except Exception:  # any failure: the lease expires by itself
+                logger.warning("could not settle the count of %s", self.id, exc_info=True)
+
+    async def _admit_at_once(self, tokens: int) -> Decision:
+        d = await ask(self.state.limiter.acquire(self.id, scopes_of(self.principal), tokens), self.id)
+        self.deferred = False           # admitted or refused: counted either way from here
+        if not d.allowed:
+            if d.limit not in ("requests_per_minute", "max_concurrent_requests"):
+                await self.count()      # the rate's or the concurrency's 429 comes first
+            raise self._refusal(d)
+        self.decision = d
+        self.lease = d.lease
+        if self.lease is not None:
+            self.state.inflight[self.id] = self.lease
+        return d
+
     async def reserve(self, tokens: int) -> Decision:
         """Step 2: reserve `tokens`; a refusal (429) or an unreachable limiter (503) releases
-        the admission first."""
+        the admission first. A deferred ticket is admitted here, in one step."""
+        if self.deferred:
+            return await self._admit_at_once(tokens)
         if self.lease is None:
             raise RuntimeError(f"ticket {self.id} holds no lease")
         try:
@@ -121,7 +169,7 @@ class Ticket:
             raise
         if not d.allowed:
             await self.release()
-            raise refusal(self.state, self.principal.tenant_name or "", d)
+            raise self._refusal(d)
         self.decision = d
         self.lease = d.lease
         if self.lease is not None:
@@ -146,12 +194,29 @@ class Ticket:
             logger.warning("could not release the admission of %s", self.id, exc_info=True)
 
 
+def small_body(request: Request) -> bool:
+    length = request.headers.get("content-length")
+    return length is not None and length.isdigit() and int(length) <= FAST_BODY_BYTES
+
+
 @asynccontextmanager
-async def admitted(state: AppState, principal: Principal) -> AsyncIterator[Ticket]:
+async def admitted(state: AppState, principal: Principal, request: Request) -> AsyncIterator[Ticket]:
     """Step 1, around everything a route does before its run takes the ticket: an exception,
-    or a route that ends without a run, releases the admission."""
+    or a route that ends without a run, releases the admission. A small body's request is
+    admitted at `reserve` instead (one round trip); if it fails before (4xx), it is counted."""
     request_id = new_request_id()
     t0 = time.time()
+    if small_body(request):
+        ticket = Ticket(state, principal, request_id, t0, None)
+        try:
+            yield ticket
+        except APIError as exc:
+            if ticket.deferred and 400 <= exc.status < 500:
+                await ticket.count()        # may answer the rate's 429 instead
+            raise
+        finally:
+            await ticket.release()
+        return
     d = await ask(state.limiter.acquire(request_id, scopes_of(principal), 0), request_id)
     if not d.allowed:
         raise refusal(state, principal.tenant_name or "", d)

@@ -217,7 +217,7 @@ async def respond(request: Request, run: RequestRun, req: Any, tier: str, id_pre
 @router.post("/v1/chat/completions", openapi_extra=json_body(ChatCompletionRequest), responses=_INFERENCE_ERRORS)
 async def chat_completions(request: Request, principal: TenantDep, state: StateDep):
     check_draining(state)
-    async with admitted(state, principal) as ticket:     # rate and concurrency, before the body
+    async with admitted(state, principal, request) as ticket:     # rate and concurrency, before the body
         return await chat_run(request, ticket)
 
 
@@ -314,7 +314,7 @@ def chat_stream(run: RequestRun, base: dict, top: int, include_usage: bool, n: i
 @router.post("/v1/completions", openapi_extra=json_body(CompletionRequest), responses=_INFERENCE_ERRORS)
 async def completions(request: Request, principal: TenantDep, state: StateDep):
     check_draining(state)
-    async with admitted(state, principal) as ticket:     # rate and concurrency, before the body
+    async with admitted(state, principal, request) as ticket:     # rate and concurrency, before the body
         return await completion_run(request, ticket)
 
 
