@@ -16,8 +16,8 @@ def test_prefix_chains_are_salted_and_cover_full_blocks_only():
     ids = list(range(100, 140))                       # 40 tokens: two full blocks of 16
     a, b = prefix_chain("m\0t1\0", ids), prefix_chain("m\0t2\0", ids)
     assert len(a) == 2 and len(b) == 2 and not set(a) & set(b)
-    assert prefix_chain("m\0t1\0", ids[:32] + [1, 2]) == a          # same full blocks
-    assert prefix_chain("m\0t1\0", [7] + ids[1:])[0] != a[0]
+    assert prefix_chain("m\0t1\0", [*ids[:32], 1, 2]) == a          # same full blocks
+    assert prefix_chain("m\0t1\0", [7, *ids[1:]])[0] != a[0]
 
 
 def test_router_keeps_a_prefix_on_its_worker_unless_it_is_much_busier():
@@ -74,7 +74,7 @@ def test_placement_gives_a_hot_model_another_worker_and_takes_it_back_when_cold(
 
 def test_a_worker_refuses_to_start_without_its_model_files(tmp_path):
     w = EngineWorker("w", {"a": str(tmp_path / "missing")}, {})
-    with pytest.raises(ModelFilesMissing, match="a=.*missing"):
+    with pytest.raises(ModelFilesMissing, match=r"a=.*missing"):
         asyncio.run(w.start())
     with pytest.raises(ValueError, match="at least one model"):
         EngineWorker("w", {}, {})
@@ -91,7 +91,7 @@ async def test_a_silent_owners_requests_are_aborted():
         gen = w.generate("gw-dead", ids, SamplingParams(max_tokens=1500, ignore_eos=True), "r1", {})
         assert (await gen.__anext__())[0] == "accepted"
         outs = []
-        async for kind, value in gen:          # no keepalive after the first: aborted in time
+        async for _, value in gen:             # no keepalive after the first: aborted in time
             outs.append(value)
         assert outs and outs[-1].finished and len(outs[-1].outputs[0].token_ids) < 1500
         assert w.report().owned == 0 and w.report().kv_used == 0
