@@ -211,6 +211,7 @@ class RemoteStream(RequestStream):
         loop = asyncio.get_running_loop()
         self._accepted: asyncio.Future[None] = loop.create_future()
         self._model = model
+        self._forgotten = False
         pool.inflight[worker] += 1
         self._task = loop.create_task(self._pump(prompt, params, kwargs))
 
@@ -275,7 +276,9 @@ class RemoteStream(RequestStream):
             logger.debug("pool: abort of %s not sent", request_id, exc_info=True)
 
     def _forget_remote(self, request_id: str) -> None:
-        if self.pool.inflight[self.worker] > 0:
+        # called when the stream finishes and again when it is closed: counted down once
+        if not self._forgotten:
+            self._forgotten = True
             self.pool.inflight[self.worker] -= 1
 
 

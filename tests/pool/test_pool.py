@@ -52,6 +52,7 @@ async def run(engine: PoolEngine, ids: list[int], rid: str, n: int = 8, tenant: 
     stream = engine.submit(ids, greedy(n), rid, tenant=tenant)
     await stream.accepted()
     outs = [o async for o in stream]
+    stream.close()                                  # as the gateway does: forgets it once
     return outs[-1], stream.worker
 
 
@@ -67,6 +68,10 @@ async def test_two_models_on_budgets_of_one_are_served_at_once_and_equal_hf(pool
                                            strict=True):
         assert worker == pool.assigned[model][0]
         assert out.outputs[0].token_ids == hf_greedy(dirs[model], ids, 8)
+    for s in [ea.submit(pa[0], greedy(2), "closed-early", tenant="t1")]:
+        await s.accepted()
+        s.close()                                   # closed before its end: aborted
+    assert all(v == 0 for v in pool.inflight.values()), pool.inflight   # counted down once each
     await pool.refresh()
     workers = pool.snapshot()["workers"]
     # each worker kept its own model resident the whole time: no switching
