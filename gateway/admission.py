@@ -35,7 +35,7 @@ from fastapi import Request
 from gateway.errors import APIError
 from gateway.state import AppState
 from tenancy.auth import Principal
-from tenancy.errors import LimiterUnavailable
+from tenancy.errors import Invalid, LimiterUnavailable
 from tenancy.limiter import Decision, Lease, LimitScope
 
 logger = logging.getLogger(__name__)
@@ -167,6 +167,11 @@ class Ticket:
         except APIError:
             await self.release()
             raise
+        except Invalid as exc:    # the admission is gone (abandoned while this replica lost Redis)
+            await self.release()
+            logger.warning("admission of %s lost before its tokens were reserved: %s", self.id, exc)
+            raise APIError(503, "The request's admission expired; retry.", code="admission_expired",
+                           headers={"retry-after": "1"}) from None
         if not d.allowed:
             await self.release()
             raise self._refusal(d)

@@ -362,7 +362,7 @@ class RequestRun:
                     error = exc
             if settle is not None:
                 try:
-                    await settle
+                    await asyncio.shield(settle)     # a disconnect's cancel must not cancel it
                 except Exception:  # any failure: leases expire on their own
                     logger.warning("could not settle the lease of %s", self.id, exc_info=True)
         finally:

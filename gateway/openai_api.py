@@ -182,16 +182,21 @@ async def respond(request: Request, run: RequestRun, req: Any, tier: str, id_pre
     refusal, if the engine shed the run from its queue first)."""
     run.client_request_id = request.state.request_id     # set by RequestContext, echoed back
     await run.admit()
-    # a stream's 200 goes out at once, so the engine may not shed it later; a JSON answer
-    # waits for the end, so a shed before then is still answered as a refusal
-    await run.submit(sheddable=not req.stream)
-    headers = {**ratelimit_headers(run.decision)} if run.decision else {}
-    base = {"id": f"{id_prefix}-{run.id}", "created": int(run.t0), "model": req.model,
-            "service_tier": tier, "system_fingerprint": None}
-    if req.stream:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return StreamingResponse(stream(run, base, include_usage), media_type="text/event-stream",
-                                 headers=headers)
+    try:
+        # a stream's 200 goes out at once, so the engine may not shed it later; a JSON answer
+        # waits for the end, so a shed before then is still answered as a refusal
+        await run.submit(sheddable=not req.stream)
+        headers = {**ratelimit_headers(run.decision)} if run.decision else {}
+        base = {"id": f"{id_prefix}-{run.id}", "created": int(run.t0), "model": req.model,
+                "service_tier": tier, "system_fingerprint": None}
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return StreamingResponse(stream(run, base, include_usage), media_type="text/event-stream",
+                                     headers=headers)
+    except BaseException as exc:   # anything unforeseen once the run holds the admission: it ends
+        with contextlib.suppress(APIError):
+            await asyncio.shield(run.finish(usage_status(exc)))   # a no-op after refuse/finish
+        raise
 
     async def collect() -> JSONResponse:
         async for _ in run.events():

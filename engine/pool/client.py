@@ -61,6 +61,8 @@ class Pool:
         self.placement: Any = None
         self.failures: tuple[type[BaseException], ...] = ()
         self._poller: asyncio.Task[None] | None = None
+        self._beat: asyncio.Task[None] | None = None
+        self._restarting: dict[str, asyncio.Task[None]] = {}
         self._started = False
         self._lock = asyncio.Lock()
 
@@ -90,7 +92,9 @@ class Pool:
         capacity = {w: r.capacity for w, r in self.reports.items()}
         self.placement = remote.placement_handle(c.namespace, self.names, capacity)
         self.assigned = await self._bounded(self.placement.place_free.remote(list(c.models)))
-        self._poller = asyncio.get_running_loop().create_task(self._poll())
+        loop = asyncio.get_running_loop()
+        self._poller = loop.create_task(self._poll())
+        self._beat = loop.create_task(self._keepalive())
 
     def _retryable(self, *more: type[BaseException]) -> tuple[type[BaseException], ...]:
         """What a dead, restarting or silent worker raises at a caller (and `more`)."""
@@ -112,7 +116,6 @@ class Pool:
         async def one(name: str) -> None:
             h = self.handles[name]
             try:
-                h.keepalive.remote(self.owner)
                 report = await self._bounded(h.report.remote(), self.config.report_interval_s * 4)
             except self._retryable():
                 self.down.add(name)
@@ -122,20 +125,43 @@ class Pool:
                 self.router.forget_worker(name)
                 self.restarts[name] += 1
                 logger.warning("pool: worker %s restarted (pid %d -> %d)", name, old.pid, report.pid)
-            if not report.started:          # Ray restarted the actor: its engine starts again
-                try:
-                    report = await self._bounded(h.start.remote(), self.config.start_timeout_s)
-                except self._retryable():
-                    self.down.add(name)
-                    return
+            if not report.started:          # Ray restarted the actor: its engine starts again,
+                self.down.add(name)          # in the background (a model may take minutes)
+                self.reports[name] = report  # (its new pid: the restart counted once)
+                if name not in self._restarting:
+                    self._restarting[name] = asyncio.get_running_loop().create_task(self._restart(name))
+                return
             self.reports[name] = report
             self.down.discard(name)
 
         await asyncio.gather(*(one(n) for n in self.names))
         if self.placement is None:      # (a bench or test holding the assignment fixed)
             return
-        snap = await self._bounded(self.placement.rebalance.remote(self.demand()))
+        snap = await self._bounded(self.placement.rebalance.remote(self.demand()),
+                                   self.config.report_interval_s * 4)
         self.assigned, self.decisions = snap["assigned"], snap["decisions"]
+
+    async def _restart(self, name: str) -> None:
+        try:
+            report = await self._bounded(self.handles[name].start.remote(), self.config.start_timeout_s)
+            self.reports[name] = report
+            self.down.discard(name)
+        except Exception:
+            logger.warning("pool: worker %s did not start again", name, exc_info=True)
+        finally:
+            self._restarting.pop(name, None)
+
+    async def _keepalive(self) -> None:
+        """Tell every worker this replica is alive, on its own beat, never waiting on a
+        report, a restart or placement (a worker aborts a silent owner's requests)."""
+        beat = min(self.config.report_interval_s, self.config.owner_ttl_s / 4)
+        while True:
+            for h in self.handles.values():
+                try:
+                    h.keepalive.remote(self.owner)
+                except Exception:
+                    logger.debug("pool: keepalive not sent", exc_info=True)
+            await asyncio.sleep(beat)
 
     def demand(self) -> dict[str, int]:
         """Requests waiting or running per model, pool-wide (last reports)."""
@@ -178,9 +204,10 @@ class Pool:
 
     async def close(self) -> None:
         """Stop this replica's side; the workers stay for the other replicas."""
-        if self._poller is not None:
-            self._poller.cancel()
-            self._poller = None
+        for task in (self._poller, self._beat, *self._restarting.values()):
+            if task is not None:
+                task.cancel()
+        self._poller = self._beat = None
 
     async def destroy(self) -> None:
         """Stop this replica's side and kill the pool's actors (the last replica, a test)."""
@@ -225,6 +252,19 @@ class RemoteStream(RequestStream):
             self._queue.put_nowait(exc)
 
     async def _pump(self, prompt: Prompt, params: SamplingParams, kwargs: dict[str, Any]) -> None:
+        """Read the request's outputs; whatever goes wrong ends the stream with an error (its
+        acceptance, if still awaited, fails), never silently."""
+        try:
+            await self._attempts(prompt, params, kwargs)
+        except asyncio.CancelledError:
+            if not self._accepted.done():
+                self._accepted.set_exception(EngineDead(f"request {self.request_id} was aborted"))
+            raise
+        except Exception as exc:  # noqa: BLE001 - any failure: the request ends with EngineDead
+            logger.warning("pool: request %s on %s failed: %r", self.request_id, self.worker, exc)
+            self._fail(EngineDead(f"pool worker {self.worker}: {type(exc).__name__}: {exc}"))
+
+    async def _attempts(self, prompt: Prompt, params: SamplingParams, kwargs: dict[str, Any]) -> None:
         pool = self.pool
         for attempt in (0, 1):
             sent = False
@@ -247,6 +287,7 @@ class RemoteStream(RequestStream):
                     self._queue.put_nowait(value)
                     if kind == "error" or (isinstance(value, RequestOutput) and value.finished):
                         return
+                self._fail(EngineDead(f"worker {self.worker} ended the request unfinished"))
                 return
             except StopAsyncIteration:
                 self._fail(EngineDead(f"worker {self.worker} ended the request without an answer"))
@@ -261,6 +302,10 @@ class RemoteStream(RequestStream):
                     except EngineDead:
                         other = None
                     if other is not None:
+                        try:    # a slow, not dead, worker may hold it: abort it there
+                            handle.abort.remote(self.request_id)
+                        except Exception:  # noqa: BLE001 - gone: nothing runs there
+                            logger.debug("pool: abort of %s not sent", self.request_id)
                         pool.inflight[self.worker] -= 1
                         pool.inflight[other] += 1
                         self.worker = other

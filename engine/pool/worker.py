@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engine.errors import EngineDead, EngineOverloaded, InvalidRequest
+from engine.errors import EngineDead, EngineError, EngineOverloaded, InvalidRequest
 from engine.lora_files import Adapter, LoRARequest
 from engine.sampling_params import SamplingParams
 from engine.stats import EngineStats
@@ -88,9 +88,16 @@ class EngineWorker:
         self._owned: dict[str, str] = {}          # request id -> owner (a gateway replica)
         self._seen: dict[str, float] = {}         # owner -> last keepalive (monotonic)
         self._watch: asyncio.Task[None] | None = None
+        self._starting = asyncio.Lock()
 
     async def start(self) -> WorkerReport:
-        """Build and start the engine (idempotent); raises ModelFilesMissing naming the paths."""
+        """Build and start the engine (idempotent: concurrent callers, e.g. every replica after
+        a restart, share one start); raises ModelFilesMissing naming the paths."""
+        async with self._starting:
+            await self._start()
+        return self.report()
+
+    async def _start(self) -> None:
         if self.engine is None:
             check_model_dirs(self.models)
             import torch
@@ -106,7 +113,6 @@ class EngineWorker:
             await engine.start()
             self.engine = engine
             self._watch = asyncio.get_running_loop().create_task(self._watchdog())
-        return self.report()
 
     def pid(self) -> int:
         return os.getpid()
@@ -128,8 +134,10 @@ class EngineWorker:
             yield ("accepted", None)
             async for out in stream:
                 yield ("out", out)
-        except (EngineOverloaded, EngineDead) as exc:
+        except EngineError as exc:          # a shed, a dead engine, an adapter that failed
             yield ("error", exc)
+        except Exception as exc:  # noqa: BLE001 - any other failure ends the request, told
+            yield ("error", EngineDead(f"worker {self.worker_id}: {type(exc).__name__}: {exc}"))
         finally:
             stream.close()       # aborts the request unless it finished
             self._owned.pop(request_id, None)

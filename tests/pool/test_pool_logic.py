@@ -102,3 +102,23 @@ async def test_a_silent_owners_requests_are_aborted():
         assert kinds[0] == "accepted" and kinds.count("out") >= 1
     finally:
         await w.shutdown()
+
+
+async def test_concurrent_starts_build_one_engine(monkeypatch):
+    """Every replica starts a restarted worker at once: one engine is built, not one each."""
+    from engine import async_engine
+
+    built = []
+    real_start = async_engine.AsyncEngine.start
+
+    async def counting_start(self):
+        built.append(self)
+        await real_start(self)
+
+    monkeypatch.setattr(async_engine.AsyncEngine, "start", counting_start)
+    w = EngineWorker("w", {"a": demo_model("llama", "tiny", 0)}, {"dtype": "float32", "num_kv_blocks": 32})
+    try:
+        reports = await asyncio.gather(w.start(), w.start(), w.start())
+        assert len(built) == 1 and all(r.started for r in reports)
+    finally:
+        await w.shutdown()
