@@ -108,10 +108,13 @@ local function finish(rid, n, base)
     if conc >= 0 then redis.call('ZREM', KEYS[1 + (i - 1) * 5 + 3], rid) end
   end
   local p = 1 + n * 5
+  -- what the admission holds on the budgets, as Redis recorded it (a caller's lease may be
+  -- stale: a reserve whose reply was lost); nil when it is not in the index
+  local held = tonumber(redis.call('HGET', KEYS[p + 3], rid))
   redis.call('ZREM', KEYS[p + 1], rid)
   redis.call('HDEL', KEYS[p + 2], rid)
   redis.call('HDEL', KEYS[p + 3], rid)
-  return live
+  return live, held
 end
 
 -- A budget counter's refusal of `tokens` more, or nil: {scope index, field, wait, used}.
@@ -295,9 +298,9 @@ elseif op == 'settle' then
     if exp and exp > now then return -1 end   -- a heartbeat renewed it meanwhile
     if redis.call('GET', KEYS[1]) ~= '1' then return 0 end   -- settled, or abandoned already
   end
-  local marker = finish(rid, n, 6)
+  local marker, held = finish(rid, n, 6)
   if not marker then return 0 end
-  local reserved = tonumber(ARGV[4])
+  local reserved = held or tonumber(ARGV[4])
   if marker == 'r' then reserved = 0 end       -- the reconciler refunded the reservation
   local delta = fmt(used - reserved)
   for i = 1, n do
@@ -330,8 +333,9 @@ elseif op == 'cancel' then
   local window = tonumber(ARGV[4])
   local n = tonumber(ARGV[5])
   local now = clock()
-  local marker = finish(rid, n, 5)
+  local marker, held = finish(rid, n, 5)
   if not marker then return 0 end
+  if held then reserved = fmt(held) end
   if marker == 'r' then reserved = '0' end     -- the reconciler refunded the reservation
   local admitted = nil
   for i = 1, n do

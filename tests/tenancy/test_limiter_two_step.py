@@ -196,3 +196,19 @@ async def test_cancel_after_abandon_refunds_nothing_twice(redis_lim):
     await lim.cancel(d.lease)
     u = await lim.usage(s)
     assert (u["requests_in_window"], u["day_tokens"]) == (0, 0)   # out of the window, not -70
+
+
+async def test_an_end_charges_what_redis_holds_not_a_stale_lease(redis_lim):
+    """A reserve that ran on Redis but whose reply was lost (a timeout): the caller still holds
+    the lease of 0 tokens and settles or cancels with it. Redis's own record of the
+    reservation decides what comes off the budgets, so nothing stays charged."""
+    lim = redis_lim()
+    s = scope(daily_token_budget=5000)
+    d = await lim.acquire("r1", [s], 0)
+    assert (await lim.reserve(d.lease, 300)).allowed       # its reply "lost": d.lease is stale
+    await lim.settle(d.lease, 40)
+    assert (await lim.usage(s))["day_tokens"] == 40
+    d2 = await lim.acquire("r2", [s], 0)
+    assert (await lim.reserve(d2.lease, 200)).allowed
+    await lim.cancel(d2.lease)
+    assert (await lim.usage(s))["day_tokens"] == 40
