@@ -296,7 +296,13 @@ elseif op == 'settle' then
   if mode == 'abandon' then
     local exp = tonumber(redis.call('ZSCORE', KEYS[1 + n * 5 + 1], rid))
     if exp and exp > now then return -1 end   -- a heartbeat renewed it meanwhile
-    if redis.call('GET', KEYS[1]) ~= '1' then return 0 end   -- settled, or abandoned already
+    if redis.call('GET', KEYS[1]) ~= '1' then   -- settled, abandoned already, or its marker
+      local p = 1 + n * 5                         -- expired: out of the index, or it would
+      redis.call('ZREM', KEYS[p + 1], rid)        -- come back first on every pass
+      redis.call('HDEL', KEYS[p + 2], rid)
+      redis.call('HDEL', KEYS[p + 3], rid)
+      return 0
+    end
   end
   local marker, held = finish(rid, n, 6)
   if not marker then return 0 end

@@ -212,3 +212,18 @@ async def test_an_end_charges_what_redis_holds_not_a_stale_lease(redis_lim):
     assert (await lim.reserve(d2.lease, 200)).allowed
     await lim.cancel(d2.lease)
     assert (await lim.usage(s))["day_tokens"] == 40
+
+
+async def test_an_admission_whose_marker_expired_leaves_the_index(redis_lim):
+    """Its marker gone (older than PENDING_TTL): abandon declines, and drops it from the
+    pending index so that it does not take the reconciler's batch on every pass."""
+    lim = redis_lim(lease_ttl=0.2)
+    s = scope(**LIMITS)
+    d = await lim.acquire("r1", [s], 10)
+    assert d.lease is not None
+    await asyncio.sleep(0.3)
+    (lease,) = await lim.expired()
+    from tenancy.limiter.keys import marker
+    await lim._redis.execute("DEL", marker(lim.prefix, "tenant:t1", "r1"))   # as if it expired
+    assert await lim.abandon(lease) is False
+    assert await lim.expired() == []
