@@ -247,8 +247,7 @@ async def bootstrap_keys(state: AppState) -> None:
 
 
 async def heartbeat(state: AppState) -> None:
-    """Every `lease_ttl_s` / 3: renew this replica's leases, then settle the admissions of
-    requests that died with another replica (`gateway.reconciler`)."""
+    """Every `lease_ttl_s` / 3: renew this replica's leases."""
     interval = max(0.5, state.settings.lease_ttl_s / 3)
     while True:
         await asyncio.sleep(interval)
@@ -257,9 +256,17 @@ async def heartbeat(state: AppState) -> None:
                 await state.limiter.heartbeat(list(state.inflight.values()))
             except Exception:  # any failure, logged: the next beat tries again; leases outlive one miss
                 logger.warning("lease heartbeat failed", exc_info=True)
+
+
+async def reconciler(state: AppState) -> None:
+    """On the heartbeat's period, in a task of its own (a slow pass never delays a
+    heartbeat): settle the admissions of requests that died with another replica."""
+    interval = max(0.5, state.settings.lease_ttl_s / 3)
+    while True:
+        await asyncio.sleep(interval)
         try:
             await reconcile_once(state)
-        except Exception:  # any failure, logged: the next beat tries again
+        except Exception:  # any failure, logged: the next pass tries again
             logger.warning("lease reconciler failed", exc_info=True)
 
 
@@ -328,7 +335,8 @@ async def lifespan(app: FastAPI, settings: Settings, engine_factory: EngineFacto
             state.metrics.watch_limiter(lambda: limiter.counts)
         await bootstrap_keys(state)
         loop = asyncio.get_running_loop()
-        tasks = [loop.create_task(heartbeat(state)), loop.create_task(state.adapters.watch())]
+        tasks = [loop.create_task(heartbeat(state)), loop.create_task(reconciler(state)),
+                 loop.create_task(state.adapters.watch())]
         # Everything made so far (torch, transformers, the models' tables: hundreds of
         # thousands of objects) lives as long as the server. Frozen, the cyclic GC stops
         # walking it: otherwise each full collection stalls every request and engine step.

@@ -25,6 +25,7 @@ from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from gateway.state import AppState
+from tenancy.limiter import Lease
 from tenancy.models import UsageRecord
 
 logger = logging.getLogger(__name__)
@@ -55,15 +56,15 @@ async def reconcile_once(state: AppState) -> dict[str, int]:
     except Exception as exc:  # noqa: BLE001 - any database failure: decide nothing, retry later
         logger.warning("lease reconciler: usage rows unreadable (%r); retrying next beat", exc)
         return counts
-    for lease in expired:
+    async def one(lease: Lease) -> str:
         used = rows.get(lease.request_id)
         if used is not None:
             await limiter.settle(lease, used)
-            counts["settled"] += 1
-        elif await limiter.abandon(lease):
-            counts["abandoned"] += 1
-        else:
-            counts["skipped"] += 1
+            return "settled"
+        return "abandoned" if await limiter.abandon(lease) else "skipped"
+
+    for outcome in await asyncio.gather(*(one(lease) for lease in expired)):
+        counts[outcome] += 1
     logger.warning("lease reconciler: %d admission(s) of dead requests settled to their usage "
                    "rows, %d refunded (no row), %d skipped", counts["settled"],
                    counts["abandoned"], counts["skipped"])
