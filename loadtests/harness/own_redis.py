@@ -1,5 +1,5 @@
 """A redis-server of a benchmark's own on a free loopback port, to hang (SIGSTOP) and resume
-(SIGCONT). (tests/support/own_redis.py is the tests' twin; loadtests never import from tests.)"""
+(SIGCONT). (The tests use it too, through tests/support/own_redis.py.)"""
 
 from __future__ import annotations
 

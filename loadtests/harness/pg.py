@@ -7,8 +7,8 @@ binaries (`initdb`, `pg_ctl`), to stop and start mid-load: the database going do
         pg.start()        # back, same data
 
 As root, the server runs as the `postgres` user (PostgreSQL refuses to run as root). Raises
-ServiceUnavailable where the binaries are missing. (tests/support/throwaway_pg.py is the
-tests' twin, which skips instead; loadtests never import from tests.)
+ServiceUnavailable where the binaries are missing. (The tests use it through
+tests/support/throwaway_pg.py, which skips instead.)
 """
 
 from __future__ import annotations

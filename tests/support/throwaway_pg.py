@@ -1,75 +1,34 @@
-"""A PostgreSQL server a test starts, stops and restarts itself, on its own port, from the
-machine's PostgreSQL 15 binaries (`initdb`, `pg_ctl`): the database going down for real.
+"""A PostgreSQL server a test starts, stops and restarts itself (loadtests/harness/pg.py's
+`ThrowawayPostgres`): the database going down for real.
 
-    with throwaway_postgres(tmp_path) as pg:
+    with throwaway_postgres() as pg:
         pg.url            # postgresql+asyncpg://postgres@127.0.0.1:PORT/postgres
         pg.stop()         # immediate shutdown: connections refused from now on
         pg.start()        # back, same data
 
-As root, the server runs as the `postgres` user (PostgreSQL refuses to run as root). Skipped
-where the binaries are missing, failed under `CI=true`.
+Skipped where the binaries are missing, failed under `CI=true`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import shutil
-import subprocess
-import tempfile
 from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 
-from loadtests.harness.server import free_port
+from loadtests.harness import pg as harness_pg
+from loadtests.harness.pg import BIN, ThrowawayPostgres
 
-BIN = Path(os.environ.get("LOCKGATE_TEST_PG_BIN", "/usr/lib/postgresql/15/bin"))
-
-
-@dataclass
-class ThrowawayPostgres:
-    data: Path
-    port: int
-
-    @property
-    def url(self) -> str:
-        return f"postgresql+asyncpg://postgres@127.0.0.1:{self.port}/postgres"
-
-    def _run(self, *args: str) -> None:
-        cmd = [str(BIN / args[0]), *args[1:]]
-        if os.geteuid() == 0:
-            cmd = ["runuser", "-u", "postgres", "--", *cmd]
-        subprocess.run(cmd, check=True, capture_output=True, timeout=60)
-
-    def start(self) -> None:
-        self._run("pg_ctl", "-D", str(self.data), "-w", "-t", "30", "-l", str(self.data / "log"), "-o",
-                  f"-p {self.port} -k {self.data} -c listen_addresses=127.0.0.1 -c fsync=off", "start")
-
-    def stop(self) -> None:
-        self._run("pg_ctl", "-D", str(self.data), "-w", "-m", "immediate", "stop")
+__all__ = ["BIN", "ThrowawayPostgres", "throwaway_postgres"]
 
 
 @contextlib.contextmanager
 def throwaway_postgres() -> Iterator[ThrowawayPostgres]:
-    if not (BIN / "initdb").is_file():
+    if not harness_pg.postgres_available():
         msg = f"no PostgreSQL binaries under {BIN}"
         if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
             pytest.fail(msg, pytrace=False)
         pytest.skip(msg)
-    root = Path(tempfile.mkdtemp(prefix="lockgate-pg-"))
-    root.chmod(0o755)
-    data = root / "data"
-    data.mkdir(mode=0o700)
-    if os.geteuid() == 0:
-        shutil.chown(data, "postgres", "postgres")
-    pg = ThrowawayPostgres(data, free_port())
-    pg._run("initdb", "-D", str(data), "-U", "postgres", "--auth=trust", "-E", "UTF8", "--no-sync")
-    pg.start()
-    try:
+    with harness_pg.throwaway_postgres() as pg:
         yield pg
-    finally:
-        with contextlib.suppress(subprocess.CalledProcessError):
-            pg.stop()
-        shutil.rmtree(root, ignore_errors=True)
