@@ -124,6 +124,14 @@ class Ticket:
         if self.lease is not None:
             state.inflight[request_id] = self.lease     # heart-beaten from now on
 
+    def _hold(self, d: Decision) -> Decision:
+        """Keep an allowed decision and its lease (heart-beaten from now on)."""
+        self.decision = d
+        self.lease = d.lease
+        if self.lease is not None:
+            self.state.inflight[self.id] = self.lease
+        return d
+
     def _refusal(self, d: Decision) -> APIError:
         return refusal(self.state, self.principal.tenant_name or "", d)
 
@@ -149,11 +157,7 @@ class Ticket:
             if d.limit not in ("requests_per_minute", "max_concurrent_requests"):
                 await self.count()      # the rate's or the concurrency's 429 comes first
             raise self._refusal(d)
-        self.decision = d
-        self.lease = d.lease
-        if self.lease is not None:
-            self.state.inflight[self.id] = self.lease
-        return d
+        return self._hold(d)
 
     async def reserve(self, tokens: int) -> Decision:
         """Step 2: reserve `tokens`; a refusal (429) or an unreachable limiter (503) releases
@@ -175,11 +179,7 @@ class Ticket:
         if not d.allowed:
             await self.release()
             raise self._refusal(d)
-        self.decision = d
-        self.lease = d.lease
-        if self.lease is not None:
-            self.state.inflight[self.id] = self.lease
-        return d
+        return self._hold(d)
 
     def take(self) -> Lease | None:
         """The run takes over the admission: from now on it settles or cancels it."""
