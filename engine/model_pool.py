@@ -28,7 +28,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -40,7 +39,7 @@ from engine.lora import Adapter, LoRAManager, LoRARequest
 from engine.memory import CUDA_ACTIVATION_HEADROOM, MemoryBudget
 from engine.outputs import RequestOutput
 from engine.request import EngineRequest, RequestState
-from engine.stats import EngineStats, PooledModelStats, PoolStats, QueueStats
+from engine.stats import EngineStats, PooledModelStats, PoolStats, summed_stats
 from engine.step_engine import StepEngine
 from engine.tokenizer import Tokenizer
 
@@ -286,7 +285,7 @@ class ModelPool:
         """The totals over the models, the pool (memory, switches, each model's residency)
         and each model's own stats in `by_model`."""
         per = {n: c.stats() for n, c in self.cores.items()}
-        out = _totals(per.values())
+        out = summed_stats(per.values())
         out.memory = {**self.memory.summary(), "used_bytes": self.memory.used_bytes,
                       "peak_used_bytes": self.peak_used_bytes}
         models = {
@@ -303,37 +302,3 @@ class ModelPool:
         out.pool = PoolStats(out.memory, self.num_switches, self.switch_s_total, self.current, models)
         out.by_model = per
         return out
-
-
-def _totals(parts: Iterable[EngineStats]) -> EngineStats:
-    """The models' counts summed (fairness counters and weights are per model, so their sum
-    means little; they are kept from the first model). Memory, cost model and adapters are
-    per model: left out."""
-    out = EngineStats()
-    for s in parts:
-        for cls, q in s.classes.items():
-            _add_counts(out.classes.setdefault(cls, QueueStats()), q)
-        for tenant, by_class in s.tenants.items():
-            mine = out.tenants.setdefault(tenant, {})
-            for cls, row in by_class.items():
-                if cls in mine:
-                    _add_counts(mine[cls], row, keep=("counter", "weight"))
-                else:
-                    mine[cls] = dataclasses.replace(row)
-        for name in ("running", "waiting", "waiting_requests", "running_by_tenant", "waiting_by_tenant"):
-            into = getattr(out, name)
-            for k, v in getattr(s, name).items():
-                into[k] = into.get(k, 0) + v
-        out.num_requests += s.num_requests
-        out.num_preemptions += s.num_preemptions
-        out.num_generated_tokens += s.num_generated_tokens
-        out.num_steps += s.num_steps
-        _add_counts(out.kv, s.kv)
-    return out
-
-
-def _add_counts(into: object, other: object, keep: tuple[str, ...] = ()) -> None:
-    """Add `other`'s numeric fields into `into` (a dataclass of the same type), but `keep`."""
-    for f in dataclasses.fields(other):     # type: ignore[arg-type]
-        if f.name not in keep:
-            setattr(into, f.name, getattr(into, f.name) + getattr(other, f.name))

@@ -4,6 +4,7 @@ by attribute. `to_dict()` gives the nested JSON-ready form for an HTTP edge."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -137,3 +138,37 @@ class EngineStats:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def summed_stats(parts: Iterable[EngineStats]) -> EngineStats:
+    """Several engines' counts summed: a pool's models, or one model's pool workers.
+    Fairness counters and weights are an engine's own, so their sum means little: they are
+    kept from the first. Memory, cost model and adapters are per engine: left out."""
+    out = EngineStats()
+    for s in parts:
+        for cls, q in s.classes.items():
+            _add_counts(out.classes.setdefault(cls, QueueStats()), q)
+        for tenant, by_class in s.tenants.items():
+            mine = out.tenants.setdefault(tenant, {})
+            for cls, row in by_class.items():
+                if cls in mine:
+                    _add_counts(mine[cls], row, keep=("counter", "weight"))
+                else:
+                    mine[cls] = dataclasses.replace(row)
+        for name in ("running", "waiting", "waiting_requests", "running_by_tenant", "waiting_by_tenant"):
+            into = getattr(out, name)
+            for k, v in getattr(s, name).items():
+                into[k] = into.get(k, 0) + v
+        out.num_requests += s.num_requests
+        out.num_preemptions += s.num_preemptions
+        out.num_generated_tokens += s.num_generated_tokens
+        out.num_steps += s.num_steps
+        _add_counts(out.kv, s.kv)
+    return out
+
+
+def _add_counts(into: object, other: object, keep: tuple[str, ...] = ()) -> None:
+    """Add `other`'s numeric fields into `into` (a dataclass of the same type), but `keep`."""
+    for f in dataclasses.fields(other):     # type: ignore[arg-type]
+        if f.name not in keep:
+            setattr(into, f.name, getattr(into, f.name) + getattr(other, f.name))

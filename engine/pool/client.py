@@ -24,7 +24,7 @@ from engine.outputs import RequestOutput
 from engine.pool.router import Router, prefix_chain
 from engine.pool.worker import WorkerReport
 from engine.sampling_params import SamplingParams
-from engine.stats import EngineStats, KVStats
+from engine.stats import EngineStats, summed_stats
 
 logger = logging.getLogger(__name__)
 
@@ -418,22 +418,9 @@ class PoolEngine:
 
 
 def _summed(parts: list[EngineStats]) -> EngineStats:
-    """The workers' counts of one model added up (the fields the gateway's metrics read)."""
-    out = EngineStats()
-    kv = KVStats()
-    for s in parts:
-        for f in ("running", "waiting", "waiting_requests", "running_by_tenant", "waiting_by_tenant"):
-            acc = getattr(out, f)
-            for k, v in getattr(s, f).items():
-                acc[k] = acc.get(k, 0) + v
-        out.num_requests += s.num_requests
-        out.num_preemptions += s.num_preemptions
-        out.num_generated_tokens += s.num_generated_tokens
-        out.num_steps += s.num_steps
-        for f in ("total", "used", "free", "prefix_cache_queries", "prefix_cache_hits"):
-            setattr(kv, f, getattr(kv, f) + getattr(s.kv, f))
-    out.kv = kv
+    """The workers' stats of one model added up; the bounded queue is each worker's own,
+    the first one's shown."""
+    out = summed_stats(parts)
     if parts:
-        out.classes = parts[0].classes
         out.overload = parts[0].overload
     return out
