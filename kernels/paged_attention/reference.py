@@ -54,6 +54,30 @@ def paged_attention(
     `first_slots`: `contiguous_first_slots` of these tables, when the caller computed it once
     for every layer of a step; worked out here when None."""
     out = torch.empty_like(query)
+    _attend(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
+            first_slots, out, decodes_too=True)
+    return out
+
+
+def prefill_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    first_slots: list[int] | None,
+    out: torch.Tensor,
+) -> None:
+    """As `paged_attention`, into `out`, for the sequences with more than one new query
+    (prefill chunks) only; decode rows of `out` are left as they are."""
+    _attend(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
+            first_slots, out, decodes_too=False)
+
+
+def _attend(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
+            first_slots, out, decodes_too: bool) -> None:
     lens = seq_lens.tolist()
     starts = query_start_loc.tolist()
     if first_slots is None:
@@ -70,6 +94,8 @@ def paged_attention(
     for b, ctx_len in enumerate(lens):
         start, end = starts[b], starts[b + 1]
         first = first_slots[b]
+        if end - start == 1 and not decodes_too:
+            continue
         if first >= 0 and end - start == 1:
             out_rows[start] = F.scaled_dot_product_attention(
                 query_rows[start:end], key_slots[:, :, first:first + ctx_len],
@@ -85,7 +111,6 @@ def paged_attention(
     if decodes:
         for group in _decode_groups(decodes, lens):
             _decode_group(query, key_cache, value_cache, block_tables, lens, starts, group, scale, out)
-    return out
 
 
 def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,124 @@
+"""The CPU decode-attention kernel (kernels/paged_attention/cpu.py) against the plain-torch
+reference: odd lengths, block sizes 8/16/32, GQA groups, long contexts, block ids past 2**16,
+tables scattered or consecutive, unwritten (NaN) slots never read, decodes mixed with
+prefill chunks; and how the kernel is chosen, built and refused."""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+
+import pytest
+import torch
+
+from kernels.paged_attention import cpu, implementation, reference, write_kv_cache
+
+
+def _case(seqs, block_size, heads, head_dim, num_blocks, seed=0, scattered=True):
+    g = torch.Generator().manual_seed(seed)
+    num_heads, num_kv_heads = heads
+    kc = torch.full((num_kv_heads, num_blocks, block_size, head_dim), float("nan"))
+    vc = torch.full_like(kc, float("nan"))
+    order = torch.randperm(num_blocks, generator=g).tolist() if scattered else list(range(num_blocks))
+    tables = []
+    for ctx, _ in seqs:
+        n = -(-ctx // block_size)
+        tables.append([order.pop() for _ in range(n)] if scattered else [order.pop(0) for _ in range(n)])
+        k = torch.randn(ctx, num_kv_heads, head_dim, generator=g)
+        v = torch.randn(ctx, num_kv_heads, head_dim, generator=g)
+        t = tables[-1]
+        slots = torch.tensor([t[p // block_size] * block_size + p % block_size for p in range(ctx)])
+        write_kv_cache(k, v, kc, vc, slots)
+    width = max(len(t) for t in tables)
+    bt = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    starts = [0]
+    for _, q_len in seqs:
+        starts.append(starts[-1] + q_len)
+    q = torch.randn(starts[-1], num_heads, head_dim, generator=g)
+    lens = torch.tensor([c for c, _ in seqs])
+    return q, kc, vc, bt, lens, torch.tensor(starts)
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("heads", [(4, 2), (3, 3), (8, 1), (6, 2)])
+@pytest.mark.parametrize("scattered", [True, False])
+def test_decodes_and_chunks_match_the_reference(block_size, heads, scattered):
+    seqs = [(1, 1), (17, 1), (33, 1), (33, 33), (64, 17), (129, 1), (250, 1), (3, 2), (1000, 1)]
+    q, kc, vc, bt, lens, starts = _case(seqs, block_size, heads, 24, 400, scattered=scattered)
+    scale = 24 ** -0.5
+    want = reference.paged_attention(q, kc, vc, bt, lens, starts, scale)
+    got = cpu.paged_attention(q, kc, vc, bt, lens, starts, scale)
+    assert not torch.isnan(got).any()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_long_context_and_many_blocks():
+    # 8k-token contexts, block ids near the top of a 70k-block cache
+    seqs = [(8191, 1), (5000, 1), (1, 1), (4097, 1)]
+    q, kc, vc, bt, lens, starts = _case(seqs, 16, (4, 2), 8, 70_000, seed=3)
+    assert int(bt.max()) > 65_536
+    want = reference.paged_attention(q, kc, vc, bt, lens, starts, 8 ** -0.5)
+    got = cpu.paged_attention(q, kc, vc, bt, lens, starts, 8 ** -0.5)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_the_engine_path_is_the_kernel_on_cpu_float32_unless_turned_off(monkeypatch):
+    assert implementation(torch.device("cpu"), torch.float32) == "cpu"
+    assert implementation(torch.device("cpu"), torch.bfloat16) == "reference"
+    monkeypatch.setenv("LOCKGATE_KERNELS", "reference")
+    assert implementation(torch.device("cpu"), torch.float32) == "reference"
+    monkeypatch.setenv("LOCKGATE_KERNELS", "bogus")
+    with pytest.raises(ValueError, match="LOCKGATE_KERNELS: must be one of reference, cpu"):
+        implementation(torch.device("cpu"), torch.float32)
+
+
+def test_bad_arguments_are_refused_not_read_out_of_bounds():
+    q, kc, vc, bt, lens, _ = _case([(20, 1), (9, 1)], 8, (4, 2), 16, 20)
+    rows = torch.arange(2)
+    out = torch.empty_like(q)
+    with pytest.raises(ValueError, match="float32 only"):
+        cpu.decode_attention(q.double(), kc, vc, bt, rows, rows, lens, 0.25, out)
+    with pytest.raises(ValueError, match="int64"):
+        cpu.decode_attention(q, kc, vc, bt.int(), rows, rows, lens, 0.25, out)
+    with pytest.raises(ValueError, match="contiguous"):
+        cpu.decode_attention(q.transpose(0, 1), kc, vc, bt, rows, rows, lens, 0.25, out)
+
+
+@pytest.fixture
+def fresh_state(monkeypatch, tmp_path):
+    """No kernel loaded yet in this process, and an empty cache: the next call builds."""
+    monkeypatch.setattr(cpu, "_lib", None)
+    monkeypatch.setattr(cpu, "_tried", False)
+    monkeypatch.setenv("LOCKGATE_KERNEL_CACHE", str(tmp_path / "cache"))
+    return tmp_path
+
+
+def test_no_compiler_is_a_clear_error_when_asked_for_and_a_fallback_when_not(fresh_state, monkeypatch, caplog):
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.setenv("PATH", str(fresh_state))        # no cc, no gcc
+    monkeypatch.setenv("LOCKGATE_KERNELS", "cpu")
+    with pytest.raises(cpu.KernelUnavailable, match="no C compiler found"):
+        cpu.available()
+    monkeypatch.setattr(cpu, "_tried", False)
+    monkeypatch.delenv("LOCKGATE_KERNELS")
+    with caplog.at_level(logging.WARNING, logger="kernels.paged_attention.cpu"):
+        assert cpu.available() is False
+    assert "using the torch reference" in caplog.text
+    assert implementation(torch.device("cpu"), torch.float32) == "reference"
+
+
+def test_a_failing_compiler_names_its_error(fresh_state, monkeypatch):
+    fake = fresh_state / "fakecc"
+    fake.write_text("#!/bin/sh\necho 'fakecc: out of luck' >&2\nexit 3\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("CC", str(fake))
+    with pytest.raises(cpu.KernelUnavailable, match=r"exit 3.*out of luck"):
+        cpu.build()
+    assert not any(p.suffix == ".so" for p in (fresh_state / "cache").iterdir())   # no partial file
+
+
+def test_build_is_cached_per_machine(fresh_state):
+    first = cpu.build()
+    mtime = os.stat(first).st_mtime_ns
+    assert cpu.build() == first and os.stat(first).st_mtime_ns == mtime
