@@ -44,10 +44,10 @@ class EngineConfig:
     # step sizing (engine/scheduler.py): while a more urgent class has work in sight (running,
     # waiting, or arrived within `urgent_window_s`), less urgent prefill fills a step only up
     # to that class's step-time target: `slo[class]` ({"ttft_ms": .., "tpot_ms": ..}) when
-    # set, else `step_time_multiple` x the predicted time of the step's urgent part (its
-    # decodes and the urgent class's prefill)
+    # set, else `step_time_multiple` x the predicted time of the step's decodes (and the
+    # urgent class's prefill), at least the urgent part plus a chunk (engine/step_sizing.py)
     slo: dict[str, dict[str, float]] = field(default_factory=dict)
-    step_time_multiple: float = 1.25
+    step_time_multiple: float = 1.0
     urgent_window_s: float = 60.0
     # share of the KV blocks that less urgent classes may not take, e.g. {"online": 0.2}
     reserved_kv_fraction: dict[str, float] = field(default_factory=dict)

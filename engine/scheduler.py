@@ -185,6 +185,11 @@ class Scheduler:
         self.running.sort(key=self.key)
         self._schedule_decodes(budget, scheduled, preempted)
         self._schedule_prefills(budget, scheduled, preempted)
+        if self.sizer.background_prefill_step and self.sizer.background_tokens == 0:
+            # the background prefill could not start (no slot, no blocks, admission paused):
+            # the less urgent decodes run after all
+            self.sizer.cancel_background_prefill_step()
+            self._schedule_decodes(budget, scheduled, preempted)
         items = list(scheduled.items())  # insertion order: decodes, then prefill chunks
         sizer = self.sizer
         return SchedulerOutput(items, preempted, budget.num_tokens, sizer.shape, sizer.urgent_class,
@@ -201,7 +206,7 @@ class Scheduler:
         self, budget: StepBudget, scheduled: dict[Sequence, int], preempted: list[Sequence]
     ) -> None:
         for seq in list(self.running):
-            if seq.status is not SeqStatus.RUNNING or not seq.is_decode:
+            if seq.status is not SeqStatus.RUNNING or not seq.is_decode or seq in scheduled:
                 continue
             if self.sizer.skips_decode(seq):
                 continue

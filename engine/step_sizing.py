@@ -3,14 +3,20 @@
 Under `priority` with chunked prefill, the step's *urgent* class is the most urgent one with
 work in sight (sequences running or waiting, or an arrival within `urgent_window_s`). A step
 in which the urgent classes compute prompt tokens (an arrival's first token) runs only their
-work: their decodes and prefill, nothing less urgent (never two such steps in a row, so less
-urgent decodes keep moving). In any other step every running decode runs, and less urgent
-prefill fills the step only while the step-cost model (engine/cost_model.py) predicts it
-within the urgent class's step-time target: its `slo` when set, else `step_time_multiple` x
-the predicted time of the step's urgent part (and at least that part plus a chunk of
-`max_num_batched_tokens / 16` tokens). With no urgent work in sight, steps use the whole
-budget. An explicit `prefill_token_budget` for a class replaces its sizing with that fixed
-cap, and such a class computes no prefill in a step where a more urgent class does.
+work: their decodes and prefill, nothing less urgent (never two such steps in a row). In any
+other step less urgent prefill fills the step only while the step-cost model
+(engine/cost_model.py) predicts it within the step-time target: the urgent class's `slo` when set, else the larger of
+`step_time_multiple` (1.0) x the predicted time of the step's decodes (every running one:
+the pace the streams already keep) and the urgent class's own part plus a chunk of
+`max_num_batched_tokens / 16` tokens. So no step is longer than the decodes make it: where
+the decodes leave no room for such a chunk and less urgent prefill is pending, the step is
+a *background prefill* step instead, in which the less urgent decodes sit out and their
+prefill fills the same target (Sarathi-Serve's stall-free batching, with the less urgent
+decodes and prefill taking turns instead of sharing one longer step). Less urgent decodes
+sit out at most two steps in a row (a background prefill step, then an arrival's own). With
+no urgent work in sight, steps use the whole budget.
+An explicit `prefill_token_budget` for a class replaces its sizing with that fixed cap, and
+such a class computes no prefill in a step where a more urgent class does.
 """
 
 from __future__ import annotations
@@ -58,6 +64,9 @@ class StepSizer:
         self.background_tokens = 0
         self.skip_background_decodes = False
         self.skipped_decodes = False            # the last step left less urgent decodes out
+        self.last_skip_was_arrival = False      # ... and it was an arrival's own step
+        self.background_prefill_step = False    # this step: less urgent prefill instead of decodes
+        self.urgent_shape = StepShape()         # the urgent classes' part of the step
 
     def arrival(self, rank: int) -> None:
         self.last_arrival[rank] = time.monotonic()
@@ -68,15 +77,78 @@ class StepSizer:
         self.prefill_left = list(self.prefill_cap_by_rank)
         self.min_prefill_rank = self.num_classes
         self.shape = StepShape()
+        self.urgent_shape = StepShape()
         self.urgent_rank = self._urgent_class(sched) if self.enabled else self.num_classes
         self.target = None
         self.background_tokens = 0
         # the step that gives urgent work its prompt (an arrival's first token) carries no
         # less urgent work at all: that step is the person's time to first token. Never two
-        # steps running, so a stream of urgent prompts cannot stop less urgent decodes.
-        self.skip_background_decodes = (self.enabled and not self.skipped_decodes
-                                        and self._urgent_prefill_pending(sched))
+        # such steps running, so a stream of urgent prompts cannot stop less urgent decodes;
+        # a background prefill step only follows a step that ran them. So less urgent
+        # decodes sit out at most two steps in a row (a background prefill step, then an
+        # arrival's).
+        arrival_ok = self.enabled and not (self.skipped_decodes and self.last_skip_was_arrival)
+        self.skip_background_decodes = arrival_ok and self._urgent_prefill_pending(sched)
+        self.last_skip_was_arrival = self.skip_background_decodes
+        self.background_prefill_step = False
+        if (self.enabled and not self.skipped_decodes and not self.skip_background_decodes
+                and self.urgent_rank < self.num_classes):
+            self._plan_background_prefill(sched)
         self.skipped_decodes = False
+
+    def _plan_background_prefill(self, sched: Scheduler) -> None:
+        """Make this a background prefill step when the running decodes fill the step-time
+        target (no room for a chunk of less urgent prefill beside them) and less urgent
+        prefill is pending: the less urgent decodes sit out, their prefill fills the target."""
+        cost = self.cost
+        capped = any(c is not None for c in self.prefill_cap_by_rank[self.urgent_rank + 1:])
+        if not cost.ready or capped:     # an explicit prefill_token_budget rules instead
+            return
+        decodes, urgent = StepShape(), StepShape()
+        background = False
+        for seq in sched.running:
+            if seq.is_decode:
+                decodes.add_decode(seq.num_tokens)
+                if seq.state.class_rank <= self.urgent_rank:
+                    urgent.add_decode(seq.num_tokens)
+                else:
+                    background = True
+        if not background or not self._background_prefill_pending(sched):
+            return
+        target = self._target(decodes, urgent)
+        room = cost.prefill_room(target - (cost.predict(decodes) or 0.0), 0)
+        if room < self.min_background_chunk:
+            self.skip_background_decodes = True
+            self.background_prefill_step = True
+            self.target = target
+
+    def cancel_background_prefill_step(self) -> None:
+        """This step's background prefill found nothing it could start: it runs the less
+        urgent decodes instead (and counts as a step that ran them)."""
+        self.background_prefill_step = False
+        self.skip_background_decodes = False
+        self.skipped_decodes = False
+
+    def _background_prefill_pending(self, sched: Scheduler) -> bool:
+        """Has a class less urgent than the step's urgent one prompt tokens to compute?"""
+        urgent = self.urgent_rank
+        if any(s.state.class_rank > urgent and not s.is_decode for s in sched.running):
+            return True
+        return not sched.admission_paused and any(s.state.class_rank > urgent for s in sched.waiting)
+
+    def _target(self, decodes: StepShape, urgent: StepShape) -> float:
+        """The step-time target: the urgent class's `slo` when set, else the larger of
+        `step_time_multiple` x the step's decodes (and urgent prefill) and the urgent part
+        plus a chunk of `min_background_chunk` tokens (less urgent prefill keeps moving at a
+        useful rate even beside a single urgent decode)."""
+        explicit = self.step_target_by_rank[self.urgent_rank]
+        if explicit is not None:
+            return explicit
+        cost = self.cost
+        predicted, own, chunk = cost.predict(decodes), cost.predict(urgent), cost.chunk_time(self.min_background_chunk)
+        if predicted is None or own is None or chunk is None:
+            raise RuntimeError("cost model: predicts a step but not its parts")
+        return max(self.step_time_multiple * predicted, own + chunk)
 
     @property
     def urgent_class(self) -> int | None:
@@ -95,6 +167,8 @@ class StepSizer:
         with an explicit cap computes no prefill in a step where a more urgent class does:
         that step gives an arriving request its first token, and is kept short."""
         rank = seq.state.class_rank
+        if seq.is_decode and self.skip_background_decodes and rank > self.urgent_rank:
+            return 0     # a decode sitting this step out does not come back as a 1-token chunk
         left = self.prefill_left[rank]
         if left is not None:
             if rank > self.min_prefill_rank:
@@ -115,17 +189,7 @@ class StepSizer:
         if predicted is None:
             return max(0, FALLBACK_BACKGROUND_PREFILL - self.background_tokens)
         if self.target is None:   # fixed at the first less urgent chunk: the urgent part is known
-            explicit = self.step_target_by_rank[self.urgent_rank]
-            if explicit is not None:
-                self.target = explicit
-            else:
-                # a multiple of the urgent part, and never less than that part plus a
-                # chunk of `min_background_chunk` tokens: less urgent prefill keeps moving
-                # at a useful rate even beside a single urgent decode
-                chunk = cost.chunk_time(self.min_background_chunk)
-                if chunk is None:
-                    raise RuntimeError("cost model: predicts a step but not a chunk")
-                self.target = max(self.step_time_multiple * predicted, predicted + chunk)
+            self.target = self._target(self.shape, self.urgent_shape)
         room = cost.prefill_room(self.target - predicted, seq.num_computed_tokens)
         if self.background_tokens == 0:   # background work always moves, a block at least
             room = max(room, self.block_size)
@@ -156,12 +220,17 @@ class StepSizer:
 
     def add(self, seq: Sequence, num_tokens: int, sign: int = 1) -> None:
         """Count `seq`'s `num_tokens` into the step's shape (`sign` -1: take them out)."""
+        urgent = seq.state.class_rank <= self.urgent_rank
         if seq.is_decode and num_tokens == 1:
             self.shape.add_decode(seq.num_tokens, sign)
+            if urgent:
+                self.urgent_shape.add_decode(seq.num_tokens, sign)
         else:
             done = seq.num_computed_tokens + num_tokens >= seq.num_tokens
             self.shape.add_prefill(num_tokens, seq.num_computed_tokens, done, sign)
-            if seq.state.class_rank > self.urgent_rank:
+            if urgent:
+                self.urgent_shape.add_prefill(num_tokens, seq.num_computed_tokens, done, sign)
+            else:
                 self.background_tokens += sign * num_tokens
 
     def charge_prefill(self, rank: int, num_tokens: int) -> None:

@@ -130,8 +130,8 @@ def test_sizing_caps_offline_prefill_while_online_is_in_sight(tmp_path, monkeypa
     """A trained cost model (the synthetic machine above), budget 512 tokens, window 5 s.
     Offline alone: steps take the whole budget. An online request arrives: its first step
     has no offline prefill at all; while it decodes, offline prefill only fills the step up
-    to its target (1.25x the predicted time of its urgent part, or that part plus a chunk of
-    512 / 16 tokens, whichever is more). After it finished, the cap stays for the
+    to its target (the predicted time of the step's decodes, or the online part plus a chunk
+    of 512 / 16 tokens, whichever is more). After it finished, the cap stays for the
     window and is lifted once the window has passed with no online arrival."""
     clock = Clock()
     monkeypatch.setattr(scheduler_mod.time, "monotonic", clock)
@@ -165,6 +165,70 @@ def test_sizing_caps_offline_prefill_while_online_is_in_sight(tmp_path, monkeypa
     out = eng.step()
     assert out.urgent_class == eng.sched.classes.index("offline") and out.step_target_s is None
     assert prefill_tokens(out, "offline") == 512
+
+
+def test_offline_decodes_and_prefill_take_turns_when_the_decodes_fill_the_target(tmp_path, monkeypatch):
+    """40 offline sequences decoding, more offline prompts waiting, an online request in
+    sight: the decodes alone make the step as long as the target, so no offline chunk fits
+    beside them. Steps then alternate: a background prefill step (no offline decodes, offline
+    prefill up to the same target) and a decode step (every decode). No step is predicted
+    longer than its target (bar the block that always moves), offline decodes never sit out
+    two steps in a row, and offline prefill keeps moving."""
+    clock = Clock()
+    monkeypatch.setattr(scheduler_mod.time, "monotonic", clock)
+    eng = FakeEngine(tmp_path, num_blocks=4096, block_size=16, max_num_batched_tokens=512)
+    eng.sched.cost = cost = trained()
+    for _ in range(40):
+        eng.add(64, 400, cls="offline", tenant="batch")
+    for _ in range(8):      # prompts in, everyone decoding, before any online arrival
+        eng.step()
+    assert all(s.is_decode for s in eng.sched.running) and len(eng.sched.running) == 40
+    for _ in range(4):
+        eng.add(1500, 8, cls="offline", tenant="batch")
+    eng.add(40, 30, cls="online", tenant="chat")
+    out = eng.step()        # the arrival's own step: the online prompt alone
+    assert prefill_tokens(out, "online") == 40 and prefill_tokens(out, "offline") == 0
+    kinds = []
+    for _ in range(20):
+        out = eng.step()
+        off_decodes = sum(1 for s, n in out.scheduled if s.state.req.service_class == "offline" and n == 1)
+        off_prefill = prefill_tokens(out, "offline")
+        on_decodes = sum(1 for s, n in out.scheduled if s.state.req.service_class == "online")
+        assert on_decodes == 1                       # the online stream moves every step
+        assert out.step_target_s is not None
+        if off_prefill > 16:
+            assert cost.predict(out.shape) <= out.step_target_s * 1.001
+        kinds.append("decode" if off_decodes else "prefill")
+        if not off_decodes:
+            assert off_prefill > 16                  # a background prefill step does prefill
+    assert "prefill" in kinds and "decode" in kinds
+    assert all(not (a == b == "prefill") for a, b in itertools.pairwise(kinds))
+    assert kinds.count("prefill") >= 6
+
+
+def test_a_background_prefill_step_that_can_start_nothing_runs_the_decodes(tmp_path, monkeypatch):
+    """As above, but every sequence slot is taken: the waiting offline prompts cannot start,
+    so a step planned as background prefill runs the offline decodes after all (no empty
+    step, no stall)."""
+    monkeypatch.setattr(scheduler_mod.time, "monotonic", Clock())
+    eng = FakeEngine(tmp_path, num_blocks=4096, block_size=16, max_num_batched_tokens=512,
+                     max_num_seqs=41)
+    eng.sched.cost = trained()
+    for _ in range(40):
+        eng.add(64, 400, cls="offline", tenant="batch")
+    for _ in range(8):
+        eng.step()
+    eng.add(40, 30, cls="online", tenant="chat")
+    eng.step()
+    eng.add(1500, 8, cls="offline", tenant="batch")       # waits: no slot for it
+    sizer = eng.sched.sizer
+    cancelled = []
+    cancel = sizer.cancel_background_prefill_step
+    monkeypatch.setattr(sizer, "cancel_background_prefill_step", lambda: (cancelled.append(1), cancel()))
+    for _ in range(10):
+        out = eng.step()
+        assert sum(1 for s, n in out.scheduled if s.state.req.service_class == "offline" and n == 1) == 40
+    assert len(eng.sched.waiting) == 1 and len(cancelled) >= 5
 
 
 def test_explicit_slo_and_prefill_budget_override_the_default(tmp_path, monkeypatch):
