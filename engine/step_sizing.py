@@ -10,7 +10,8 @@ other step less urgent prefill fills the step only while the step-cost model
 the pace the streams already keep) and the urgent class's own part plus a chunk of
 `max_num_batched_tokens / 16` tokens. So no step is longer than the decodes make it: where
 the decodes leave no room for such a chunk and less urgent prefill is pending, the step is
-a *background prefill* step instead, in which the less urgent decodes sit out and their
+a *background prefill* step instead (once enough is pending to fill it, or it has waited
+`BACKGROUND_PREFILL_WAIT` steps), in which the less urgent decodes sit out and their
 prefill fills the same target (Sarathi-Serve's stall-free batching, with the less urgent
 decodes and prefill taking turns instead of sharing one longer step). Less urgent decodes
 sit out at most two steps in a row (a background prefill step, then an arrival's own). With
@@ -33,6 +34,9 @@ if TYPE_CHECKING:
 
 # less urgent prefill per step while the cost model has not yet seen enough steps to predict
 FALLBACK_BACKGROUND_PREFILL = 256
+# steps pending less urgent prefill waits, beside decodes that leave it no room, before it
+# gets a background prefill step that it does not fill
+BACKGROUND_PREFILL_WAIT = 4
 
 
 class StepSizer:
@@ -66,6 +70,7 @@ class StepSizer:
         self.skipped_decodes = False            # the last step left less urgent decodes out
         self.last_skip_was_arrival = False      # ... and it was an arrival's own step
         self.background_prefill_step = False    # this step: less urgent prefill instead of decodes
+        self.steps_since_background = 0         # steps since the last background prefill step
         self.urgent_shape = StepShape()         # the urgent classes' part of the step
 
     def arrival(self, rank: int) -> None:
@@ -94,6 +99,7 @@ class StepSizer:
         if (self.enabled and not self.skipped_decodes and not self.skip_background_decodes
                 and self.urgent_rank < self.num_classes):
             self._plan_background_prefill(sched)
+        self.steps_since_background = 0 if self.background_prefill_step else self.steps_since_background + 1
         self.skipped_decodes = False
 
     def _plan_background_prefill(self, sched: Scheduler) -> None:
@@ -113,11 +119,17 @@ class StepSizer:
                     urgent.add_decode(seq.num_tokens)
                 else:
                     background = True
-        if not background or not self._background_prefill_pending(sched):
+        pending = self._background_prefill_pending(sched) if background else 0
+        if pending == 0:
             return
         target = self._target(decodes, urgent)
         room = cost.prefill_room(target - (cost.predict(decodes) or 0.0), 0)
-        if room < self.min_background_chunk:
+        if room >= self.min_background_chunk:
+            return
+        # a step of its own costs the step's fixed part once more: taken when the pending
+        # prefill fills it, or when it has waited BACKGROUND_PREFILL_WAIT steps
+        full = cost.prefill_room(target - (cost.predict(urgent) or 0.0), 0)
+        if pending >= full or self.steps_since_background >= BACKGROUND_PREFILL_WAIT:
             self.skip_background_decodes = True
             self.background_prefill_step = True
             self.target = target
@@ -129,12 +141,16 @@ class StepSizer:
         self.skip_background_decodes = False
         self.skipped_decodes = False
 
-    def _background_prefill_pending(self, sched: Scheduler) -> bool:
-        """Has a class less urgent than the step's urgent one prompt tokens to compute?"""
+    def _background_prefill_pending(self, sched: Scheduler) -> int:
+        """Prompt tokens that classes less urgent than the step's urgent one have to compute
+        (running prefills, and waiting sequences unless admission is paused)."""
         urgent = self.urgent_rank
-        if any(s.state.class_rank > urgent and not s.is_decode for s in sched.running):
-            return True
-        return not sched.admission_paused and any(s.state.class_rank > urgent for s in sched.waiting)
+        tokens = sum(s.num_pending_tokens for s in sched.running
+                     if s.state.class_rank > urgent and not s.is_decode)
+        if not sched.admission_paused:
+            tokens += sum(s.num_tokens - s.num_computed_tokens for s in sched.waiting
+                          if s.state.class_rank > urgent)
+        return tokens
 
     def _target(self, decodes: StepShape, urgent: StepShape) -> float:
         """The step-time target: the urgent class's `slo` when set, else the larger of
