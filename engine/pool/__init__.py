@@ -5,7 +5,8 @@
   the same workers; Ray restarts it when its process dies.
 - `placement.Placement` (in one named actor): which workers serve which model, by demand.
 - `router.Router`: per request, among the model's workers, the one likely to hold the
-  tenant's longest cached prefix, else the least loaded.
+  tenant's longest cached prefix (this replica's own decisions, and each worker's reported
+  `PrefixSummary`, so every replica finds a prefix any of them placed), else the least loaded.
 - `client.Pool` / `client.PoolEngine`: the gateway replica's side; a `PoolEngine` is one
   model's `ServedEngine`, its streams read from the workers through Ray streaming
   generators (`RemoteStream`).
@@ -15,8 +16,8 @@ Ray is imported only when a pool starts (`remote.py`); embedded serving never im
 
 from engine.pool.client import Pool, PoolConfig, PoolEngine, RemoteStream
 from engine.pool.placement import Placement
-from engine.pool.router import Router, prefix_chain
+from engine.pool.router import PrefixSummary, Router, prefix_chain, unpack_summary
 from engine.pool.worker import EngineWorker, ModelFilesMissing, WorkerReport
 
 __all__ = ["EngineWorker", "ModelFilesMissing", "Placement", "Pool", "PoolConfig", "PoolEngine",
-           "RemoteStream", "Router", "WorkerReport", "prefix_chain"]
+           "PrefixSummary", "RemoteStream", "Router", "WorkerReport", "prefix_chain", "unpack_summary"]

@@ -21,7 +21,7 @@ from engine.client import Prompt, RequestStream
 from engine.errors import EngineDead
 from engine.lora_files import Adapter, LoRARequest
 from engine.outputs import RequestOutput
-from engine.pool.router import Router, prefix_chain
+from engine.pool.router import Router, prefix_chain, unpack_summary
 from engine.pool.worker import WorkerReport
 from engine.sampling_params import SamplingParams
 from engine.stats import EngineStats, summed_stats
@@ -63,6 +63,7 @@ class Pool:
         self._poller: asyncio.Task[None] | None = None
         self._beat: asyncio.Task[None] | None = None
         self._restarting: dict[str, asyncio.Task[None]] = {}
+        self._prefix_versions: dict[str, int] = {}   # worker -> its prefix summary's version held
         self._started = False
         self._lock = asyncio.Lock()
 
@@ -88,6 +89,7 @@ class Pool:
                 owner_ttl_s=c.owner_ttl_s, use_device=devices > 0)
         starts = [self._bounded(h.start.remote(), c.start_timeout_s) for h in self.handles.values()]
         for name, report in zip(self.names, await asyncio.gather(*starts), strict=True):
+            self._take_summary(name, report)
             self.reports[name] = report
         capacity = {w: r.capacity for w, r in self.reports.items()}
         self.placement = remote.placement_handle(c.namespace, self.names, capacity)
@@ -116,13 +118,15 @@ class Pool:
         async def one(name: str) -> None:
             h = self.handles[name]
             try:
-                report = await self._bounded(h.report.remote(), self.config.report_interval_s * 4)
+                have = self._prefix_versions.get(name, -1)
+                report = await self._bounded(h.report.remote(have), self.config.report_interval_s * 4)
             except self._retryable():
                 self.down.add(name)
                 return
             old = self.reports.get(name)
             if old is not None and old.pid != report.pid:      # restarted: its cache is empty
                 self.router.forget_worker(name)
+                self._prefix_versions.pop(name, None)
                 self.restarts[name] += 1
                 logger.warning("pool: worker %s restarted (pid %d -> %d)", name, old.pid, report.pid)
             if not report.started:          # Ray restarted the actor: its engine starts again,
@@ -131,6 +135,7 @@ class Pool:
                 if name not in self._restarting:
                     self._restarting[name] = asyncio.get_running_loop().create_task(self._restart(name))
                 return
+            self._take_summary(name, report)
             self.reports[name] = report
             self.down.discard(name)
 
@@ -141,9 +146,17 @@ class Pool:
                                    self.config.report_interval_s * 4)
         self.assigned, self.decisions = snap["assigned"], snap["decisions"]
 
+    def _take_summary(self, name: str, report: WorkerReport) -> None:
+        """The worker's prefix summary to the router, when the report carries it (it changed
+        since the version this replica holds)."""
+        if report.prefixes is not None:
+            self.router.set_summary(name, unpack_summary(report.prefixes))
+            self._prefix_versions[name] = report.prefix_version
+
     async def _restart(self, name: str) -> None:
         try:
             report = await self._bounded(self.handles[name].start.remote(), self.config.start_timeout_s)
+            self._take_summary(name, report)
             self.reports[name] = report
             self.down.discard(name)
         except Exception:
@@ -189,12 +202,18 @@ class Pool:
 
     def route(self, model: str, tenant: str, cache_salt: str | None, ids: list[int] | None,
               exclude: str | None = None) -> str:
+        return self.route_chain(model, tenant, cache_salt, ids, exclude)[0]
+
+    def route_chain(self, model: str, tenant: str, cache_salt: str | None, ids: list[int] | None,
+                    exclude: str | None = None) -> tuple[str, list[bytes]]:
+        """The worker for a request, and its prompt's prefix chain (which the worker adds to
+        the summary it reports, for every replica's router)."""
         cands = self.candidates(model, exclude)
         if not cands:
             raise EngineDead("no pool worker is reachable")
         chain = prefix_chain(f"{model}\0{tenant}\0{cache_salt or ''}", ids or [])
         worker, _ = self.router.choose(cands, self.load, chain)
-        return worker
+        return worker, chain
 
     def snapshot(self) -> dict:
         """For `/admin/v1/engine`: each worker's report and the placement."""
@@ -230,9 +249,11 @@ class RemoteStream(RequestStream):
     worker to take it (raising what `submit` would have raised)."""
 
     def __init__(self, pool: Pool, model: str, worker: str, prompt: Prompt,
-                 params: SamplingParams, request_id: str, kwargs: dict[str, Any]) -> None:
+                 params: SamplingParams, request_id: str, kwargs: dict[str, Any],
+                 prefix: list[bytes] | None = None) -> None:
         self.pool = pool
         self.worker = worker
+        self._prefix = prefix or []
         queue: asyncio.Queue = asyncio.Queue()
         super().__init__(request_id, queue, abort=self._abort_remote, forget=self._forget_remote)
         loop = asyncio.get_running_loop()
@@ -270,7 +291,8 @@ class RemoteStream(RequestStream):
             sent = False
             handle = pool.handles[self.worker]
             try:
-                gen = handle.generate.remote(pool.owner, prompt, params, self.request_id, kwargs)
+                gen = handle.generate.remote(pool.owner, prompt, params, self.request_id, kwargs,
+                                             self._prefix)
                 ref = await pool._bounded(gen.__anext__())
                 kind, value = await pool._bounded(ref)
                 if kind == "error" and isinstance(value, EngineDead) and attempt == 0:
@@ -355,11 +377,11 @@ class PoolEngine:
                sheddable: bool = True) -> RequestStream:
         name = model or self.model
         base = self._loras[name].base_model_name if name in self._loras else name
-        worker = self.pool.route(base or self.model, tenant, cache_salt, _ids(prompt))
+        worker, chain = self.pool.route_chain(base or self.model, tenant, cache_salt, _ids(prompt))
         kwargs = {"tenant": tenant, "service_class": service_class, "priority": priority,
                   "model": name, "cache_salt": cache_salt, "sheddable": sheddable}
         return RemoteStream(self.pool, base or self.model, worker, prompt, sampling_params,
-                            request_id, kwargs)
+                            request_id, kwargs, chain)
 
     async def abort(self, request_id: str) -> None:
         for h in self.pool.handles.values():

@@ -3,17 +3,22 @@
 Among the workers placement assigned the request's model (or an adapter's base): the one most
 likely to hold the longest cached prefix of this tenant's prompt, unless it is much busier
 than the least loaded; otherwise the least loaded for the request's class (ties broken in
-turn). Prefix affinity is remembered here, per replica, as the engine's prefix cache is keyed:
-a chain of hashes over full blocks of the prompt, salted by model, tenant and cache salt (so
-tenants never share), mapped to the worker that last computed it (bounded, least recently
-used first out). It approximates the workers' caches the way SGLang's router does, without a
-round trip; a worker that evicted a prefix costs one recomputation, never a wrong answer.
+turn). Prefixes are keyed as the engine's prefix cache is: a chain of hashes over full blocks
+of the prompt, salted by model, tenant and cache salt (so tenants never share).
+
+Two sources say where a prefix is, both approximations of the workers' caches, as SGLang's
+router keeps one: this replica's own routing decisions (bounded, least recently used first
+out; fresh, no round trip), and each worker's `PrefixSummary`, which the worker keeps of the
+prompts it accepted (bounded by its KV cache's blocks, least recently used first out) and
+sends with its report, so that a prefix computed for one gateway replica is found by every
+other. A worker that evicted a prefix costs one recomputation, never a wrong answer.
 """
 
 from __future__ import annotations
 
 import hashlib
 import itertools
+import secrets
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
@@ -35,6 +40,52 @@ def prefix_chain(salt: str, ids: Sequence[int], block: int = BLOCK,
     return out
 
 
+SUMMARY_KEY = 8        # bytes of each chain digest a worker's summary keeps
+
+
+class PrefixSummary:
+    """A worker's compact record of the prompt prefixes it holds: the leading `SUMMARY_KEY`
+    bytes of each chain digest of the prompts it accepted, at most `capacity` of them (one per
+    cached block; least recently used first out, as the engine's cache evicts). `version`
+    moves whenever the set changes, so a report sends it only then."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = max(1, capacity)
+        self._keys: OrderedDict[bytes, None] = OrderedDict()
+        # versions start at random: a restarted worker's never match what a replica holds
+        self.version = secrets.randbits(48)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def add(self, chain: Sequence[bytes]) -> None:
+        changed = False
+        for h in chain:
+            key = h[:SUMMARY_KEY]
+            if key in self._keys:
+                self._keys.move_to_end(key)
+            else:
+                self._keys[key] = None
+                changed = True
+        while len(self._keys) > self.capacity:
+            self._keys.popitem(last=False)
+        if changed:
+            self.version += 1
+
+    def clear(self) -> None:
+        if self._keys:
+            self._keys.clear()
+            self.version += 1
+
+    def packed(self) -> bytes:
+        """The keys, concatenated: what a report carries (8 bytes a block)."""
+        return b"".join(self._keys)
+
+
+def unpack_summary(blob: bytes) -> frozenset[bytes]:
+    return frozenset(blob[i:i + SUMMARY_KEY] for i in range(0, len(blob), SUMMARY_KEY))
+
+
 class Router:
     """Chooses a worker per request and remembers where prefixes went."""
 
@@ -45,6 +96,21 @@ class Router:
         self.slack = slack
         self._where: OrderedDict[bytes, str] = OrderedDict()
         self._turn = itertools.count()
+        self.summaries: dict[str, frozenset[bytes]] = {}    # worker -> its PrefixSummary keys
+
+    def set_summary(self, worker: str, keys: frozenset[bytes]) -> None:
+        """The prefixes `worker` reported holding (replacing what it reported before)."""
+        self.summaries[worker] = keys
+
+    def _holder(self, digest: bytes, loads: dict[str, int]) -> str | None:
+        """A candidate said to hold this prefix: this replica's own memory first, else the
+        least loaded worker whose summary has it."""
+        w = self._where.get(digest)
+        if w in loads:
+            return w
+        key = digest[:SUMMARY_KEY]
+        holders = [w for w in loads if key in self.summaries.get(w, ())]
+        return min(holders, key=lambda w: (loads[w], w)) if holders else None
 
     def choose(self, candidates: Sequence[str], load: Callable[[str], int],
                chain: Sequence[bytes]) -> tuple[str, int]:
@@ -55,9 +121,9 @@ class Router:
         loads = {w: load(w) for w in candidates}
         least = min(loads.values())
         best, depth = None, 0
-        for k in range(len(chain) - 1, -1, -1):          # the longest remembered prefix
-            w = self._where.get(chain[k])
-            if w in loads:
+        for k in range(len(chain) - 1, -1, -1):          # the longest prefix held
+            w = self._holder(chain[k], loads)
+            if w is not None:
                 best, depth = w, k + 1
                 break
         if best is not None and loads[best] <= least + self.slack:
@@ -79,3 +145,4 @@ class Router:
         """A worker restarted (its cache is empty): its prefixes are forgotten."""
         for h in [h for h, w in self._where.items() if w == worker]:
             del self._where[h]
+        self.summaries.pop(worker, None)

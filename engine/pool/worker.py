@@ -13,7 +13,9 @@ replica calls through Ray:
 - `keepalive(owner)`: a gateway replica says it is alive; the requests of an owner silent for
   `owner_ttl_s` are aborted (a replica that died leaves no orphaned work holding KV).
 - `report`: what routing and placement read: models resident, adapters, queue depth and
-  running work per class, KV usage, the engine's stats.
+  running work per class, KV usage, the engine's stats, and the summary of the prompt
+  prefixes it holds (engine/pool/router.py `PrefixSummary`; sent only when it changed since
+  the version the caller has).
 - adapters (`add_lora`, `remove_lora`, `unload_lora`) and tenant weights, as `EngineAdmin`.
 
 Nothing here imports Ray: `engine.pool.remote_worker` wraps this class as an actor.
@@ -32,6 +34,7 @@ from typing import Any
 
 from engine.errors import EngineDead, EngineError, EngineOverloaded, InvalidRequest
 from engine.lora_files import Adapter, LoRARequest
+from engine.pool.router import PrefixSummary
 from engine.sampling_params import SamplingParams
 from engine.stats import EngineStats
 
@@ -58,6 +61,9 @@ class WorkerReport:
     started: bool                               # its engine runs (false after a restart)
     at: float
     stats: EngineStats = field(repr=False, default_factory=EngineStats)
+    prefix_version: int = 0                     # the PrefixSummary's version
+    prefixes: bytes | None = field(repr=False, default=None)   # its keys; None: unchanged
+    prefix_blocks: int = 0                      # how many it holds
 
     def load(self, service_class: str) -> int:
         """Work ahead of a new request of `service_class` here (every class: the step is shared)."""
@@ -72,6 +78,9 @@ def check_model_dirs(models: dict[str, str]) -> None:
             f"node {socket.gethostname()}: no model directory (config.json) at "
             + ", ".join(f"{n}={p}" for n, p in sorted(missing.items()))
             + "; pool workers read models from the same paths on every node")
+
+
+DEFAULT_SUMMARY_BLOCKS = 16_384     # prefix blocks a summary holds before its engine reports its KV size
 
 
 class EngineWorker:
@@ -89,6 +98,7 @@ class EngineWorker:
         self._seen: dict[str, float] = {}         # owner -> last keepalive (monotonic)
         self._watch: asyncio.Task[None] | None = None
         self._starting = asyncio.Lock()
+        self.prefixes = PrefixSummary(DEFAULT_SUMMARY_BLOCKS)
 
     async def start(self) -> WorkerReport:
         """Build and start the engine (idempotent: concurrent callers, e.g. every replica after
@@ -112,6 +122,9 @@ class EngineWorker:
             engine = AsyncEngine(path, served_model_name=first, **kw)
             await engine.start()
             self.engine = engine
+            total = engine.stats().kv.total
+            if total > 0:      # as many prefix blocks as its cache holds (capped: a report's size)
+                self.prefixes.capacity = min(total, 4 * DEFAULT_SUMMARY_BLOCKS)
             self._watch = asyncio.get_running_loop().create_task(self._watchdog())
 
     def pid(self) -> int:
@@ -119,7 +132,10 @@ class EngineWorker:
 
     # -- requests --------------------------------------------------------------------------------
     async def generate(self, owner: str, prompt: Any, params: SamplingParams, request_id: str,
-                       kwargs: dict[str, Any]) -> AsyncIterator[tuple[str, Any]]:
+                       kwargs: dict[str, Any], prefix: list[bytes] | None = None,
+                       ) -> AsyncIterator[tuple[str, Any]]:
+        """`prefix`: the router's chain of the prompt (engine/pool/router.py), recorded in
+        this worker's prefix summary once the request is accepted."""
         if self.engine is None:
             yield ("error", EngineDead(f"worker {self.worker_id} is not started"))
             return
@@ -130,6 +146,8 @@ class EngineWorker:
             yield ("error", exc)
             return
         self._owned[request_id] = owner
+        if prefix:
+            self.prefixes.add(prefix)
         try:
             yield ("accepted", None)
             async for out in stream:
@@ -159,7 +177,9 @@ class EngineWorker:
                     await self.abort(rid)
 
     # -- state ----------------------------------------------------------------------------------
-    def report(self) -> WorkerReport:
+    def report(self, prefix_version: int = -1) -> WorkerReport:
+        """`prefix_version`: the summary version the caller holds; its keys are sent only
+        when this worker's differs."""
         s: EngineStats = self.engine.stats() if self.engine is not None else EngineStats()
         capacity = len(self.models)
         if s.pool is not None:
@@ -176,7 +196,9 @@ class EngineWorker:
             waiting=dict(s.waiting_requests), running=dict(s.running),
             kv_used=s.kv.used, kv_total=s.kv.total, owned=len(self._owned), capacity=capacity,
             started=self.engine is not None, at=time.time(),
-            stats=s)
+            stats=s, prefix_version=self.prefixes.version,
+            prefixes=None if prefix_version == self.prefixes.version else self.prefixes.packed(),
+            prefix_blocks=len(self.prefixes))
 
     # -- admin ------------------------------------------------------------------------------------
     async def add_lora(self, lora_request: LoRARequest) -> Adapter:

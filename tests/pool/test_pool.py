@@ -101,6 +101,35 @@ async def test_a_shared_prefix_stays_on_one_worker_and_tenants_never_share_it(po
     assert min(counts.values()) >= len(where) / 3, counts
 
 
+async def test_a_second_replica_finds_prefixes_the_first_placed_from_the_workers_summaries(
+        pool, ray_cluster, namespace, dirs):
+    """Replica A places two tenants' prompts on the two workers (distinct prefixes, idle
+    workers: one each). Replica B, which routed neither, learns where they are from the
+    workers' reports: each goes to the worker holding it and reports its cached tokens."""
+    replica_b = Pool(PoolConfig(address=ray_cluster.address, models=dirs, namespace=namespace,
+                                engine_kwargs=pool.config.engine_kwargs,
+                                report_interval_s=0.2, call_timeout_s=20.0))
+    await replica_b.start()
+    try:
+        for p in (pool, replica_b):
+            p.assigned = {"a": list(p.names), "b": list(p.names)}
+            p.placement = None
+        p1, p2 = random_prompts(dirs["a"], [256, 256], seed=7)
+        (_, w1), (_, w2) = [await run(PoolEngine(pool, "a"), p, f"a{i}", n=2, tenant=f"t{i}")
+                            for i, p in enumerate((p1, p2))]
+        assert w1 != w2
+        await replica_b.refresh()
+        engine_b = PoolEngine(replica_b, "a")
+        # B's own turn would send its first request to lockgate-worker-0: p2 first shows the
+        # summary, not the turn, decides
+        out2, where2 = await run(engine_b, [*p2, 5, 6, 7], "b2", n=2, tenant="t1")
+        out1, where1 = await run(engine_b, [*p1, 5, 6, 7], "b1", n=2, tenant="t0")
+        assert (where1, where2) == (w1, w2)
+        assert out1.num_cached_tokens >= 240 and out2.num_cached_tokens >= 240
+    finally:
+        await replica_b.close()
+
+
 async def test_a_killed_worker_fails_or_retries_its_requests_and_comes_back(pool, dirs):
     engine = PoolEngine(pool, "a")
     victim = pool.assigned["a"][0]

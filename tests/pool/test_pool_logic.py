@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from engine import SamplingParams
-from engine.pool import EngineWorker, ModelFilesMissing, Placement, Router, prefix_chain
+from engine.pool import EngineWorker, ModelFilesMissing, Placement, PrefixSummary, Router, prefix_chain, unpack_summary
 from tests.support.helpers import demo_model, random_prompts
 
 
@@ -37,6 +37,51 @@ def test_router_keeps_a_prefix_on_its_worker_unless_it_is_much_busier():
     assert r.choose(["w0", "w1"], load.get, chain)[0] == first     # the older entry was overwritten
     with pytest.raises(ValueError, match="no worker"):
         r.choose([], load.get, chain)
+
+
+def test_a_workers_prefix_summary_is_bounded_lru_and_versioned_by_membership():
+    summary = PrefixSummary(capacity=5)
+    a, b = prefix_chain("m\0t1\0", list(range(64))), prefix_chain("m\0t1\0", list(range(500, 564)))
+    v0 = summary.version
+    summary.add(a[:3])
+    v1 = summary.version
+    assert v1 != v0 and len(summary) == 3
+    summary.add(a[:2])                       # already held: order moves, membership does not
+    assert summary.version == v1
+    summary.add(b[:3])                       # over capacity: a[2] (least recently used) goes
+    keys = unpack_summary(summary.packed())
+    assert len(summary) == 5 and len(summary.packed()) == 5 * 8
+    assert a[2][:8] not in keys and {h[:8] for h in a[:2] + b[:3]} == keys
+    summary.clear()
+    assert len(summary) == 0 and summary.version != v1
+
+
+def test_a_replica_finds_a_prefix_another_replica_placed_through_the_workers_summary():
+    """Replica A routes a tenant's prefix to a worker; that worker's summary (as its report
+    carries it) reaches replica B, which never routed it: B sends the same prefix there, the
+    longest held prefix winning, but not another tenant's, and not past the load slack."""
+    a, b = Router(slack=2), Router(slack=2)
+    load = {"w0": 0, "w1": 0}
+    shared = list(range(1000, 1128))                  # 8 full blocks
+    chain = prefix_chain("m\0t1\0", shared)
+    where, _ = a.choose(["w0", "w1"], load.get, chain)
+    other = "w1" if where == "w0" else "w0"
+    held = PrefixSummary(capacity=100)
+    held.add(chain)
+    b.set_summary(where, unpack_summary(held.packed()))
+    shorter = PrefixSummary(capacity=100)
+    shorter.add(chain[:2])                            # the other worker holds a shorter prefix
+    b.set_summary(other, unpack_summary(shorter.packed()))
+    for _ in range(4):
+        assert b.choose(["w0", "w1"], load.get, prefix_chain("m\0t1\0", [*shared, 5, 6]))[0] == where
+    _, depth = b.choose(["w0", "w1"], load.get, prefix_chain("m\0t2\0", shared))
+    assert depth == 0                                 # another tenant's chain: salted apart
+    fresh = Router(slack=2)
+    fresh.set_summary(where, unpack_summary(held.packed()))
+    load[where] = 5                                   # far busier than the other
+    assert fresh.choose(["w0", "w1"], load.get, chain) == (other, 0)
+    fresh.forget_worker(where)                        # restarted: its summary is gone
+    assert fresh.summaries.get(where) is None
 
 
 def test_router_spreads_distinct_prefixes_in_turn():
@@ -100,6 +145,30 @@ async def test_a_silent_owners_requests_are_aborted():
         gen = w.generate("gw-live", ids, SamplingParams(max_tokens=20, ignore_eos=True), "r2", {})
         kinds = [k async for k, _ in gen]
         assert kinds[0] == "accepted" and kinds.count("out") >= 1
+    finally:
+        await w.shutdown()
+
+
+async def test_a_worker_reports_the_prefixes_it_accepted_only_when_they_changed():
+    """Its summary holds an accepted request's prefix chain (capped by its KV cache's blocks),
+    and a report carries the keys only to a caller holding another version."""
+    path = demo_model("llama", "tiny", 0)
+    w = EngineWorker("w", {"a": path}, {"dtype": "float32", "num_kv_blocks": 64})
+    await w.start()
+    try:
+        assert w.prefixes.capacity == 64
+        first = w.report()
+        assert first.prefixes == b"" and first.prefix_blocks == 0
+        ids = random_prompts(path, [40], seed=2)[0]
+        chain = prefix_chain("a\0t1\0", ids)
+        await w.keepalive("gw")
+        kinds = [k async for k, _ in w.generate("gw", ids, SamplingParams(max_tokens=2), "r1",
+                                                   {"tenant": "t1"}, chain)]
+        assert kinds[0] == "accepted"
+        r = w.report(first.prefix_version)
+        assert r.prefix_version != first.prefix_version and r.prefix_blocks == len(chain) == 2
+        assert unpack_summary(r.prefixes) == {h[:8] for h in chain}
+        assert w.report(r.prefix_version).prefixes is None        # unchanged: not sent again
     finally:
         await w.shutdown()
 
