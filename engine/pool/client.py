@@ -64,6 +64,9 @@ class Pool:
         self._beat: asyncio.Task[None] | None = None
         self._restarting: dict[str, asyncio.Task[None]] = {}
         self._prefix_versions: dict[str, int] = {}   # worker -> its prefix summary's version held
+        # pool-wide state every worker must hold, sent again to one that restarts
+        self.adapters: dict[str, LoRARequest] = {}
+        self.tenant_weights: dict[str, float] = {}
         self._started = False
         self._lock = asyncio.Lock()
 
@@ -136,6 +139,8 @@ class Pool:
                     self._restarting[name] = asyncio.get_running_loop().create_task(self._restart(name))
                 return
             self._take_summary(name, report)
+            if name in self.down:            # back after missing calls: what it may lack first
+                await self._restore(name)
             self.reports[name] = report
             self.down.discard(name)
 
@@ -145,6 +150,22 @@ class Pool:
         snap = await self._bounded(self.placement.rebalance.remote(self.demand()),
                                    self.config.report_interval_s * 4)
         self.assigned, self.decisions = snap["assigned"], snap["decisions"]
+
+    async def _restore(self, name: str) -> None:
+        """Give a worker that restarted (or was unreachable) the pool-wide state it may lack:
+        the adapters registered through this replica and the tenants' weights. Each call
+        bounded; a failure is logged and the worker still serves its base models."""
+        h = self.handles[name]
+        for req in list(self.adapters.values()):
+            try:
+                await self._bounded(h.add_lora.remote(req))
+            except Exception:  # logged; its requests for it fail at acceptance
+                logger.warning("pool: adapter %s not restored on %s", req.lora_name, name, exc_info=True)
+        for tenant, weight in list(self.tenant_weights.items()):
+            try:
+                h.set_tenant_weight.remote(tenant, weight)
+            except Exception:  # gone again: the next restore sends it
+                logger.debug("pool: weight of %s not sent to %s", tenant, name, exc_info=True)
 
     def _take_summary(self, name: str, report: WorkerReport) -> None:
         """The worker's prefix summary to the router, when the report carries it (it changed
@@ -157,6 +178,7 @@ class Pool:
         try:
             report = await self._bounded(self.handles[name].start.remote(), self.config.start_timeout_s)
             self._take_summary(name, report)
+            await self._restore(name)
             self.reports[name] = report
             self.down.discard(name)
         except Exception:
@@ -412,10 +434,12 @@ class PoolEngine:
         handles = [self.pool.handles[w] for w in self.pool.names if w not in self.pool.down]
         adapters = await asyncio.gather(*(self.pool._bounded(h.add_lora.remote(req)) for h in handles))
         self._loras[req.lora_name] = req
+        self.pool.adapters[req.lora_name] = req
         return adapters[0]
 
     def remove_lora(self, name: str) -> bool:
         found = self._loras.pop(name, None) is not None
+        self.pool.adapters.pop(name, None)
         for h in self.pool.handles.values():
             h.remove_lora.remote(name)
         return found
@@ -435,6 +459,7 @@ class PoolEngine:
 
     def set_tenant_weight(self, tenant: str, weight: float) -> None:
         self._weights[tenant] = float(weight)
+        self.pool.tenant_weights[tenant] = float(weight)
         for h in self.pool.handles.values():
             h.set_tenant_weight.remote(tenant, float(weight))
 

@@ -139,7 +139,12 @@ async def test_a_silent_owners_requests_are_aborted():
         async for _, value in gen:             # no keepalive after the first: aborted in time
             outs.append(value)
         assert outs and outs[-1].finished and len(outs[-1].outputs[0].token_ids) < 1500
-        assert w.report().owned == 0 and w.report().kv_used == 0
+        assert w.report().owned == 0
+        for _ in range(100):                    # the engine's stats follow its loop's next turn
+            if w.report().kv_used == 0:
+                break
+            await asyncio.sleep(0.05)
+        assert w.report().kv_used == 0
         # a live owner's request runs to the end
         await w.keepalive("gw-live")
         gen = w.generate("gw-live", ids, SamplingParams(max_tokens=20, ignore_eos=True), "r2", {})
@@ -191,3 +196,91 @@ async def test_concurrent_starts_build_one_engine(monkeypatch):
         assert len(built) == 1 and all(r.started for r in reports)
     finally:
         await w.shutdown()
+
+
+class _Remote:
+    """One method of a fake actor handle: `.remote(...)` records the call and returns an
+    awaitable of `fn(...)` (which may raise, as a dead actor's call does)."""
+
+    def __init__(self, calls: list, name: str, fn) -> None:
+        self.calls, self.name, self.fn = calls, name, fn
+
+    def remote(self, *args):
+        self.calls.append((self.name, args))
+        return _Ref(self.fn, args)
+
+
+class _Ref:
+    """An object ref: awaited (or not, as a fire-and-forget call), it runs the method then."""
+
+    def __init__(self, fn, args) -> None:
+        self.fn, self.args = fn, args
+
+    def __await__(self):
+        async def answer():
+            return self.fn(*self.args)
+
+        return answer().__await__()
+
+
+class _FakeWorker:
+    def __init__(self, name: str) -> None:
+        self.name, self.calls, self.pid, self.started, self.reachable = name, [], 100, True, True
+        for method in ("add_lora", "remove_lora", "set_tenant_weight", "keepalive", "abort"):
+            setattr(self, method, _Remote(self.calls, method, lambda *a: None))
+        self.report = _Remote(self.calls, "report", self._report)
+        self.start = _Remote(self.calls, "start", self._start)
+
+    def _report(self, *_):
+        if not self.reachable:
+            raise TimeoutError("no answer")
+        from engine.pool import WorkerReport
+
+        return WorkerReport(worker_id=self.name, node="n", pid=self.pid, models={"a": True}, loras=[],
+                            waiting={}, running={}, kv_used=0, kv_total=64, owned=0, capacity=1,
+                            started=self.started, at=0.0, prefix_version=1, prefixes=b"")
+
+    def _start(self, *_):
+        self.started = True
+        return self._report()
+
+
+async def test_a_restarted_or_returning_worker_gets_the_pools_adapters_and_weights_again():
+    """Adapters registered and tenant weights set through the pool reach a worker that Ray
+    restarted (new pid, engine not started) and one that missed calls while unreachable,
+    before either is routed to again."""
+    from engine.lora_files import LoRARequest
+    from engine.pool import Pool, PoolConfig, PoolEngine
+
+    pool = Pool(PoolConfig(address="auto", models={"a": "/m/a"}, engine_kwargs={}))
+    workers = {n: _FakeWorker(n) for n in ("w0", "w1")}
+    pool.names, pool.handles = list(workers), dict(workers)
+    pool.failures = ()
+    await pool.refresh()
+    engine = PoolEngine(pool, "a")
+    await engine.add_lora(LoRARequest("sql", 1, "/adapters/sql"))
+    engine.set_tenant_weight("acme", 2.0)
+    sent = {n: [c for c in w.calls if c[0] in ("add_lora", "set_tenant_weight")] for n, w in workers.items()}
+    assert all(len(v) == 2 for v in sent.values())
+    # w1 restarted by Ray: a new process whose engine is not started
+    w1 = workers["w1"]
+    w1.pid, w1.started = 200, False
+    w1.calls.clear()
+    await pool.refresh()
+    assert "w1" in pool.down
+    await asyncio.gather(*pool._restarting.values())
+    assert "w1" not in pool.down and pool.restarts["w1"] == 1
+    names = [c[0] for c in w1.calls]
+    assert names.index("start") < names.index("add_lora")
+    assert ("set_tenant_weight", ("acme", 2.0)) in w1.calls
+    assert [c[1][0].lora_name for c in w1.calls if c[0] == "add_lora"] == ["sql"]
+    # w0 unreachable for a round, then back: restored before it leaves `down`
+    w0 = workers["w0"]
+    w0.reachable = False
+    await pool.refresh()
+    assert "w0" in pool.down
+    w0.reachable, w0.calls[:] = True, []
+    engine.remove_lora("sql")                         # removed meanwhile: not sent again
+    await pool.refresh()
+    assert "w0" not in pool.down
+    assert [c[0] for c in w0.calls if c[0] not in ("report", "remove_lora")] == ["set_tenant_weight"]
