@@ -71,6 +71,7 @@ class StepSizer:
         self.last_skip_was_arrival = False      # ... and it was an arrival's own step
         self.background_prefill_step = False    # this step: less urgent prefill instead of decodes
         self.steps_since_background = 0         # steps since the last background prefill step
+        self.no_forced_block = False            # background prefill steps move it: no block here
         self.urgent_shape = StepShape()         # the urgent classes' part of the step
 
     def arrival(self, rank: int) -> None:
@@ -96,6 +97,7 @@ class StepSizer:
         self.skip_background_decodes = arrival_ok and self._urgent_prefill_pending(sched)
         self.last_skip_was_arrival = self.skip_background_decodes
         self.background_prefill_step = False
+        self.no_forced_block = False
         if (self.enabled and not self.skipped_decodes and not self.skip_background_decodes
                 and self.urgent_rank < self.num_classes):
             self._plan_background_prefill(sched)
@@ -126,6 +128,7 @@ class StepSizer:
         room = cost.prefill_room(target - (cost.predict(decodes) or 0.0), 0)
         if room >= self.min_background_chunk:
             return
+        self.no_forced_block = True     # progress comes from background prefill steps instead
         # a step of its own costs the step's fixed part once more: taken when the pending
         # prefill fills it, or when it has waited BACKGROUND_PREFILL_WAIT steps
         full = cost.prefill_room(target - (cost.predict(urgent) or 0.0), 0)
@@ -207,8 +210,8 @@ class StepSizer:
         if self.target is None:   # fixed at the first less urgent chunk: the urgent part is known
             self.target = self._target(self.shape, self.urgent_shape)
         room = cost.prefill_room(self.target - predicted, seq.num_computed_tokens)
-        if self.background_tokens == 0:   # background work always moves, a block at least
-            room = max(room, self.block_size)
+        if self.background_tokens == 0 and not self.no_forced_block:
+            room = max(room, self.block_size)   # background work always moves, a block at least
         return room
 
     def _urgent_prefill_pending(self, sched: Scheduler) -> bool:
