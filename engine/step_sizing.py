@@ -5,10 +5,10 @@ work in sight (sequences running or waiting, or an arrival within `urgent_window
 in which the urgent classes compute prompt tokens (an arrival's first token) runs only their
 work: their decodes and prefill, nothing less urgent (never two such steps in a row). In any
 other step less urgent prefill fills the step only while the step-cost model
-(engine/cost_model.py) predicts it within the step-time target: the urgent class's `slo` when set, else the larger of
-`step_time_multiple` (1.0) x the predicted time of the step's decodes (every running one:
-the pace the streams already keep) and the urgent class's own part plus a chunk of
-`max_num_batched_tokens / 16` tokens. So no step is longer than the decodes make it: where
+(engine/cost_model.py) predicts it within the step-time target: the urgent class's `slo`
+when set, else the larger of `step_time_multiple` (1.0) x the predicted time of the step's
+decodes (every running one: the pace the streams already keep) and the urgent class's own
+part plus a chunk of `max_num_batched_tokens / 16` tokens. So no step is longer than the decodes make it: where
 the decodes leave no room for such a chunk and less urgent prefill is pending, the step is
 a *background prefill* step instead (once enough is pending to fill it, or it has waited
 `BACKGROUND_PREFILL_WAIT` steps), in which the less urgent decodes sit out and their

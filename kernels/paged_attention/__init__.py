@@ -22,7 +22,7 @@ def paged_attention(
     first_slots: list[int] | None = None,
 ) -> torch.Tensor:
     """See reference.paged_attention: same signature, same result within float rounding."""
-    if query.device.type == "cpu" and query.dtype == torch.float32 and cpu.available():
+    if implementation(query.device, query.dtype) == "cpu":
         return cpu.paged_attention(query.contiguous(), key_cache, value_cache, block_tables,
                                    seq_lens, query_start_loc, scale, first_slots)
     return reference.paged_attention(query, key_cache, value_cache, block_tables, seq_lens,
