@@ -28,22 +28,23 @@ def adapter_path(root: Path, path: Any) -> tuple[str, Path]:
     directory. Symbolic links inside the root are resolved, so the stored path cannot be
     redirected later."""
     if not isinstance(path, str) or not path.strip():
-        raise Invalid("path", "must be a non-empty path relative to the adapter root")
+        raise Invalid("path", f"must be a non-empty path relative to the adapter root ({root})")
     if "\x00" in path or len(path) > 1024:
         raise Invalid("path", "must be at most 1024 characters, without NUL")
     if _URL_RE.match(path):
-        raise Invalid("path", f"{path!r} is a URL; give a directory inside the adapter root")
+        raise Invalid("path", f"{path!r} is a URL; give a directory inside the adapter root ({root})")
     given = Path(path)
     if ".." in given.parts:
         raise Invalid("path", f"{path!r} must not contain '..'; give a directory inside the "
-                              "adapter root")
+                              f"adapter root ({root})")
     root_real = root.resolve()
     real = (given if given.is_absolute() else root / given).resolve()
     if real == root_real or not real.is_relative_to(root_real):
         how = " (a symbolic link leads out of it)" if not given.is_absolute() else ""
-        raise Invalid("path", f"{path!r} is outside the adapter root{how}")
+        raise Invalid("path", f"{path!r} is outside the adapter root, {root_real}{how}; copy or "
+                              "link the adapter there (LOCKGATE_ADAPTER_ROOT sets the root)")
     if not real.is_dir():
-        raise Invalid("path", f"{path!r} is not a directory in the adapter root")
+        raise Invalid("path", f"{path!r} is not a directory in the adapter root ({root_real})")
     return real.relative_to(root_real).as_posix(), real
 
 

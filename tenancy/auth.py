@@ -66,6 +66,24 @@ async def authenticate(session: AsyncSession, plaintext: str, pepper: bytes) -> 
     return _principal(key, tenant)
 
 
+async def principal_of_key(session: AsyncSession, key_id: str) -> Principal:
+    """The principal of the key with id `key_id` as it stands now (its tenant's plan and
+    quotas read afresh), for work a key started and the gateway carries on (a batch's
+    lines); AuthError if the key or its tenant may no longer be used."""
+    stmt = (
+        select(ApiKey, Tenant)
+        .outerjoin(Tenant, ApiKey.tenant_id == Tenant.id)
+        .where(ApiKey.id == key_id)
+        .execution_options(populate_existing=True)
+    )
+    row = (await session.execute(stmt)).first()
+    if row is None:
+        raise AuthError("invalid")
+    key, tenant = row
+    _check_usable(key, tenant)
+    return _principal(key, tenant)
+
+
 def _check_usable(key: ApiKey, tenant: Tenant | None) -> None:
     """AuthError unless the key and its tenant may be used now (in this order of reasons)."""
     if key.tenant_id is not None and (tenant is None or tenant.deleted_at is not None):

@@ -17,6 +17,7 @@ from sqlalchemy import (
     ForeignKey,
     Index,
     Integer,
+    LargeBinary,
     MetaData,
     String,
 )
@@ -186,6 +187,8 @@ class UsageRecord(Base):
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, index=True)
     # the client's own x-request-id (not unique: a client may reuse one), for reconciliation
     client_request_id: Mapped[str | None] = mapped_column(String(128), nullable=True)
+    # the batch whose line this request was (the Batch API), else null
+    batch_id: Mapped[str | None] = mapped_column(String(40), nullable=True, index=True)
 
 
 class AuditEntry(Base):
@@ -198,3 +201,105 @@ class AuditEntry(Base):
     target_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
     detail: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True), nullable=True)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, index=True)
+
+
+# -- the Batch API: files, batches and their lines ----------------------------------------------------
+FILE_PURPOSES = ("batch", "batch_output")
+BATCH_STATUSES = ("validating", "failed", "in_progress", "finalizing", "completed", "expired",
+                  "cancelling", "cancelled")
+BATCH_LINE_STATUSES = ("pending", "done", "error")
+
+
+def new_file_id() -> str:
+    return "file-" + secrets.token_hex(12)
+
+
+def new_batch_id() -> str:
+    return "batch_" + secrets.token_hex(12)
+
+
+class StoredFile(Base):
+    """A file of the Files API: its bytes in the database, so that every replica reads it."""
+
+    __tablename__ = "files"
+    __table_args__ = (Index("ix_files_tenant_id_created_at", "tenant_id", "created_at"),)
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True, default=new_file_id)
+    tenant_id: Mapped[str] = mapped_column(String(20), ForeignKey("tenants.id"))
+    purpose: Mapped[str] = mapped_column(String(16))
+    filename: Mapped[str] = mapped_column(String(256))
+    size: Mapped[int] = mapped_column("bytes", BigInteger)
+    content: Mapped[bytes] = mapped_column(LargeBinary)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True, index=True)
+
+
+class Batch(Base):
+    """A batch: its lines run in the offline class; one replica at a time works it (the lease)."""
+
+    __tablename__ = "batches"
+    __table_args__ = (
+        Index("ix_batches_tenant_id_created_at", "tenant_id", "created_at"),
+        Index("ix_batches_status", "status"),
+    )
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True, default=new_batch_id)
+    tenant_id: Mapped[str] = mapped_column(String(20), ForeignKey("tenants.id"))
+    api_key_id: Mapped[str] = mapped_column(String(20))
+    endpoint: Mapped[str] = mapped_column(String(64))
+    input_file_id: Mapped[str] = mapped_column(String(40))
+    completion_window: Mapped[str] = mapped_column(String(8))
+    status: Mapped[str] = mapped_column(String(16))
+    meta: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True), nullable=True)
+    output_file_id: Mapped[str | None] = mapped_column(String(40), nullable=True)
+    error_file_id: Mapped[str | None] = mapped_column(String(40), nullable=True)
+    errors: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON(none_as_null=True), nullable=True)
+    total: Mapped[int] = mapped_column(Integer, default=0)
+    output_expires_s: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    paused: Mapped[str | None] = mapped_column(String(256), nullable=True)   # why, while it waits
+    lease_owner: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    lease_expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    expires_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    in_progress_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    finalizing_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    completed_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    failed_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    expired_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    cancelling_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    cancelled_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+
+
+class BatchLine(Base):
+    """One line of a batch's input, and once it ran, its answer (or its error): `done` and
+    `error` are final, written in the same transaction as the line's usage row."""
+
+    __tablename__ = "batch_lines"
+    __table_args__ = (Index("ix_batch_lines_batch_id_status", "batch_id", "status"),)
+
+    batch_id: Mapped[str] = mapped_column(String(40), ForeignKey("batches.id", ondelete="CASCADE"),
+                                          primary_key=True)
+    line: Mapped[int] = mapped_column(Integer, primary_key=True)
+    custom_id: Mapped[str | None] = mapped_column(String(512), nullable=True)
+    body: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True), nullable=True)
+    status: Mapped[str] = mapped_column(String(16))
+    status_code: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    response: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True), nullable=True)
+    error: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True), nullable=True)
+    request_id: Mapped[str | None] = mapped_column(String(128), nullable=True)
+
+
+class RefusalCount(Base):
+    """Requests a limit refused (429s), per tenant, key, limit and UTC minute: added to by
+    each replica's `RefusalCounter` flush (an upsert adding its deltas), read by the quota
+    report. No foreign key: a flush must never fail on a row, and rows outlive their key."""
+
+    __tablename__ = "refusal_counts"
+    __table_args__ = (Index("ix_refusal_counts_minute", "minute"),)
+
+    tenant_id: Mapped[str] = mapped_column(String(20), primary_key=True)
+    api_key_id: Mapped[str] = mapped_column(String(20), primary_key=True)
+    scope: Mapped[str] = mapped_column(String(8), primary_key=True)     # whose limit: "tenant" | "key"
+    reason: Mapped[str] = mapped_column(String(32), primary_key=True)   # a Quota field name
+    minute: Mapped[datetime] = mapped_column(UTCDateTime, primary_key=True)   # UTC, seconds 0
+    count: Mapped[int] = mapped_column(BigInteger)

@@ -8,6 +8,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import TypedDict
 
 from tenancy.errors import Invalid
 from tenancy.quota import QUOTA_FIELDS, Quota
@@ -130,6 +131,20 @@ class Decision:
     reset_tokens: float | None
 
 
+class ScopeUsage(TypedDict):
+    """What a scope's counters hold now (`Limiter.live_usage`): its minute windows, its live
+    concurrency leases and its current UTC day's and month's budget counters. A counter a
+    scope does not keep (its limit unset) reads 0."""
+
+    requests_in_window: int
+    tokens_in_window: int
+    concurrent: int
+    day_tokens: int
+    month_tokens: int
+    requests_reset_at: float | None   # epoch s: the oldest request leaves the window (None: empty)
+    tokens_reset_at: float | None     # epoch s: the oldest entry holding tokens leaves it
+
+
 class Limiter(ABC):
     """Checks and applies the limits of several scopes atomically (see `tenancy.limiter`)."""
 
@@ -178,9 +193,18 @@ class Limiter(ABC):
         """Extend the concurrency leases of requests still running (one round trip)."""
 
     @abstractmethod
+    async def live_usage(self, scope: LimitScope) -> ScopeUsage:
+        """What ``scope``'s counters hold now (read-only; on Redis one call bounded by its
+        timeout): its windows, leases and current UTC day's and month's budgets, and when
+        the windows next drop an entry (`ScopeUsage`)."""
+
     async def usage(self, scope: LimitScope) -> dict[str, int]:
         """Current counts of ``scope``: ``requests_in_window``, ``tokens_in_window``,
         ``concurrent``, ``day_tokens`` and ``month_tokens`` (current UTC day and month)."""
+        u = await self.live_usage(scope)
+        return {"requests_in_window": u["requests_in_window"],
+                "tokens_in_window": u["tokens_in_window"], "concurrent": u["concurrent"],
+                "day_tokens": u["day_tokens"], "month_tokens": u["month_tokens"]}
 
     async def expired(self, limit: int = 100) -> list[Lease]:
         """Unsettled admissions whose lease ran out (no heartbeat for ``lease_ttl``): their

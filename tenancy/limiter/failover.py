@@ -32,7 +32,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from tenancy.errors import Invalid, LimiterUnavailable
-from tenancy.limiter.base import Decision, Lease, Limiter, LimitScope
+from tenancy.limiter.base import Decision, Lease, Limiter, LimitScope, ScopeUsage
 from tenancy.limiter.memory import InProcessLimiter
 from tenancy.limiter.redis import RedisLimiter
 from tenancy.validation import check_count
@@ -182,8 +182,8 @@ class FailoverLimiter(Limiter):
             except LimiterUnavailable as exc:
                 self._outage(exc)
 
-    async def usage(self, scope: LimitScope) -> dict[str, int]:
-        return await self.primary.usage(scope)
+    async def live_usage(self, scope: LimitScope) -> ScopeUsage:
+        return await self.primary.live_usage(scope)
 
     async def check(self) -> str:
         if self._down_since is None:

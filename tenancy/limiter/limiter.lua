@@ -447,14 +447,20 @@ elseif op == 'usage' then
      or now < tonumber(ARGV[5]) or now >= tonumber(ARGV[6]) then
     return {'clock', now}
   end
-  local live = redis.call('ZRANGEBYSCORE', KEYS[1], '(' .. fmt(now - window), '+inf')
-  local tokens = 0
-  for i = 1, #live do
-    tokens = tokens + (tonumber(redis.call('HGET', KEYS[2], live[i])) or 0)
+  -- then the admission times (us) of the oldest entry in the window and of the oldest one
+  -- holding tokens, -1 for none
+  local live = redis.call('ZRANGEBYSCORE', KEYS[1], '(' .. fmt(now - window), '+inf',
+                          'WITHSCORES')
+  local tokens, first, first_tokens = 0, -1, -1
+  for i = 1, #live, 2 do
+    local t = tonumber(redis.call('HGET', KEYS[2], live[i])) or 0
+    tokens = tokens + t
+    if first < 0 then first = tonumber(live[i + 1]) end
+    if first_tokens < 0 and t > 0 then first_tokens = tonumber(live[i + 1]) end
   end
   local conc = redis.call('ZCOUNT', KEYS[3], '(' .. fmt(now), '+inf')
   local day = tonumber(redis.call('GET', KEYS[4]) or '0')
   local month = tonumber(redis.call('GET', KEYS[5]) or '0')
-  return {'ok', now, #live, tokens, conc, day, month}
+  return {'ok', now, math.floor(#live / 2), tokens, conc, day, month, fmt(first), fmt(first_tokens)}
 end
 return redis.error_reply('lockgate limiter: unknown op ' .. tostring(op))

@@ -24,6 +24,7 @@ from tenancy.limiter.base import (
     Lease,
     Limiter,
     LimitScope,
+    ScopeUsage,
     check_lease,
     check_lease_ttl,
     check_request_id,
@@ -333,21 +334,24 @@ class InProcessLimiter(Limiter):
                     if st is not None and st.leases.get(rid, -math.inf) > now:
                         st.leases[rid] = now + self.lease_ttl
 
-    async def usage(self, scope: LimitScope) -> dict[str, int]:
+    async def live_usage(self, scope: LimitScope) -> ScopeUsage:
         scope = check_scope(scope)
         with self._lock:
             now = float(self._clock())
             periods = Periods.at(now)
             st = self._scopes.get(scope.counters) or ScopeState()
             cutoff = now - WINDOW
-            live = [rid for t, rid in st.log if t > cutoff]
-            return {
-                "requests_in_window": len(live),
-                "tokens_in_window": sum(st.tokens.get(rid, 0) for rid in live),
-                "concurrent": sum(1 for exp in st.leases.values() if exp > now),
-                "day_tokens": self._budgets.get((scope.counters, periods.day), 0),
-                "month_tokens": self._budgets.get((scope.counters, periods.month), 0),
-            }
+            live = [(t, rid) for t, rid in st.log if t > cutoff]
+            holding = [t for t, rid in live if st.tokens.get(rid, 0) > 0]
+            return ScopeUsage(
+                requests_in_window=len(live),
+                tokens_in_window=sum(st.tokens.get(rid, 0) for _, rid in live),
+                concurrent=sum(1 for exp in st.leases.values() if exp > now),
+                day_tokens=self._budgets.get((scope.counters, periods.day), 0),
+                month_tokens=self._budgets.get((scope.counters, periods.month), 0),
+                requests_reset_at=live[0][0] + WINDOW if live else None,
+                tokens_reset_at=holding[0] + WINDOW if holding else None,
+            )
 
     async def close(self) -> None:
         with self._lock:

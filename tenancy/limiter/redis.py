@@ -56,6 +56,7 @@ from tenancy.limiter.base import (
     Lease,
     Limiter,
     LimitScope,
+    ScopeUsage,
     check_lease,
     check_lease_ttl,
     check_request_id,
@@ -298,7 +299,7 @@ class RedisLimiter(Limiter):
                         len(args) // 2, *args])
             for tag, (keys, args) in by_tag.items()))
 
-    async def usage(self, scope: LimitScope) -> dict[str, int]:
+    async def live_usage(self, scope: LimitScope) -> ScopeUsage:
         scope = check_scope(scope)
         guess = time.time() + self._skew
         for _ in range(4):
@@ -309,9 +310,11 @@ class RedisLimiter(Limiter):
                 guess = int(reply[1]) / _US
                 self._skew = guess - time.time()
                 continue
-            req, tok, conc, day, month = (int(x) for x in reply[2:7])
-            return {"requests_in_window": req, "tokens_in_window": tok, "concurrent": conc,
-                    "day_tokens": day, "month_tokens": month}
+            req, tok, conc, day, month, req_at, tok_at = (int(x) for x in reply[2:9])
+            return ScopeUsage(requests_in_window=req, tokens_in_window=tok, concurrent=conc,
+                              day_tokens=day, month_tokens=month,
+                              requests_reset_at=(req_at + _us(WINDOW)) / _US if req_at >= 0 else None,
+                              tokens_reset_at=(tok_at + _us(WINDOW)) / _US if tok_at >= 0 else None)
         raise RuntimeError("could not agree with Redis on the current UTC day")
 
     async def check(self) -> str:

@@ -46,6 +46,7 @@ class UsageRow:
     total_ms: float
     created_at: datetime | None = None    # None: when recorded
     client_request_id: str | None = None  # the client's x-request-id, for its reconciliation
+    batch_id: str | None = None           # the batch whose line this was (the Batch API)
 
     def __post_init__(self) -> None:
         for f in ("request_id", "tenant_id", "api_key_id", "model", "service_tier"):
@@ -57,6 +58,8 @@ class UsageRow:
         if self.client_request_id is not None and (
                 not isinstance(self.client_request_id, str) or not 1 <= len(self.client_request_id) <= 128):
             raise Invalid("client_request_id", "must be null or a string of 1 to 128 characters")
+        if self.batch_id is not None and (not isinstance(self.batch_id, str) or not 1 <= len(self.batch_id) <= 40):
+            raise Invalid("batch_id", "must be null or a string of 1 to 40 characters")
         if len(self.model) > MODEL_NAME_MAX:
             raise Invalid("model", f"must be at most {MODEL_NAME_MAX} characters")
         if self.service_tier not in SERVICE_TIERS:

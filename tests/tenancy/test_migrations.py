@@ -11,7 +11,8 @@ from alembic.runtime.migration import MigrationContext
 from tenancy import db as tdb
 from tenancy.models import Base
 
-TABLES = {"tenants", "api_keys", "usage_records", "audit_entries", "adapters"}
+TABLES = {"tenants", "api_keys", "usage_records", "audit_entries", "adapters", "refusal_counts",
+          "files", "batches", "batch_lines"}
 
 
 def diff(url: str, metadata: sa.MetaData) -> list:
