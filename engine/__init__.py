@@ -3,7 +3,8 @@
 The public face, and all a server imports (tests/gateway/test_imports.py holds the gateway
 to it): the engine (`AsyncEngine`, a `ModelView` of one of its models, `LLM` for offline
 batches) behind the `EngineClient` / `EngineAdmin` protocols and their `RequestStream`;
-requests (`SamplingParams`, `LoRARequest`), outputs, stats and errors; the model
+requests (`SamplingParams`, `StructuredOutputsParams`, `LoRARequest`), outputs, stats and
+errors; the grammar compiler structured outputs share (`grammar_compiler`); the model
 directory's own `ModelConfig` and `Tokenizer`; and the model tools the command line runs
 (`write_demo_model`, `write_demo_adapter`, `quantize_model`). Everything else in
 `engine.*` is the engine's inside.
@@ -18,19 +19,21 @@ from engine.errors import (
     EngineDead,
     EngineError,
     EngineOverloaded,
+    GrammarError,
     InvalidRequest,
     LoRAError,
     PromptTooLong,
     UnknownModel,
 )
+from engine.grammar import CompiledGrammar, GrammarCompiler, grammar_compiler
 from engine.llm import LLM
 from engine.lora import Adapter, LoRARequest
 from engine.lora_demo import parse_targets, write_demo_adapter
 from engine.model_view import ModelView
 from engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from engine.pool import Pool, PoolConfig, PoolEngine
-from engine.quant.quantize import QuantizeSpec, quantize_model
-from engine.sampling_params import SamplingParams
+from engine.quant.quantize import QuantizeSpec, default_group_size, quantize_model
+from engine.sampling_params import SamplingParams, StructuredOutputsParams
 from engine.stats import (
     CostModelStats,
     EngineStats,
@@ -46,11 +49,13 @@ from engine.stats import (
 from engine.tokenizer import Tokenizer
 
 __all__ = [
-    "LLM", "Adapter", "AdapterInUse", "AsyncEngine", "CompletionOutput", "CostModelStats", "EngineAdmin",
-    "EngineClient", "EngineConfig", "EngineDead", "EngineError", "EngineOverloaded", "EngineStats", "InvalidRequest",
+    "LLM", "Adapter", "AdapterInUse", "AsyncEngine", "CompiledGrammar", "CompletionOutput", "CostModelStats",
+    "EngineAdmin", "EngineClient", "EngineConfig", "EngineDead", "EngineError", "EngineOverloaded", "EngineStats",
+    "GrammarCompiler", "GrammarError", "InvalidRequest",
     "KVStats", "LoRAError", "LoRARequest", "LoRAStats", "Logprob", "ModelConfig", "ModelView", "OverloadStats",
     "Pool", "PoolConfig", "PoolEngine",
     "PoolStats", "PooledModelStats", "Prompt", "PromptTooLong", "QuantizeSpec", "QueueBounds", "QueueStats",
-    "RequestMetrics", "RequestOutput", "RequestStream", "SamplingParams", "ServedEngine", "TenantClassStats",
-    "Tokenizer", "UnknownModel", "parse_targets", "quantize_model", "write_demo_adapter", "write_demo_model",
+    "RequestMetrics", "RequestOutput", "RequestStream", "SamplingParams", "ServedEngine", "StructuredOutputsParams",
+    "TenantClassStats", "Tokenizer", "UnknownModel", "default_group_size", "grammar_compiler", "parse_targets",
+    "quantize_model", "write_demo_adapter", "write_demo_model",
 ]

@@ -14,6 +14,7 @@ import torch
 
 from engine.config import DTYPES, EngineConfig, ModelConfig
 from engine.errors import InvalidRequest, PromptTooLong, UnknownModel
+from engine.grammar import GrammarManager, grammar_compiler
 from engine.kv_cache import KVCacheManager
 from engine.lora import Adapter, LoRAManager, LoRARequest
 from engine.memory import CPU_DEFAULT_KV_BYTES, MemoryBudget
@@ -115,6 +116,8 @@ class EngineCore:
         self.scheduler = Scheduler(config, self.kv)
         if self.lora is not None:
             self.scheduler.lora_ready = self.lora.is_ready
+        self.grammars = GrammarManager(grammar_compiler(config.model, mc.vocab_size, mc.eos_token_ids))
+        self.scheduler.grammar_ready = self.grammars.is_ready
         # (request id, error) of requests that failed after they were queued (an adapter
         # that could not be read): AsyncEngine hands each to its caller
         self.failed: list[tuple[str, Exception]] = []
@@ -257,12 +260,14 @@ class EngineCore:
         self.requests[req.request_id] = state
         if req.lora_request is not None:
             self._lora_manager().acquire(req.lora_request)
+        self.grammars.add(state)     # compiled off this thread; the request waits for it
         self.scheduler.add(state)
         return state
 
     def _retire(self, state: RequestState) -> None:
         """The request left the engine (finished, aborted or failed)."""
         self.requests.pop(state.request_id, None)
+        self.grammars.forget(state.request_id)
         if state.req.lora_request is not None and self.lora is not None:
             self.lora.release(state.req.lora_request)
 
@@ -285,6 +290,16 @@ class EngineCore:
                 self._retire(state)
                 self.failed.append((state.request_id, exc))
 
+    def _fail_grammar_requests(self) -> None:
+        for state, exc in self.grammars.take_failures():
+            if state.request_id not in self.requests:
+                continue    # aborted meanwhile
+            for seq in state.seqs:
+                if seq.status is not SeqStatus.FINISHED:
+                    self.scheduler.finish(seq, "abort")
+            self._retire(state)
+            self.failed.append((state.request_id, exc))
+
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Free the request's blocks at once; returns its last output, finish_reason 'abort'."""
         state = self.requests.get(request_id)
@@ -306,6 +321,7 @@ class EngineCore:
         t0 = time.perf_counter()
         if self.lora is not None:
             self._fail_adapter_requests(self.lora)
+        self._fail_grammar_requests()
         sched = self.scheduler.schedule()
         t1 = time.perf_counter()
         self.timings.schedule += t1 - t0
@@ -316,6 +332,9 @@ class EngineCore:
                 not self.lora.is_ready(s.state.req.lora_id) for s in self.scheduler.waiting if s.state.req.lora_id
             ):
                 time.sleep(0.001)   # only adapters still being read: wait for them, do not spin hot
+                return []
+            if self.grammars.num_pending:
+                time.sleep(0.001)   # only grammars still compiling (or just failed: next step)
                 return []
             if self.scheduler.waiting or self.scheduler.running:
                 # cannot happen for validated requests; fail loudly rather than spin

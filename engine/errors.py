@@ -51,6 +51,14 @@ class AdapterInUse(LoRAError):
         super().__init__(message, field="lora_name")
 
 
+class GrammarError(InvalidRequest):
+    """A structured-output spec (JSON schema, regex, choice) that does not compile to a
+    grammar, is too large, or took too long to compile; `field` names the spec."""
+
+    def __init__(self, message: str, *, field: str = "structured_outputs") -> None:
+        super().__init__(message, field=field)
+
+
 class EngineOverloaded(EngineError):
     """The queue is full (engine/admission.py); retry after `retry_after` seconds. `shed`:
     the request had been queued and was shed, before it sent anything, to make room for

@@ -140,10 +140,15 @@ class LLM:
 
 
 class _Progress:
+    """A transient bar on stderr (as vLLM's), drawn only on a terminal: piped or redirected,
+    it writes nothing at all (rich would otherwise end a non-terminal run with a newline)."""
+
     def __init__(self, total: int) -> None:
+        from rich.console import Console
         from rich.progress import Progress
 
-        self._p = Progress(transient=True)
+        console = Console(stderr=True)
+        self._p = Progress(transient=True, console=console, disable=not console.is_terminal)
         self._p.start()
         self._task = self._p.add_task("generating", total=total)
 

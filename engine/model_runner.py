@@ -4,11 +4,13 @@ over the flattened batch, logits of the last position of each sequence that samp
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
 from engine.config import ModelConfig
+from engine.grammar import grammar_bitmask
 from engine.kv_cache import KVCacheManager
 from engine.lora import LoRAManager
 from engine.models import AttentionMetadata, LlamaForCausalLM, build_skeleton, load_model, tensor_bytes
@@ -65,6 +67,11 @@ class ModelRunner:
         self.block_size = 0
         self.num_blocks = 0
         self.lora: LoRAManager | None = None
+        # grammar masks computed during the forward, on a thread of their own: on an
+        # accelerator only (on the CPU the forward's threads hold every core, and a thread
+        # beside them slows the forward by more than the masks cost)
+        self.overlap_masks = device.type != "cpu"
+        self._mask_pool: ThreadPoolExecutor | None = None
 
     def enable_lora(self, *, max_loras: int, max_lora_rank: int, max_cpu_loras: int) -> LoRAManager:
         self.lora = LoRAManager(
@@ -180,6 +187,7 @@ class ModelRunner:
                     seq.output_token_ids if hist else [],
                     seq.index,
                     end,
+                    seq.grammar,
                 ))
         width = max(len(t) for t in tables)
         padded = [t + [0] * (width - len(t)) for t in tables]
@@ -199,6 +207,17 @@ class ModelRunner:
             sample_rows=rows,
         )
 
+    def _start_masks(self, rows: list[SampleRow]) -> Future[torch.Tensor] | None:
+        """The grammar rows' allowed tokens, computed on a thread of their own while the
+        forward runs (llguidance releases the GIL); None when no row has a grammar or
+        `overlap_masks` is off (the sampler computes them then)."""
+        matchers = [r.grammar for r in rows if r.grammar is not None]
+        if not matchers or not self.overlap_masks:
+            return None
+        if self._mask_pool is None:
+            self._mask_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lockgate-mask")
+        return self._mask_pool.submit(grammar_bitmask, matchers, self.cfg.vocab_size)
+
     def _loaded(self) -> LlamaForCausalLM:
         if self.model is None:
             raise RuntimeError("the model is offloaded: load() it before running a step")
@@ -216,6 +235,7 @@ class ModelRunner:
     ) -> tuple[list[Sequence], SamplerOutput | None]:
         t0 = time.perf_counter()
         inp = self.prepare(sched, kv)
+        masks = self._start_masks(inp.sample_rows)
         t1 = time.perf_counter()
         logits = self.forward_logits(inp) if inp.sample_seqs else None
         if logits is None:
@@ -223,7 +243,8 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         t2 = time.perf_counter()
-        out = self.sampler(logits, inp.sample_rows) if logits is not None else None
+        bitmask = masks.result() if masks is not None else None
+        out = self.sampler(logits, inp.sample_rows, bitmask) if logits is not None else None
         t3 = time.perf_counter()
         timings.prepare += t1 - t0
         timings.forward += t2 - t1

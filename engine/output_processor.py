@@ -1,8 +1,11 @@
 """From sampled tokens to `RequestOutput`s: appending each sequence's token, the stop
-conditions (EOS, stop ids, stop strings, max_tokens, the context its class may use),
-incremental detokenization, logprobs, and the cumulative outputs with their deltas."""
+conditions (EOS, stop ids, stop strings, max_tokens, the context its class may use, a
+grammar's end), incremental detokenization, logprobs, and the cumulative outputs with their
+deltas."""
 
 from __future__ import annotations
+
+import logging
 
 from engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from engine.request import RequestState, SeqStatus, Sequence
@@ -13,6 +16,8 @@ from engine.tokenizer import Tokenizer
 # prompt tokens the detokenizer starts from, so the first output token is decoded in context
 # (a SentencePiece word-start space, a character split across the prompt's end)
 DETOKENIZE_CONTEXT = 8
+
+logger = logging.getLogger(__name__)
 
 
 class OutputProcessor:
@@ -31,6 +36,10 @@ class OutputProcessor:
         """Ready a new sequence's detokenizer (and its logprobs, when asked for)."""
         req = seq.state.req
         context = req.prompt_token_ids[-DETOKENIZE_CONTEXT:]
+        # a context that ends inside a character is cut before it: the stream would emit the
+        # whole context again once an output token completed that character
+        while context and self.tokenizer.decode(context, False).endswith("\ufffd"):
+            context = context[:-1]
         seq.decode_stream = self.tokenizer.decode_stream(req.sampling.skip_special_tokens, context)
         if req.sampling.logprobs is not None:
             seq.logprobs = []
@@ -51,6 +60,8 @@ class OutputProcessor:
             self._check_stop(seq, token)
 
     def _check_stop(self, seq: Sequence, token: int) -> None:
+        if seq.grammar is not None and self._grammar_ends(seq, token):
+            return
         p = seq.params
         may_stop = seq.num_output_tokens > p.min_tokens
         if may_stop and not p.ignore_eos and token in self.eos_token_ids:
@@ -74,6 +85,30 @@ class OutputProcessor:
         ):
             self._flush_text(seq, seq.num_output_tokens)
             self.scheduler.finish(seq, "length")
+
+    def _grammar_ends(self, seq: Sequence, token: int) -> bool:
+        """Advance the sequence's grammar by `token`; True when that ended the sequence: an
+        end-of-sequence token (the mask allows one only where the grammar is complete), or a
+        token after which the grammar allows nothing more. Either way the finish is "stop",
+        min_tokens and ignore_eos notwithstanding: no further token could be valid."""
+        grammar = seq.grammar
+        if grammar is None:
+            return False
+        if token in self.eos_token_ids and grammar.is_accepting():
+            self._flush_text(seq, seq.num_output_tokens - 1)
+            self.scheduler.finish(seq, "stop")
+            return True
+        if not grammar.consume_token(token):
+            # cannot happen for a token drawn under the grammar's mask
+            logger.error("%s: token %d refused by its grammar: %s", seq.seq_id, token, grammar.get_error())
+            self._flush_text(seq, seq.num_output_tokens)
+            self.scheduler.finish(seq, "abort", "grammar")
+            return True
+        if grammar.is_stopped():
+            self._flush_text(seq, seq.num_output_tokens)
+            self.scheduler.finish(seq, "stop")
+            return True
+        return False
 
     def _flush_text(self, seq: Sequence, upto: int) -> None:
         """At the end, the bytes the incremental decoder still holds (a character cut short)

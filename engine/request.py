@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from llguidance import LLMatcher
     from tokenizers.decoders import DecodeStream
 
     from engine.kv_cache.block_pool import BlockHash
@@ -95,6 +96,7 @@ class Sequence:
     cumulative_logprob: float = 0.0
     logprobs: list[dict[int, Logprob]] | None = None
     decode_stream: DecodeStream | None = None
+    grammar: LLMatcher | None = None            # structured outputs: where its output stands
 
     @property
     def seq_id(self) -> str:

@@ -1,7 +1,9 @@
 """Turns the last-position logits of a step into tokens, one row per sampled sequence.
 
 Greedy rows take the argmax. Other rows apply penalties, temperature, top-k, top-p and
-min-p, then draw with the exponential-race trick (argmax of p / Exp(1) noise). A seeded
+min-p, then draw with the exponential-race trick (argmax of p / Exp(1) noise). A row with a
+grammar (structured outputs) keeps only the tokens its grammar allows, after penalties and
+before choosing; its logprobs are the model's own, before the mask. A seeded
 row draws its noise from a generator seeded by (seed, sample index, position), so its
 tokens do not depend on what else is in the batch, nor on preemption.
 """
@@ -9,10 +11,15 @@ tokens do not depend on what else is in the batch, nor on preemption.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
+from engine.grammar import grammar_bitmask, mask_logits
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from llguidance import LLMatcher
 
 
 @dataclass(slots=True)
@@ -22,6 +29,7 @@ class SampleRow:
     output_token_ids: list[int]
     sample_index: int
     position: int            # position of the token being sampled
+    grammar: LLMatcher | None = None   # the sequence's grammar: only the tokens it allows
 
 
 @dataclass(slots=True)
@@ -37,16 +45,27 @@ class Sampler:
         self.generator.manual_seed(seed)
         self.device = device
 
-    def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, rows: list[SampleRow],
+                 bitmask: torch.Tensor | None = None) -> SamplerOutput:
+        """`bitmask`: the grammar rows' allowed tokens, in row order, when computed already
+        (the runner computes them while the forward runs); else they are computed here."""
         logits = logits.float()
         num_rows = len(rows)
         want_logprobs = [r.params.logprobs is not None for r in rows]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
-        if any(r.params.needs_penalties for r in rows):
+        cloned = any(r.params.needs_penalties for r in rows)
+        if cloned:
             logits = logits.clone()
             for i, r in enumerate(rows):
                 if r.params.needs_penalties:
                     _apply_penalties(logits[i], r)
+        guided = [i for i, r in enumerate(rows) if r.grammar is not None]
+        if guided:
+            logits = logits if cloned else logits.clone()
+            if bitmask is None:
+                matchers = [g for g in (rows[i].grammar for i in guided) if g is not None]
+                bitmask = grammar_bitmask(matchers, logits.shape[-1])
+            mask_logits(logits, guided, bitmask)
         chosen = torch.empty(num_rows, dtype=torch.long, device=logits.device)
         greedy = [i for i, r in enumerate(rows) if r.params.greedy]
         sampled = [i for i, r in enumerate(rows) if not r.params.greedy]

@@ -2,10 +2,68 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
+from typing import Any, Literal
 
 from engine.errors import InvalidRequest
+
+GrammarKind = Literal["json", "json_object", "regex", "choice"]
+
+
+@dataclass(slots=True, frozen=True)
+class StructuredOutputsParams:
+    """What a request's output must match (vLLM's `StructuredOutputsParams`): exactly one of a
+    JSON schema (`json`, a dict or its text), any JSON object (`json_object`), a regular
+    expression (`regex`, Rust regex syntax) or one of a list of strings (`choice`). JSON is
+    compact (no whitespace between tokens) and keeps the schema's property order."""
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        kinds = [k for k in ("json", "regex", "choice") if getattr(self, k) is not None]
+        kinds += ["json_object"] if self.json_object is True else []
+        if len(kinds) != 1:
+            raise InvalidRequest("structured_outputs: set exactly one of json, regex, choice, json_object "
+                                 f"(got {kinds or 'none'})", field="structured_outputs")
+        if not isinstance(self.json_object, bool):
+            raise InvalidRequest("structured_outputs.json_object: must be a boolean",
+                                 field="structured_outputs.json_object")
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise InvalidRequest("structured_outputs.json: must be a JSON schema (an object or its text)",
+                                 field="structured_outputs.json")
+        if self.regex is not None and (not isinstance(self.regex, str) or not self.regex):
+            raise InvalidRequest("structured_outputs.regex: must be a non-empty string",
+                                 field="structured_outputs.regex")
+        if self.choice is not None and (
+            not isinstance(self.choice, list) or not self.choice
+            or any(not isinstance(c, str) or not c for c in self.choice)
+        ):
+            raise InvalidRequest("structured_outputs.choice: must be a non-empty list of non-empty strings",
+                                 field="structured_outputs.choice")
+
+    @property
+    def kind(self) -> GrammarKind:
+        if self.json is not None:
+            return "json"
+        if self.regex is not None:
+            return "regex"
+        return "choice" if self.choice is not None else "json_object"
+
+    def key(self) -> tuple[GrammarKind, str]:
+        """The compile cache's key: the kind and the spec's text (a schema's property order
+        kept: it is the order the output follows)."""
+        kind = self.kind
+        if kind == "json":
+            text = self.json if isinstance(self.json, str) else json.dumps(self.json, separators=(",", ":"))
+            return kind, text
+        if kind == "choice":
+            return kind, json.dumps(self.choice)
+        return kind, self.regex or ""
 
 
 @dataclass(slots=True)
@@ -34,6 +92,9 @@ class SamplingParams:
     min_tokens: int = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # the output is constrained to a grammar: it ends ("stop") once the grammar is complete,
+    # whatever min_tokens or ignore_eos say (engine/grammar.py)
+    structured_outputs: StructuredOutputsParams | None = None
     stop_strings: list[str] = field(init=False, default_factory=list)
 
     def __post_init__(self) -> None:
@@ -87,6 +148,9 @@ class SamplingParams:
         if any(not isinstance(t, int) or t < 0 for t in ids):
             raise InvalidRequest("stop_token_ids must be non-negative integers", field="stop_token_ids")
         self.stop_token_ids = ids
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise InvalidRequest("structured_outputs: expected StructuredOutputsParams, got "
+                                 f"{type(self.structured_outputs).__name__}", field="structured_outputs")
 
     @property
     def greedy(self) -> bool:

@@ -97,6 +97,8 @@ class Scheduler:
         # whose requests are queued is admitted only once it is in host memory
         self.max_loras = config.max_loras if config.enable_lora else 0
         self.lora_ready: Callable[[int], bool] = lambda _aid: True
+        # structured outputs: a waiting sequence starts once its grammar is compiled
+        self.grammar_ready: Callable[[Sequence], bool] = lambda _seq: True
         self._running_loras: set[int] = set()
         self._lora_gate: int | None = None
         # set by a model pool when this model's turn is over: running work finishes, nothing
@@ -258,7 +260,7 @@ class Scheduler:
             if self._allocate_or_preempt(seq, num_new, budget, scheduled, preempted):
                 self._take(seq, num_new, budget, scheduled, decode=False)
         elif self._admitting and seq not in preempted and self.sizer.room(seq, budget.tokens_left) > 0:
-            if self.admission_paused or not self._lora_admissible(seq):
+            if self.admission_paused or not self._lora_admissible(seq) or not self.grammar_ready(seq):
                 return
             admitted = self._try_admit(seq, budget, scheduled, preempted)
             if admitted is None:

@@ -46,6 +46,10 @@ class Tokenizer:
         tok.encode_special_tokens = True
         return tok
 
+    def id_to_token(self, token_id: int) -> str | None:
+        """The vocabulary entry of `token_id` (as the tokenizer stores it: byte-level, not text)."""
+        return self._tok.id_to_token(token_id)
+
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
@@ -69,9 +73,16 @@ class Tokenizer:
 
         return AutoTokenizer.from_pretrained(str(self.model_dir), local_files_only=True)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    @property
+    def template_renders_tools(self) -> bool:
+        """Does the chat template render a `tools` list (HF's `tools=`)? Else callers put the
+        tools in a message themselves."""
+        return "tools" in (self.chat_template or "")
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> str:
         if not self.chat_template:
             raise ValueError("messages: this model has no chat template")
         return self.hf_tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt, tools=tools or None
         )

@@ -38,6 +38,11 @@ from kernels.quant import awq_pack, pack_int32
 PROJECTION = re.compile(r"^model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.(weight|bias)$")
 _WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".safetensors.index.json", ".bin.index.json")
 Method = Literal["awq", "gptq"]
+# AWQ's GEMM layout needs every group whole: the group size must divide each projection's
+# input size. The default is the first of these that does (AutoAWQ's 128 on real models;
+# the demo models' MLP of 704 takes 64), else one group per row (-1).
+AWQ_GROUP_SIZES = (128, 64, 32)
+GPTQ_GROUP_SIZE = 128      # GPTQ's last group may be short: any size works
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +132,45 @@ def pack_layer(layer: QuantizedLayer, spec: QuantizeSpec) -> dict[str, torch.Ten
     }
 
 
+def projection_in_features(model_dir: str | Path) -> set[int]:
+    """The input sizes of the decoder projections `quantize_model` would quantize (from the
+    checkpoint's headers; no tensor is read)."""
+    sizes: set[int] = set()
+    for path in safetensors_files(Path(model_dir)):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 - a safetensors handle, not a dict
+                if PROJECTION.match(name) and name.endswith(".weight"):
+                    sizes.add(f.get_slice(name).get_shape()[1])
+    return sizes
+
+
+def awq_group_sizes(in_features: set[int]) -> list[int]:
+    """The `AWQ_GROUP_SIZES` that divide every one of `in_features`, largest first."""
+    return [g for g in AWQ_GROUP_SIZES if all(n % g == 0 for n in in_features)]
+
+
+def default_group_size(model_dir: str | Path, method: str) -> int:
+    """The group size `lockgate quantize` uses when none is given: GPTQ's 128; for AWQ the
+    largest of `AWQ_GROUP_SIZES` dividing every projection's input size, else -1."""
+    if method != "awq":
+        return GPTQ_GROUP_SIZE
+    fits = awq_group_sizes(projection_in_features(model_dir))
+    return fits[0] if fits else -1
+
+
+def _check_awq_groups(model_dir: Path, spec: QuantizeSpec) -> None:
+    """A group size that leaves some AWQ group short: refused up front, naming those that fit."""
+    if spec.method != "awq" or spec.group_size == -1:
+        return
+    sizes = projection_in_features(model_dir)
+    bad = sorted(n for n in sizes if n % spec.group_size)
+    if bad:
+        fits = [str(g) for g in awq_group_sizes(sizes)] + ["-1 (one group per row)"]
+        raise ValueError(f"group_size: {spec.group_size} does not divide in_features {bad[0]} "
+                         f"(awq needs whole groups); this model takes {' or '.join(fits)}, or "
+                         "leave --group-size out to get the largest that fits")
+
+
 def _read_weights(model_dir: Path) -> dict[str, torch.Tensor]:
     weights: dict[str, torch.Tensor] = {}
     for path in safetensors_files(model_dir):
@@ -142,6 +186,7 @@ def quantize_model(model_dir: str | Path, out_dir: str | Path, spec: QuantizeSpe
     config = json.loads((src / "config.json").read_text())
     if config.get("quantization_config"):
         raise ValueError(f"model: {src} is already quantized")
+    _check_awq_groups(src, spec)
     tensors: dict[str, torch.Tensor] = {}
     num_layers = 0
     for name, tensor in _read_weights(src).items():
