@@ -37,6 +37,7 @@ from gateway.state import AppState
 from tenancy.auth import Principal
 from tenancy.errors import Invalid, LimiterUnavailable
 from tenancy.limiter import Decision, Lease, LimitScope
+from tenancy.quota import Quota
 
 logger = logging.getLogger(__name__)
 
@@ -45,10 +46,19 @@ def new_request_id() -> str:
     return secrets.token_hex(12)
 
 
+def tenant_scope(tenant_id: str | None, quota: Quota) -> LimitScope:
+    return LimitScope(f"tenant:{tenant_id}", quota)
+
+
+def key_scope(tenant_id: str | None, key_id: str, quota: Quota) -> LimitScope:
+    """A key's limits, in its tenant's group (one Redis Cluster slot with the tenant's)."""
+    return LimitScope(f"key:{key_id}", quota, tag=f"tenant:{tenant_id}")
+
+
 def scopes_of(principal: Principal) -> list[LimitScope]:
     """The limits a tenant's request is counted against: its tenant's and its key's."""
-    return [LimitScope(f"tenant:{principal.tenant_id}", principal.tenant_quota),
-            LimitScope(f"key:{principal.key_id}", principal.key_quota, tag=f"tenant:{principal.tenant_id}")]
+    return [tenant_scope(principal.tenant_id, principal.tenant_quota),
+            key_scope(principal.tenant_id, principal.key_id, principal.key_quota)]
 
 
 async def ask(step: Awaitable[Decision], request_id: str) -> Decision:
@@ -90,9 +100,16 @@ def ratelimit_headers(d: Decision) -> dict[str, str]:
     return h
 
 
-def refusal(state: AppState, tenant_name: str, d: Decision) -> APIError:
-    """The 429 of a limit that refused (OpenAI's codes and headers), counted in the metrics."""
-    state.metrics.rejections.labels(tenant_name, d.limit or "unknown").inc()
+def refusal(state: AppState, principal: Principal, d: Decision, *, counted: bool = True) -> APIError:
+    """The 429 of a limit that refused (OpenAI's codes and headers), counted in the metrics
+    and, for the quota report, by tenant, key and limit (in memory, flushed in batches);
+    not counted when `counted` is False (a batch's line: the batch pauses, nobody got a 429)."""
+    reason = d.limit or "unknown"
+    if counted:
+        state.metrics.rejections.labels(principal.tenant_name or "", reason).inc()
+    if counted and principal.tenant_id is not None:
+        scope = "key" if (d.scope or "").startswith("key:") else "tenant"
+        state.refusals.record(principal.tenant_id, principal.key_id, scope, reason)
     headers = ratelimit_headers(d)
     if d.retry_after is not None:
         headers["retry-after"] = str(max(1, int(-(-d.retry_after // 1))))
@@ -112,8 +129,11 @@ class Ticket:
     A deferred ticket (`decision` None: a small body) is admitted at `reserve`."""
 
     def __init__(self, state: AppState, principal: Principal, request_id: str, t0: float,
-                 decision: Decision | None) -> None:
+                 decision: Decision | None, *, count_refusals: bool = True) -> None:
         self.state = state
+        # False for a batch's line: a limit's refusal pauses the batch; the line is not a
+        # request the tenant sent, so it is not counted against the request rate
+        self.count_refusals = count_refusals
         self.principal = principal
         self.id = request_id
         self.t0 = t0
@@ -133,7 +153,7 @@ class Ticket:
         return d
 
     def _refusal(self, d: Decision) -> APIError:
-        return refusal(self.state, self.principal.tenant_name or "", d)
+        return refusal(self.state, self.principal, d, counted=self.count_refusals)
 
     async def count(self) -> None:
         """A deferred request that ends before its tokens are reserved (a 400, a 404, a token
@@ -154,7 +174,7 @@ class Ticket:
         d = await ask(self.state.limiter.acquire(self.id, scopes_of(self.principal), tokens), self.id)
         self.deferred = False           # admitted or refused: counted either way from here
         if not d.allowed:
-            if d.limit not in ("requests_per_minute", "max_concurrent_requests"):
+            if self.count_refusals and d.limit not in ("requests_per_minute", "max_concurrent_requests"):
                 await self.count()      # the rate's or the concurrency's 429 comes first
             raise self._refusal(d)
         return self._hold(d)
@@ -224,7 +244,7 @@ async def admitted(state: AppState, principal: Principal, request: Request) -> A
         return
     d = await ask(state.limiter.acquire(request_id, scopes_of(principal), 0), request_id)
     if not d.allowed:
-        raise refusal(state, principal.tenant_name or "", d)
+        raise refusal(state, principal, d)
     ticket = Ticket(state, principal, request_id, t0, d)
     try:
         yield ticket

@@ -20,13 +20,16 @@ from typing import Any
 
 import anyio
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine import AsyncEngine, PoolEngine
-from gateway import admin, openai_api
+from gateway import admin, batches, metrics_api, openai_api, tokenize_api
+from gateway.admin import vllm_lora
+from gateway.batch_runner import BatchRunner
+from gateway.draining import DrainGate
 from gateway.errors import APIError, install_error_handlers
+from gateway.metrics import CountResponses
 from gateway.model_catalog import read_catalog
 from gateway.openapi import install_openapi
 from gateway.reconciler import reconcile_once
@@ -51,11 +54,16 @@ class SchemaBehind(RuntimeError):
 class RequestContext:
     """Gives every response an `x-request-id` (the client's own when it sent a sane one) and
     refuses bodies over `max_body_bytes` with 413 before any route reads them (on the
-    `Content-Length` alone when there is one)."""
+    `Content-Length` alone when there is one). Uploads to `/v1/files` have their own limit,
+    `max_upload_bytes` (a file and its multipart framing)."""
 
-    def __init__(self, app: ASGIApp, max_body_bytes: int, linger_s: float = 5.0) -> None:
+    UPLOAD_PATHS = frozenset({"/v1/files"})
+
+    def __init__(self, app: ASGIApp, max_body_bytes: int, linger_s: float = 5.0,
+                 max_upload_bytes: int | None = None) -> None:
         self.app = app
         self.max_body = max_body_bytes
+        self.max_upload = max_upload_bytes or max_body_bytes
         self.linger_s = linger_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -75,10 +83,11 @@ class RequestContext:
             await send(message)
 
         length = headers.get(b"content-length")
+        limit = self.max_upload if scope.get("path") in self.UPLOAD_PATHS else self.max_body
         too_big = False
         if length is not None:
             try:
-                too_big = int(length) > self.max_body
+                too_big = int(length) > limit
             except ValueError:
                 too_big = True
         body_chunks: list[bytes] | None = None
@@ -91,14 +100,14 @@ class RequestContext:
                     return
                 chunk = msg.get("body", b"")
                 size += len(chunk)
-                if size > self.max_body:
+                if size > limit:
                     too_big = True
                     break
                 body_chunks.append(chunk)
                 if not msg.get("more_body"):
                     break
         if too_big:
-            await self.refuse_too_large(receive, send_with_id)
+            await self.refuse_too_large(receive, send_with_id, limit)
             return
         if body_chunks is not None:
             body = b"".join(body_chunks)
@@ -116,11 +125,11 @@ class RequestContext:
         await self.app(scope, receive, send_with_id)
 
 
-    async def refuse_too_large(self, receive: Receive, send: Send) -> None:
+    async def refuse_too_large(self, receive: Receive, send: Send, limit: int) -> None:
         """413 at once and whole (its length given), then the rest of the upload read and
         dropped for up to `linger_s` before the connection is closed: closing under a client
         still sending would reset the connection, and the client would never read the 413."""
-        body = APIError(413, f"The request body exceeds {self.max_body} bytes.",
+        body = APIError(413, f"The request body exceeds {limit} bytes.",
                         code="request_too_large").response().body
         await send({"type": "http.response.start", "status": 413, "headers": [
             (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
@@ -135,17 +144,25 @@ class RequestContext:
 
 
 # -- start-up ----------------------------------------------------------------------------------------
-def show_secret(settings: Settings, name: str, text: str) -> None:
-    """Shown once: on the terminal (outside logging), or in a 0600 file when stdout is not one."""
+def show_secret(settings: Settings, name: str, label: str, secret: str,
+                hint: Callable[[str], str] | None = None) -> None:
+    """Shown once: on the terminal (outside logging); or, when stdout is not one, the bare
+    secret alone in a 0600 file `name` in the data directory (so `$(cat FILE)` is the key),
+    and only the file's name in the log. `hint(key)`: a line to print after it, given the
+    key, or `$(cat FILE)` in its place."""
     if sys.stdout.isatty():
-        print(text, flush=True)
+        print(f"lockgate: {label} (shown once): {secret}", flush=True)
+        if hint is not None:
+            print(hint(secret), flush=True)
         return
     path = settings.data_dir / name
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
-        f.write(text + "\n")
+        f.write(secret + "\n")
     os.chmod(path, 0o600)
     print(f"lockgate: {name.replace('_', ' ')} written to {path} (mode 0600)", flush=True)
+    if hint is not None:
+        print(hint(f"$(cat {path})"), flush=True)
 
 
 async def prepare_database(settings: Settings) -> str:
@@ -222,7 +239,12 @@ async def bootstrap_keys(state: AppState) -> None:
             _, plaintext = await api_keys.create_key(session, tenant_id=None, name="bootstrap",
                                                     scopes=("admin",), pepper=state.pepper,
                                                     actor="bootstrap")
-            show_secret(s, "admin_key", f"lockgate: admin key (shown once): {plaintext}")
+            show_secret(s, "admin_key", "admin key", plaintext)
+        else:
+            print("lockgate: this database has admin keys; none is shown again. Lost yours? "
+                  "Set LOCKGATE_ADMIN_KEY=lg-... (32+ characters after lg-) and restart: it is added "
+                  "as an admin key; or run `lockgate keys create --admin` with this server's "
+                  "LOCKGATE_DATA_DIR and LOCKGATE_DATABASE_URL", flush=True)
         if s.embedded and s.create_demo_tenant:
             existing = [t for t in await tenants.list_tenants(session, limit=1000) if t.name == "demo"]
             if not existing:
@@ -230,12 +252,14 @@ async def bootstrap_keys(state: AppState) -> None:
                 _, plaintext = await api_keys.create_key(session, tenant_id=t.id, name="demo",
                                                         pepper=state.pepper, actor="bootstrap")
                 model = next(iter(state.models))
-                curl = (f"curl http://{s.host}:{s.port}/v1/chat/completions "
-                        f"-H 'Authorization: Bearer {plaintext}' -H 'Content-Type: application/json' "
-                        f"-d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", "
-                        f"\"content\": \"Hello\"}}], \"max_tokens\": 16}}'")
-                show_secret(s, "demo_key", f"lockgate: demo tenant key (shown once): {plaintext}\n"
-                                           f"lockgate: try it:\n  {curl}")
+
+                def curl(key: str) -> str:
+                    return (f"lockgate: try it:\n  curl http://{s.host}:{s.port}/v1/chat/completions "
+                            f"-H \"Authorization: Bearer {key}\" -H 'Content-Type: application/json' "
+                            f"-d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", "
+                            f"\"content\": \"Hello\"}}], \"max_tokens\": 16}}'")
+
+                show_secret(s, "demo_key", "demo tenant key", plaintext, curl)
         after = None
         while True:
             page = await tenants.list_tenants(session, limit=500, after=after)
@@ -322,6 +346,7 @@ async def lifespan(app: FastAPI, settings: Settings, engine_factory: EngineFacto
     await usage.start()
     models: dict[str, ModelEntry] = {}
     state: AppState | None = None
+    runner: BatchRunner | None = None
     tasks: list[asyncio.Task[None]] = []
     try:
         models = await load_models(s, engine_factory)
@@ -334,9 +359,11 @@ async def lifespan(app: FastAPI, settings: Settings, engine_factory: EngineFacto
         if isinstance(limiter, FailoverLimiter):
             state.metrics.watch_limiter(lambda: limiter.counts)
         await bootstrap_keys(state)
+        state.refusals.start()     # 429 counts to the database every refusal_flush_interval_s
         loop = asyncio.get_running_loop()
+        runner = BatchRunner(state)
         tasks = [loop.create_task(heartbeat(state)), loop.create_task(reconciler(state)),
-                 loop.create_task(state.adapters.watch())]
+                 loop.create_task(state.adapters.watch()), loop.create_task(runner.run())]
         # Everything made so far (torch, transformers, the models' tables: hundreds of
         # thousands of objects) lives as long as the server. Frozen, the cyclic GC stops
         # walking it: otherwise each full collection stalls every request and engine step.
@@ -350,12 +377,16 @@ async def lifespan(app: FastAPI, settings: Settings, engine_factory: EngineFacto
         lifecycle.draining = True
         for task in tasks:
             task.cancel()
+        if runner is not None:
+            await runner.stop()      # batch lines in flight abandoned, the batches handed back
         if state is not None:
             await state.wait_background()
             await state.close()
         # runs still open (a shutdown without the server's drain) are cut and write their rows
         # before the writer closes
         await lifecycle.drain(0, s.shutdown_grace_s)
+        if state is not None:
+            await state.refusals.close()     # the last 429 counts, within database_timeout_s
         await usage.close()
         await limiter.close()
         for m in models.values():
@@ -375,8 +406,12 @@ def create_app(settings: Settings | None = None, engine_factory: EngineFactory =
     app.state.lifecycle = Lifecycle()
     install_error_handlers(app)
     app.include_router(openai_api.router)
+    app.include_router(batches.router)
     app.include_router(admin.router)
-    install_openapi(app, openai_api.BODY_MODELS)
+    app.include_router(vllm_lora.router)          # vLLM's adapter routes, admin keys only
+    app.include_router(tokenize_api.router)       # vLLM's /tokenize and /detokenize
+    app.include_router(metrics_api.router)        # /metrics: an admin key or the metrics token
+    install_openapi(app, openai_api.BODY_MODELS + tokenize_api.BODY_MODELS)
 
     @app.get("/health", include_in_schema=False)
     async def health() -> dict:
@@ -407,10 +442,9 @@ def create_app(settings: Settings | None = None, engine_factory: EngineFactory =
         return JSONResponse({"status": status, **checks},
                             status_code=200 if ok else 503)
 
-    @app.get("/metrics", include_in_schema=False)
-    async def metrics(request: Request) -> Response:
-        state: AppState = request.app.state.lockgate
-        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
-    app.add_middleware(RequestContext, max_body_bytes=settings.max_body_bytes)
+    # innermost first: the drain's 503 has a request id, and every answer is counted
+    app.add_middleware(DrainGate)
+    app.add_middleware(RequestContext, max_body_bytes=settings.max_body_bytes,
+                       max_upload_bytes=settings.max_file_bytes + (64 << 10))
+    app.add_middleware(CountResponses)
     return app

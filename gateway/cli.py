@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-app = typer.Typer(no_args_is_help=True, add_completion=False, help="Lockgate: a multi-tenant LLM gateway and engine.")
+# click's plain help, not rich's tables: rich shortens option names to fit 80 columns
+# (`--max-num-batche…`); click wraps the help text instead and keeps every name whole
+app = typer.Typer(no_args_is_help=True, add_completion=False, rich_markup_mode=None,
+                  help="Lockgate: a multi-tenant LLM gateway and engine.")
 
 # Command groups that live outside the runtime package (the benchmarks, beside them in
 # loadtests/), each an entry point of this group naming a Typer app. A group whose module or
@@ -27,9 +31,7 @@ def _add_unavailable(root: typer.Typer, name: str, hint: str) -> None:
         typer.echo(f"lockgate {name}: {hint}", err=True)
         raise typer.Exit(1)
 
-    from rich.markup import escape
-
-    root.command(name, help=escape(f"Not installed here: {hint}."),
+    root.command(name, help=f"Not installed here: {hint}.",
                  context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(unavailable)
 
 
@@ -116,7 +118,10 @@ def quantize(
     model_dir: Annotated[Path, typer.Argument(help="full-precision Hugging Face model directory")],
     out_dir: Annotated[Path, typer.Argument(help="directory to write the quantized checkpoint into")],
     method: Annotated[str, typer.Option(help="awq (AutoAWQ GEMM) or gptq (GPTQ v1)")] = "awq",
-    group_size: Annotated[int, typer.Option(help="input channels per scale and zero point; -1: one group")] = 128,
+    group_size: Annotated[int | None, typer.Option(
+        help="input channels per scale and zero point; -1: one group per row (default: gptq 128; "
+             "awq the largest of 128, 64, 32 dividing every projection's input size)",
+    )] = None,
     bits: Annotated[int, typer.Option(help="4, or 8 (gptq only)")] = 4,
     desc_act: Annotated[bool, typer.Option(
         "--desc-act", help="gptq: group channels by descending column norm",
@@ -126,9 +131,11 @@ def quantize(
     )] = None,
 ) -> None:
     """Write an AWQ or GPTQ 4/8-bit checkpoint (round-to-nearest), as AutoAWQ / GPTQModel lay it out."""
-    from engine import QuantizeSpec, quantize_model
+    from engine import QuantizeSpec, default_group_size, quantize_model
 
     try:
+        if group_size is None:
+            group_size = default_group_size(model_dir, method.lower())
         spec = QuantizeSpec(method=method.lower(), bits=bits, group_size=group_size, desc_act=desc_act,  # type: ignore[arg-type]
                             sym=(method.lower() == "gptq") if sym is None else sym)
         path = quantize_model(model_dir, out_dir, spec)
@@ -184,6 +191,42 @@ def db_status(database_url: Annotated[str | None, typer.Option()] = None) -> Non
     typer.echo(f"current {current or 'none'}, head {head}{'' if current == head else ' (behind)'}")
 
 
+# vLLM's engine flags, by vLLM's names: its dtype spellings, and the engine keyword each sets
+DTYPES = {"auto": "auto", "float32": "float32", "float": "float32", "float16": "float16",
+          "half": "float16", "bfloat16": "bfloat16"}
+ENGINE_FLAGS = ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "gpu_memory_utilization",
+                "block_size", "enable_prefix_caching", "enable_lora", "dtype")
+
+
+def engine_flags(**flags: object) -> dict[str, object]:
+    """The engine keywords the given vLLM flags set (those left out: the engine's defaults or
+    LOCKGATE_ENGINE_KWARGS). `dtype` in vLLM's spellings; `block_size` a power of two."""
+    out = {k: v for k, v in flags.items() if v is not None}
+    if "dtype" in out:
+        dtype = str(out["dtype"]).lower()
+        if dtype not in DTYPES:
+            raise typer.BadParameter(f"one of {', '.join(DTYPES)}; got {out['dtype']!r}", param_hint="--dtype")
+        out["dtype"] = DTYPES[dtype]
+    size = out.get("block_size")
+    if isinstance(size, int) and size & (size - 1):
+        raise typer.BadParameter(f"must be a power of two; got {size}", param_hint="--block-size")
+    return out
+
+
+def _device_note(flags: dict[str, object], pool: str | None) -> str | None:
+    """What to say when a flag cannot act here: gpu-memory-utilization sizes a CUDA device's
+    share; on the CPU the KV cache takes `kv_cache_memory` bytes instead."""
+    if "gpu_memory_utilization" not in flags or pool:
+        return None
+    import torch
+
+    if torch.cuda.is_available():
+        return None
+    return ("lockgate: --gpu-memory-utilization applies to CUDA devices; this machine has none, so "
+            "it has no effect: on the CPU the KV cache takes kv_cache_memory bytes (512 MiB unless "
+            "LOCKGATE_ENGINE_KWARGS='{\"kv_cache_memory\": BYTES}' says otherwise)")
+
+
 @app.command("serve")
 def serve(
     model: Annotated[list[str] | None, typer.Option(
@@ -203,15 +246,103 @@ def serve(
         help="join an engine pool on Ray: 'auto' (a local Ray), HOST:PORT or ray://HOST:PORT "
              "(default LOCKGATE_POOL; none: the embedded engine)",
     )] = None,
+    max_num_seqs: Annotated[int | None, typer.Option(
+        min=1, help="sequences in one step (default 256)")] = None,
+    max_model_len: Annotated[int | None, typer.Option(
+        min=2, help="context length (default: the model's)")] = None,
+    max_num_batched_tokens: Annotated[int | None, typer.Option(
+        min=1, help="tokens in one step (default 2048)")] = None,
+    gpu_memory_utilization: Annotated[float | None, typer.Option(
+        min=0.01, max=1.0, help="CUDA: the device's share to use (default 0.9); "
+        "no effect on the CPU (kv_cache_memory sizes the cache there)")] = None,
+    block_size: Annotated[int | None, typer.Option(
+        min=1, help="tokens per KV block, a power of two (default 16)")] = None,
+    enable_prefix_caching: Annotated[bool | None, typer.Option(
+        "--enable-prefix-caching/--no-enable-prefix-caching", help="default on")] = None,
+    enable_lora: Annotated[bool | None, typer.Option(
+        "--enable-lora/--no-enable-lora", help="serve LoRA adapters (default on, unlike vLLM)")] = None,
+    max_loras: Annotated[int | None, typer.Option(
+        min=1, help="adapters in one step (default 4)")] = None,
+    max_lora_rank: Annotated[int | None, typer.Option(
+        min=1, help="largest adapter rank (default 64)")] = None,
+    dtype: Annotated[str | None, typer.Option(
+        help="auto, float32 (float), float16 (half) or bfloat16")] = None,
 ) -> None:
     """Run the gateway and its engine(s). With no configuration: SQLite, the in-process
-    limiter and the demo model under the data directory."""
+    limiter and the demo model under the data directory. The engine flags are vLLM's, by
+    its names; they win over LOCKGATE_ENGINE_KWARGS."""
     from gateway.server import run_server
 
+    flags = engine_flags(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                         max_num_batched_tokens=max_num_batched_tokens,
+                         gpu_memory_utilization=gpu_memory_utilization, block_size=block_size,
+                         enable_prefix_caching=enable_prefix_caching, enable_lora=enable_lora, dtype=dtype)
     settings = _settings(models=model or None, host=host, port=port, data_dir=data_dir,
                          migrate=migrate or None, shutdown_timeout_s=shutdown_timeout,
-                         private_models=private_model or None, pool=pool)
+                         private_models=private_model or None, pool=pool, max_loras=max_loras,
+                         max_lora_rank=max_lora_rank)
+    settings.engine_kwargs = {**settings.engine_kwargs, **flags}
+    note = _device_note(flags, settings.pool)
+    if note:
+        typer.echo(note, err=True)
     raise typer.Exit(run_server(settings))
+
+
+keys_app = typer.Typer(no_args_is_help=True, help="API keys, written straight to the database "
+                       "(a lost admin key: `lockgate keys create --admin`).")
+app.add_typer(keys_app, name="keys")
+
+
+@keys_app.command("create")
+def keys_create(
+    admin: Annotated[bool, typer.Option("--admin", help="an admin key")] = False,
+    tenant: Annotated[str | None, typer.Option(help="a tenant's inference key: the tenant's id")] = None,
+    name: Annotated[str, typer.Option(help="the key's name")] = "cli",
+    data_dir: Annotated[Path | None, typer.Option(help="default LOCKGATE_DATA_DIR or ~/.local/share/lockgate")] = None,
+    database_url: Annotated[str | None, typer.Option(
+        help="default: LOCKGATE_DATABASE_URL or the embedded SQLite",
+    )] = None,
+) -> None:
+    """Create a key in the server's database (its pepper: LOCKGATE_PEPPER or the data
+    directory's) and print it, bare, on stdout. Works while the server runs."""
+    if admin == (tenant is not None):
+        raise typer.BadParameter("give exactly one of --admin and --tenant TENANT_ID")
+    settings = _settings(data_dir=data_dir, database_url=database_url)
+    try:
+        plaintext = asyncio.run(_create_key(settings, tenant_id=tenant, name=name))
+    except (ValueError, LookupError) as exc:
+        typer.echo(f"lockgate keys create: {exc}", err=True)
+        raise typer.Exit(1) from None
+    typer.echo(plaintext)
+
+
+async def _create_key(settings, *, tenant_id: str | None, name: str) -> str:
+    """The key, created by actor "cli" in one audited transaction."""
+    from tenancy import api_keys, db, keys
+    from tenancy.errors import TenancyError
+
+    url = settings.resolved_database_url()
+    if settings.embedded:
+        settings.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        await db.upgrade_async(url)
+    else:
+        current, head = await asyncio.to_thread(db.schema_status, url)
+        if current != head:
+            raise ValueError(f"the database schema is at {current or 'nothing'}, the code needs "
+                             f"{head}: run `lockgate db upgrade`")
+    pepper = (keys.pepper_from_setting(settings.pepper.get_secret_value()) if settings.pepper
+              else keys.load_or_create_pepper(settings.data_dir))
+    engine = db.make_engine(url)
+    try:
+        async with db.make_sessionmaker(engine)() as session:
+            _, plaintext = await api_keys.create_key(
+                session, tenant_id=tenant_id, name=name, pepper=pepper, actor="cli",
+                scopes=("admin",) if tenant_id is None else ("inference",))
+    except TenancyError as exc:
+        raise ValueError(str(exc)) from None
+    finally:
+        await engine.dispose()
+    return plaintext
 
 
 if __name__ == "__main__":

@@ -29,8 +29,9 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
+from typing import Any
 
 from engine import (
     EngineDead,
@@ -113,6 +114,7 @@ class RequestRun:
         params: list[SamplingParams],
         reserve_tokens: int,
         cache_salt: str | None = None,
+        priority: int = 0,
     ) -> None:
         principal = ticket.principal
         if principal.tenant_id is None or principal.tenant_name is None:
@@ -124,7 +126,10 @@ class RequestRun:
         self.tenant_name: str = principal.tenant_name
         self.entry = entry
         self.tier = tier
-        self.service_class, self.priority = TIERS[tier]
+        self.service_class, tier_priority = TIERS[tier]
+        # vLLM's `priority` (smaller sooner): the engine orders by class, then tenant
+        # fairness, and only then by it, so it orders this tenant's own requests alone
+        self.priority = tier_priority + priority
         self.prompts = prompts
         self.params = params
         self.reserve_tokens = reserve_tokens
@@ -141,11 +146,16 @@ class RequestRun:
         self._cut: RunCut | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._queue: asyncio.Queue = asyncio.Queue()
+        self._last_out: dict[int, float] = {}         # per prompt, when its last output came
         self._pumps: list[asyncio.Task] = []
         self._open = 0
         self.sheddable = False
+        self.continuous_usage = False     # a stream's every chunk carries the usage so far
         self._ended: asyncio.Future | None = None     # set by the first of finish / refuse
         self.usage: dict | None = None
+        self.batch_id: str | None = None              # a batch's line: the batch, on its row
+        # writes the usage row instead of the usage writer when set (a batch's line)
+        self.record: Callable[[UsageRow], Awaitable[Any]] | None = None
 
     # -- admission ----------------------------------------------------------------------------
     async def admit(self) -> None:
@@ -237,6 +247,7 @@ class RequestRun:
                 raise self._cut
             if kind == "out":
                 self.finals[i] = item
+                self._tick(i)
                 yield i, item
             elif kind == "done":
                 self._open -= 1
@@ -246,6 +257,15 @@ class RequestRun:
                 if isinstance(item, EngineOverloaded):
                     raise await self._shed(item)
                 raise item
+
+    def _tick(self, i: int) -> None:
+        """vLLM's inter-token latency: the time between prompt `i`'s successive outputs."""
+        now = time.monotonic()
+        last = self._last_out.get(i)
+        if last is not None:
+            m = self.state.metrics
+            m.child(m.vllm_itl, self.entry.name).observe(now - last)
+        self._last_out[i] = now
 
     async def _shed(self, exc: EngineOverloaded) -> BaseException:
         """A stream raised EngineOverloaded: the engine shed that prompt from its queue. A
@@ -346,7 +366,7 @@ class RequestRun:
                 self.lease = None
             committed = None
             try:
-                committed = self.state.usage.submit(row)
+                committed = (self.record or self.state.usage.submit)(row)
             except Exception as exc:  # noqa: BLE001 - whatever the writer raises: 503, below
                 logger.error("usage row for request %s not committed: %r", self.id, exc)
                 error = exc
@@ -378,6 +398,56 @@ class RequestRun:
                            code="usage_not_recorded", headers={"retry-after": "1"})
         return self.usage
 
+    async def finish_recorded(self, status: str, record: Callable[[UsageRow], Awaitable[bool]]) -> bool:
+        """End the run (instead of `finish`) with its usage row written by `record`, which
+        commits it together with the caller's own result and says whether it did (a batch's
+        line: False when the line was answered already). The lease is settled to the row
+        when it was written, cancelled otherwise (nothing billed, nothing counted); if
+        `record` raises, the lease is cancelled and the error passed on. False after another end."""
+        if self._ended is not None:
+            return False
+        self._ended = asyncio.get_running_loop().create_future()
+        written = False
+        try:
+            self._close_streams()
+            now = time.time()
+            self.usage = self.usage_dict(status)
+            written = await record(self._usage_row(status, now))
+            if written:
+                self._count(status, now)
+        finally:
+            await self._release_lease(self._billed_tokens(status) if written else None)
+            self._left()
+        return written
+
+    async def abandon(self) -> None:
+        """End the run with no usage row and its admission cancelled (no rate, lease or
+        budget keeps it): work whose result nobody will see and that will be run again (a
+        batch's line when its replica stops or loses the batch). A no-op after another end."""
+        if self._ended is not None:
+            return
+        self._ended = asyncio.get_running_loop().create_future()
+        try:
+            self._close_streams()
+        finally:
+            await self._release_lease(None)
+            self._left()
+
+    async def _release_lease(self, used: int | None) -> None:
+        """Settle the lease to `used` tokens, or cancel it (None); failures logged (leases
+        expire on their own)."""
+        if self.lease is None:
+            return
+        lease, self.lease = self.lease, None
+        self.state.inflight.pop(self.id, None)
+        try:
+            if used is None:
+                await asyncio.shield(self.state.limiter.cancel(lease))
+            else:
+                await asyncio.shield(self.state.limiter.settle(lease, used))
+        except Exception:  # any failure: the lease expires; the reconciler settles the rest
+            logger.warning("could not end the admission of %s", self.id, exc_info=True)
+
     def _billed_tokens(self, status: str) -> int:
         """What the lease settles to: exactly the row's prompt + completion tokens."""
         prompt, _, completion = self.counts(status)
@@ -402,6 +472,7 @@ class RequestRun:
             ttft_ms=(min(first_tok) - self.t0) * 1000 if first_tok else None,
             total_ms=(now - self.t0) * 1000,
             created_at=datetime.now(UTC), client_request_id=self.client_request_id,
+            batch_id=self.batch_id,
         )
 
     def _count(self, status: str, now: float) -> None:
@@ -415,8 +486,14 @@ class RequestRun:
         m.child(m.tokens, tenant, "cached").inc(cached)
         m.child(m.tokens, tenant, "completion").inc(completion)
         m.child(m.e2e, self.tier).observe(now - self.t0)
+        model = self.entry.name
+        m.child(m.vllm_e2e, model).observe(now - self.t0)
+        for o in self.finals.values():
+            if o.metrics is not None and o.metrics.first_scheduled_time:
+                m.child(m.vllm_queue, model).observe(o.metrics.first_scheduled_time - o.metrics.arrival_time)
         if first_tok:
             m.child(m.ttft, self.tier).observe(min(first_tok) - self.t0)
+            m.child(m.vllm_ttft, model).observe(min(first_tok) - self.t0)
             if completion > len(self.finals) and ends:
                 m.child(m.tpot, self.tier).observe(
                     (max(ends) - min(first_tok)) / (completion - len(self.finals)))

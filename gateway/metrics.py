@@ -1,27 +1,68 @@
-"""Prometheus metrics, one registry per app (so tests can run several apps in one process)."""
+"""Prometheus metrics, one registry per app (so tests can run several apps in one process).
+
+Two vocabularies side by side. Lockgate's own (`lockgate_*`): per tenant, tier and class.
+vLLM's (`vllm:*`, its names, types and `model_name` label), so dashboards and autoscalers
+built for vLLM read Lockgate unchanged: per model from each engine's stats, and per pool
+worker (label `worker`) where the engines run in a pool (`lockgate serve --pool`).
+
+    vllm:num_requests_running, vllm:num_requests_waiting     gauges (running: sequences)
+    vllm:kv_cache_usage_perc                                  gauge, 0 to 1
+    vllm:prefix_cache_queries, vllm:prefix_cache_hits        counters, in tokens
+    vllm:num_preemptions                                      counter
+    vllm:lora_requests_info                                   gauge (labels as vLLM's)
+    vllm:time_to_first_token_seconds, vllm:inter_token_latency_seconds,
+    vllm:e2e_request_latency_seconds, vllm:request_queue_time_seconds   histograms
+
+Every HTTP answer is counted by `CountResponses` (`lockgate_http_requests{method, route,
+status}`), and every error answer also by status and code (`lockgate_http_errors`).
+"""
 
 from __future__ import annotations
 
+import json
+import logging
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine import EngineStats
 
+logger = logging.getLogger(__name__)
+
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+# vLLM's bucket edges (seconds), so its dashboards' quantiles mean the same here
+VLLM_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                     5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+VLLM_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+                    7.5, 10.0, 20.0, 40.0, 80.0)
+VLLM_REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                        60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+Snapshot = Callable[[], dict]
 
 
 class _EngineCollector(Collector):
-    """Reads the engines' latest stats at scrape time: queues, running, KV, preemptions."""
+    """Reads the engines' latest stats at scrape time: Lockgate's per-class series, and
+    vLLM's per-model ones (and, for pool engines, vLLM's per-worker ones)."""
 
-    def __init__(self, stats: Callable[[], Iterable[tuple[str, EngineStats]]]) -> None:
+    def __init__(self, stats: Callable[[], Iterable[tuple[str, EngineStats]]],
+                 pools: list[Snapshot]) -> None:
         self._stats = stats
+        self._pools = pools
 
     def collect(self):
+        stats = list(self._stats())
+        yield from self._lockgate(stats)
+        yield from self._vllm(stats)
+
+    @staticmethod
+    def _lockgate(stats: list[tuple[str, EngineStats]]):
         waiting = GaugeMetricFamily("lockgate_queue_depth", "Requests waiting, by model and class",
                                     labels=["model", "service_class"])
         running = GaugeMetricFamily("lockgate_running", "Sequences running, by model and class",
@@ -31,34 +72,62 @@ class _EngineCollector(Collector):
         kv_usage = GaugeMetricFamily("lockgate_kv_usage_ratio", "Fraction of KV blocks in use",
                                      labels=["model"])
         pre = CounterMetricFamily("lockgate_preemptions", "Sequences preempted", labels=["model"])
-        for model, s in self._stats():
+        for model, s in stats:
             for cls, n in s.waiting_requests.items():
                 waiting.add_metric([model, cls], n)
             for cls, n in s.running.items():
                 running.add_metric([model, cls], n)
-            used, total = s.kv.used, s.kv.total
-            kv.add_metric([model, "used"], used)
+            kv.add_metric([model, "used"], s.kv.used)
             kv.add_metric([model, "free"], s.kv.free)
-            kv_usage.add_metric([model], used / total if total else 0.0)
+            kv_usage.add_metric([model], s.kv.used / s.kv.total if s.kv.total else 0.0)
             pre.add_metric([model], s.num_preemptions)
-        yield from (waiting, running, kv, kv_usage, pre)
+        return waiting, running, kv, kv_usage, pre
+
+    def _vllm(self, stats: list[tuple[str, EngineStats]]):
+        running = GaugeMetricFamily("vllm:num_requests_running",
+                                    "Sequences running (a request of n samples counts n)")
+        waiting = GaugeMetricFamily("vllm:num_requests_waiting", "Requests waiting to start")
+        kv = GaugeMetricFamily("vllm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0 to 1)")
+        queries = CounterMetricFamily("vllm:prefix_cache_queries",
+                                      "Prompt tokens looked up in the prefix cache")
+        hits = CounterMetricFamily("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache")
+        pre = CounterMetricFamily("vllm:num_preemptions", "Sequences preempted")
+        lora = GaugeMetricFamily("vllm:lora_requests_info",
+                                 "Adapters in use (value: the time of the scrape), as vLLM's")
+        for model, s in stats:
+            labels = {"model_name": model}
+            running.add_sample(running.name, labels, sum(s.running.values()))
+            waiting.add_sample(waiting.name, labels, sum(s.waiting_requests.values()))
+            kv.add_sample(kv.name, labels, s.kv.used / s.kv.total if s.kv.total else 0.0)
+            queries.add_sample(queries.name + "_total", labels, s.kv.prefix_cache_queries)
+            hits.add_sample(hits.name + "_total", labels, s.kv.prefix_cache_hits)
+            pre.add_sample(pre.name + "_total", labels, s.num_preemptions)
+            if s.lora is not None:
+                busy = [n for n, k in s.lora.requests.items() if k > 0]
+                run = sorted(n for n in busy if n in s.lora.in_slots)
+                wait = sorted(n for n in busy if n not in s.lora.in_slots)
+                lora.add_sample(lora.name, {**labels, "max_lora": str(s.lora.max_loras),
+                                            "running_lora_adapters": ",".join(run),
+                                            "waiting_lora_adapters": ",".join(wait)}, time.time())
+        for snapshot in self._pools:
+            for name, w in snapshot().get("workers", {}).items():
+                for cls, n in w["waiting"].items():
+                    waiting.add_sample(waiting.name, {"worker": name, "service_class": cls}, n)
+                for cls, n in w["running"].items():
+                    running.add_sample(running.name, {"worker": name, "service_class": cls}, n)
+                kv.add_sample(kv.name, {"worker": name},
+                              w["kv_used"] / w["kv_total"] if w["kv_total"] else 0.0)
+        return running, waiting, kv, queries, hits, pre, lora
 
 
 class _PoolCollector(Collector):
-    """Each pool worker's last report, with a `worker` label (vLLM's names for the engine
-    series: a pool worker is one engine): waiting and running per class, KV use, adapters,
-    restarts seen, and whether this replica considers it down."""
+    """Each pool worker's last report, with a `worker` label: adapters, restarts seen, and
+    whether this replica considers it down (its vLLM series: `_EngineCollector`)."""
 
-    def __init__(self, snapshot: Callable[[], dict]) -> None:
+    def __init__(self, snapshot: Snapshot) -> None:
         self._snapshot = snapshot
 
     def collect(self):
-        waiting = GaugeMetricFamily("vllm:num_requests_waiting", "Requests waiting, per pool worker and class",
-                                    labels=["worker", "service_class"])
-        running = GaugeMetricFamily("vllm:num_requests_running", "Sequences running, per pool worker and class",
-                                    labels=["worker", "service_class"])
-        kv = GaugeMetricFamily("vllm:kv_cache_usage_perc", "Fraction of KV blocks in use, per pool worker",
-                               labels=["worker"])
         loras = GaugeMetricFamily("lockgate_pool_worker_loras", "Adapters a pool worker serves",
                                   labels=["worker"])
         up = GaugeMetricFamily("lockgate_pool_worker_up", "1 while this replica reaches the worker",
@@ -66,15 +135,10 @@ class _PoolCollector(Collector):
         restarts = CounterMetricFamily("lockgate_pool_worker_restarts", "Worker restarts this replica saw",
                                        labels=["worker"])
         for name, w in self._snapshot().get("workers", {}).items():
-            for cls, n in w["waiting"].items():
-                waiting.add_metric([name, cls], n)
-            for cls, n in w["running"].items():
-                running.add_metric([name, cls], n)
-            kv.add_metric([name], w["kv_used"] / w["kv_total"] if w["kv_total"] else 0.0)
             loras.add_metric([name], len(w["loras"]))
             up.add_metric([name], 0.0 if w["down"] else 1.0)
             restarts.add_metric([name], w["restarts"])
-        yield from (waiting, running, kv, loras, up, restarts)
+        yield from (loras, up, restarts)
 
 
 class _LimiterCollector(Collector):
@@ -115,13 +179,28 @@ class Metrics:
             "Requests the overloaded engine refused at submit (reason=refused) or shed from its "
             "queue before they started (reason=shed); answered 429 (flex) or 503, never billed",
             ["tenant", "service_tier", "reason"], registry=r)
-        self.http_errors = Counter("lockgate_http_errors", "Error responses by status and code",
+        self.http_requests = Counter("lockgate_http_requests", "HTTP answers by method, route and status",
+                                     ["method", "route", "status"], registry=r)
+        self.http_errors = Counter("lockgate_http_errors", "Error answers (4xx, 5xx) by status and code",
                                    ["status", "code"], registry=r)
-        r.register(_EngineCollector(engine_stats))
+        # vLLM's request histograms, by model
+        self.vllm_ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token",
+                                   ["model_name"], buckets=VLLM_TTFT_BUCKETS, registry=r)
+        self.vllm_itl = Histogram("vllm:inter_token_latency_seconds",
+                                  "Time between a request's successive outputs",
+                                  ["model_name"], buckets=VLLM_ITL_BUCKETS, registry=r)
+        self.vllm_e2e = Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency",
+                                  ["model_name"], buckets=VLLM_REQUEST_BUCKETS, registry=r)
+        self.vllm_queue = Histogram("vllm:request_queue_time_seconds",
+                                    "Time from arrival at the engine to first being scheduled",
+                                    ["model_name"], buckets=VLLM_REQUEST_BUCKETS, registry=r)
+        self._pools: list[Snapshot] = []
+        r.register(_EngineCollector(engine_stats, self._pools))
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
 
-    def watch_pool(self, snapshot: Callable[[], dict]) -> None:
+    def watch_pool(self, snapshot: Snapshot) -> None:
         """Export each pool worker's series with a `worker` label (`Pool.snapshot`)."""
+        self._pools.append(snapshot)
         self.registry.register(_PoolCollector(snapshot))
 
     def watch_limiter(self, counts: Callable[[], dict[str, int]]) -> None:
@@ -136,3 +215,78 @@ class Metrics:
         if c is None:
             c = self._children[key] = metric.labels(*labels)
         return c
+
+    def count_response(self, method: str, route: str, status: int, code: str | None) -> None:
+        self.child(self.http_requests, method, route, str(status)).inc()
+        if status >= 400:
+            self.child(self.http_errors, str(status), code or "").inc()
+
+
+class CountResponses:
+    """ASGI middleware, outermost: every answer in `lockgate_http_requests` (the route's
+    template, not the raw path, so ids do not make series), every 4xx and 5xx also in
+    `lockgate_http_errors` with the `code` of its OpenAI-shaped body. A route that raises
+    past every handler is counted as the 500 the server answers."""
+
+    MAX_ERROR_BODY = 4096
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 0
+        body = b""
+
+        async def counting_send(message: Message) -> None:
+            nonlocal status, body
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            elif message["type"] == "http.response.body" and status >= 400 and len(body) < self.MAX_ERROR_BODY:
+                body += message.get("body", b"")[: self.MAX_ERROR_BODY]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, counting_send)
+        except Exception:
+            if not status:
+                self._count(scope, 500, b'{"error": {"code": "internal_error"}}')
+            raise
+        if status:
+            self._count(scope, status, body)
+
+    @staticmethod
+    def _count(scope: Scope, status: int, body: bytes) -> None:
+        state = getattr(scope["app"].state, "lockgate", None) if "app" in scope else None
+        if state is None:
+            return          # before start-up finished: no registry yet
+        state.metrics.count_response(scope["method"], _route_template(scope), status,
+                                     _error_code(body) if status >= 400 else None)
+
+
+def _route_template(scope: Scope) -> str:
+    """The matched route's path template, its router's prefix included (`/admin/v1/tenants/
+    {tenant_id}`: the route knows only `/tenants/{tenant_id}`); "unmatched" for none."""
+    route = scope.get("route")
+    template, regex = getattr(route, "path", None), getattr(route, "path_regex", None)
+    if not template or regex is None:
+        return "unmatched"
+    path: str = scope["path"]
+    cut = 0
+    while not regex.match(path[cut:]):
+        cut = path.find("/", cut + 1)
+        if cut < 0:
+            return template
+    return path[:cut] + template
+
+
+def _error_code(body: bytes) -> str | None:
+    """The `error.code` of an OpenAI-shaped error body, if it is one."""
+    try:
+        error = json.loads(body).get("error")
+    except (ValueError, AttributeError):
+        return None
+    code = error.get("code") if isinstance(error, dict) else None
+    return code if isinstance(code, str) else None

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -12,7 +14,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
-from engine import InvalidRequest, SamplingParams
+from engine import InvalidRequest, SamplingParams, StructuredOutputsParams
+from gateway import structured
 from gateway.admission import Ticket, admitted, ratelimit_headers
 from gateway.deps import StateDep, TenantDep
 from gateway.errors import APIError
@@ -28,8 +31,10 @@ from gateway.protocol import (
     read_json,
     refuse_unsupported,
 )
+from gateway.quota_report import TENANT_QUERY, QuotaReportPublic, quota_response
 from gateway.state import AppState, ModelEntry
 from gateway.tokenize_pool import TokenizerBusy, TokenizerError
+from gateway.tool_calls import ToolCallReader, ToolPlan, chat_message, prompt_messages, tool_plan
 from gateway.usage_api import usage_response
 from tenancy.auth import Principal
 
@@ -67,13 +72,15 @@ def check_common(state: AppState, req: Any) -> None:
         raise APIError(400, f"stop: at most {s.max_stop_sequences} stop sequences", param="stop")
 
 
-def sampling(req: Any, max_tokens: int, logprobs: int | None) -> SamplingParams:
+def sampling(req: Any, max_tokens: int, logprobs: int | None,
+             structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
     kw: dict[str, Any] = {
         "n": req.n or 1, "max_tokens": max_tokens, "logprobs": logprobs,
-        "stop": req.stop_list() or None, "seed": req.seed,
+        "stop": req.stop_list() or None, "seed": req.seed, "structured_outputs": structured_outputs,
     }
     for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "top_k",
-                 "min_p", "repetition_penalty", "min_tokens", "ignore_eos"):
+                 "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
+                 "skip_special_tokens", "include_stop_str_in_output"):
         value = getattr(req, name)
         if value is not None:
             kw[name] = value
@@ -164,11 +171,17 @@ async def run_or_disconnect(request: Request, run: RequestRun, coro) -> Any:
 async def open_request(request: Request, state: AppState, principal: Principal, model: type[BaseModel],
                        unsupported: tuple[str, ...]) -> tuple[Any, ModelEntry, str]:
     """What both inference routes do once admitted (`admitted`): body, model, tier, limits."""
-    data = await read_json(request)
+    return await open_body(state, principal, await read_json(request), model, unsupported)
+
+
+async def open_body(state: AppState, principal: Principal, data: Any, model: type[BaseModel],
+                    unsupported: tuple[str, ...], tier: str | None = None) -> tuple[Any, ModelEntry, str]:
+    """A request's parsed body, its model (an adapter in use) and its tier (`tier`, when the
+    caller fixes it, as a batch does: still checked against the plan); APIError otherwise."""
     refuse_unsupported(data, unsupported)
     req = parse(model, data)
     entry = await resolve_model(state, principal, req.model)
-    tier = resolve_tier(principal, req.service_tier)
+    tier = resolve_tier(principal, tier or req.service_tier)
     check_common(state, req)
     if entry.parent is not None:
         await state.use_adapter(entry)
@@ -191,6 +204,7 @@ async def respond(request: Request, run: RequestRun, req: Any, tier: str, id_pre
                 "service_tier": tier, "system_fingerprint": None}
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            run.continuous_usage = bool(req.stream_options and req.stream_options.continuous_usage_stats)
             return StreamingResponse(stream(run, base, include_usage), media_type="text/event-stream",
                                      headers=headers)
     except BaseException as exc:   # anything unforeseen once the run holds the admission: it ends
@@ -226,17 +240,42 @@ async def chat_completions(request: Request, principal: TenantDep, state: StateD
         return await chat_run(request, ticket)
 
 
+@dataclass(slots=True)
+class Job:
+    """A parsed inference request ready to run: its `RequestRun`, how to build the JSON
+    answer's choices once it finished, and how to stream it."""
+
+    run: RequestRun
+    choices: Callable[[], list[dict]]
+    stream: Callable[[RequestRun, dict, bool], Any]
+    id_prefix: str
+    object: str
+
+    def body(self, model: str, tier: str) -> dict:
+        """The JSON answer of a finished run (its usage set by `finish`)."""
+        run = self.run
+        return {"id": f"{self.id_prefix}-{run.id}", "object": self.object, "created": int(run.t0),
+                "model": model, "service_tier": tier, "system_fingerprint": None,
+                "choices": self.choices(), "usage": run.usage}
+
+
 async def chat_run(request: Request, ticket: Ticket) -> Response:
     state, principal = ticket.state, ticket.principal
     req, entry, tier = await open_request(request, state, principal, ChatCompletionRequest, UNSUPPORTED_CHAT)
-    messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text(),
-                 **({"name": m.name} if m.name else {})} for m in req.messages]
+    job = await chat_job(ticket, req, entry, tier)
+    return await respond(request, job.run, req, tier, job.id_prefix, job.object, job.stream, job.choices)
+
+
+async def chat_job(ticket: Ticket, req: Any, entry: ModelEntry, tier: str) -> Job:
+    state = ticket.state
+    info = entry.info
+    plan = tool_plan(req.tools, req.tool_choice, req.parallel_tool_calls)
+    messages, tools = prompt_messages(req.messages, plan, info.tokenizer.template_renders_tools)
     if sum(len(m["content"]) for m in messages) > state.settings.max_prompt_chars:
         raise APIError(400, f"messages: longer than {state.settings.max_prompt_chars} characters",
                        param="messages")
-    info = entry.info
     try:    # off the event loop when large; special tokens in the messages tokenized as text
-        ids = await state.tokenize.chat_prompt_ids(info, messages)
+        ids = await state.tokenize.chat_prompt_ids(info, messages, tools)
     except TokenizerError as exc:
         raise tokenizer_error(exc) from None
     except Exception as exc:  # noqa: BLE001 - a template's own error is the client's input
@@ -245,20 +284,21 @@ async def chat_run(request: Request, ticket: Ticket) -> Response:
                                 "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens",
                                 "messages")
     top = req.top_logprobs or 0
-    params = sampling(req, max_tokens, top if req.logprobs else None)
+    spec = await structured.constraint(state.settings, info, req, plan)
+    params = sampling(req, max_tokens, top if req.logprobs else None, spec)
     run = RequestRun(ticket, entry, tier, [ids], [params], len(ids) + max_tokens * params.n,
-                     req.cache_salt)
+                     req.cache_salt, priority=req.priority or 0)
 
     def choices() -> list[dict]:
-        return [{
-            "index": c.index,
-            "message": {"role": "assistant", "content": c.text, "refusal": None},
-            "logprobs": chat_logprobs(c, 0, top),
-            "finish_reason": c.finish_reason,
-        } for c in run.finals[0].outputs]
+        out = []
+        for c in run.finals[0].outputs:
+            message, finish_reason = chat_message(c.text, c.finish_reason, plan)
+            out.append({"index": c.index, "message": message, "logprobs": chat_logprobs(c, 0, top),
+                        "finish_reason": finish_reason})
+        return out
 
-    return await respond(request, run, req, tier, "chatcmpl", "chat.completion",
-                         lambda j, base, usage: chat_stream(j, base, top, usage, params.n), choices)
+    return Job(run, choices, lambda j, base, usage: chat_stream(j, base, top, usage, params.n, plan),
+               "chatcmpl", "chat.completion")
 
 
 async def sse_stream(run: RequestRun, chunks, chunk: dict, include_usage: bool):
@@ -292,24 +332,44 @@ async def sse_stream(run: RequestRun, chunks, chunk: dict, include_usage: bool):
                 await run.finish(status)
 
 
-def chat_stream(run: RequestRun, base: dict, top: int, include_usage: bool, n: int):
+def chunk_usage(run: RequestRun, include_usage: bool) -> dict:
+    """A chunk's usage: none; null (`include_usage`: the usage comes in a chunk of its own
+    at the end); or, with vLLM's `continuous_usage_stats`, the usage so far."""
+    if not include_usage:
+        return {}
+    return {"usage": run.usage_dict() if run.continuous_usage else None}
+
+
+def chat_stream(run: RequestRun, base: dict, top: int, include_usage: bool, n: int, plan: ToolPlan | None = None):
+    """Content deltas; or, when the answer is forced to be tool calls, `delta.tool_calls`
+    (each call's id and name, then pieces of its arguments) and finish_reason "tool_calls"."""
     chunk = {**base, "object": "chat.completion.chunk"}
-    extra = {"usage": None} if include_usage else {}
+    readers = [ToolCallReader() for _ in range(n)] if plan is not None and plan.forced else None
 
     async def chunks():
         sent_tokens = [0] * n
         for i in range(n):
-            yield sse({**chunk, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                             "logprobs": None, "finish_reason": None}], **extra})
+            yield sse({**chunk, "choices": [{"index": i, "delta": {"role": "assistant",
+                                                                   "content": None if readers else ""},
+                                             "logprobs": None, "finish_reason": None}],
+                       **chunk_usage(run, include_usage)})
         async for _, out in run.events():
             for c in out.outputs:
                 if not (c.delta_text or c.finish_reason or (c.logprobs and len(c.token_ids) > sent_tokens[c.index])):
                     continue
                 lp = chat_logprobs(c, sent_tokens[c.index], top)
                 sent_tokens[c.index] = len(c.token_ids)
-                delta = {"content": c.delta_text} if c.delta_text else {}
+                delta, finish_reason = {"content": c.delta_text} if c.delta_text else {}, c.finish_reason
+                if readers is not None:
+                    calls = readers[c.index].feed(c.delta_text)
+                    delta = {"tool_calls": calls} if calls else {}
+                    if finish_reason == "stop" and readers[c.index].calls:
+                        finish_reason = "tool_calls"
+                    if not (calls or finish_reason or (lp and lp["content"])):
+                        continue
                 yield sse({**chunk, "choices": [{"index": c.index, "delta": delta, "logprobs": lp,
-                                                 "finish_reason": c.finish_reason}], **extra})
+                                                 "finish_reason": finish_reason}],
+                           **chunk_usage(run, include_usage)})
             run.mark_sent(0, out)
 
     return sse_stream(run, chunks(), chunk, include_usage)
@@ -326,6 +386,12 @@ async def completions(request: Request, principal: TenantDep, state: StateDep):
 async def completion_run(request: Request, ticket: Ticket) -> Response:
     state, principal = ticket.state, ticket.principal
     req, entry, tier = await open_request(request, state, principal, CompletionRequest, UNSUPPORTED_COMPLETION)
+    job = await completion_job(ticket, req, entry, tier)
+    return await respond(request, job.run, req, tier, job.id_prefix, job.object, job.stream, job.choices)
+
+
+async def completion_job(ticket: Ticket, req: Any, entry: ModelEntry, tier: str) -> Job:
+    state = ticket.state
     prompts = req.prompts()
     if not prompts:
         raise APIError(400, "prompt: must not be empty", param="prompt")
@@ -353,27 +419,28 @@ async def completion_run(request: Request, ticket: Ticket) -> Response:
         ids_list.append(ids)
     params_list = []
     reserve = 0
+    spec = await structured.constraint(state.settings, info, req)
     for ids in ids_list:
         mt = max_tokens_for(state, entry, len(ids), req.max_tokens, "max_tokens", "prompt")
-        sp = sampling(req, mt, req.logprobs)
+        sp = sampling(req, mt, req.logprobs, spec)
         params_list.append(sp)
         reserve += len(ids) + mt * sp.n
     n = params_list[0].n
     top = req.logprobs or 0
-    run = RequestRun(ticket, entry, tier, ids_list, params_list, reserve, req.cache_salt)
+    run = RequestRun(ticket, entry, tier, ids_list, params_list, reserve, req.cache_salt,
+                     priority=req.priority or 0)
 
     def choices() -> list[dict]:
         return [{"index": i * n + c.index, "text": c.text,
                  "logprobs": completion_logprobs(c, 0, top, 0), "finish_reason": c.finish_reason}
                 for i in range(len(ids_list)) for c in run.finals[i].outputs]
 
-    return await respond(request, run, req, tier, "cmpl", "text_completion",
-                         lambda j, base, usage: completion_stream(j, base, top, usage, n), choices)
+    return Job(run, choices, lambda j, base, usage: completion_stream(j, base, top, usage, n),
+               "cmpl", "text_completion")
 
 
 def completion_stream(run: RequestRun, base: dict, top: int, include_usage: bool, n: int):
     chunk = {**base, "object": "text_completion"}
-    extra = {"usage": None} if include_usage else {}
 
     async def chunks():
         sent: dict[tuple[int, int], tuple[int, int]] = {}   # (prompt, choice) -> (tokens, chars)
@@ -386,7 +453,7 @@ def completion_stream(run: RequestRun, base: dict, top: int, include_usage: bool
                 sent[(i, c.index)] = (len(c.token_ids), chars + len(c.delta_text))
                 yield sse({**chunk, "choices": [{"index": i * n + c.index, "text": c.delta_text,
                                                  "logprobs": lp, "finish_reason": c.finish_reason}],
-                           **extra})
+                           **chunk_usage(run, include_usage)})
             run.mark_sent(i, out)
 
     return sse_stream(run, chunks(), chunk, include_usage)
@@ -417,4 +484,14 @@ async def tenant_usage(request: Request, principal: TenantDep, state: StateDep) 
         raise APIError(403, "A tenant's key reads only its own usage.", param="tenant_id",
                        code="permission_denied")
     return await usage_response(state, request, principal.tenant_id)
+
+
+@router.get("/v1/usage/quota", responses=error_responses(400, 401, 403))
+async def tenant_quota(request: Request, principal: TenantDep, state: StateDep) -> QuotaReportPublic:
+    """The caller's tenant and its keys: each limit, its live use, and its refusals."""
+    tenant_id = request.query_params.get("tenant_id")
+    if principal.tenant_id is None or tenant_id not in (None, "", principal.tenant_id):
+        raise APIError(403, "A tenant's key reads only its own quotas.", param="tenant_id",
+                       code="permission_denied")
+    return await quota_response(state, request, principal.tenant_id, allowed=TENANT_QUERY)
 

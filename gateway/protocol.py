@@ -29,8 +29,7 @@ Bool = Annotated[bool, Strict()]
 
 # OpenAI fields Lockgate does not implement: refused when set to anything but null.
 UNSUPPORTED_CHAT = (
-    "tools", "tool_choice", "parallel_tool_calls", "functions", "function_call",
-    "response_format", "logit_bias", "audio", "modalities", "prediction", "store",
+    "functions", "function_call", "logit_bias", "audio", "modalities", "prediction", "store",
     "metadata", "reasoning_effort", "web_search_options", "verbosity", "prompt_cache_key",
     "safety_identifier",
 )
@@ -61,10 +60,39 @@ class TextPart(_Strict):
     text: str
 
 
+FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"
+
+
+class ToolCallFunction(_Strict):
+    name: str = Field(min_length=1, max_length=64)
+    arguments: str
+    parsed_arguments: Any = None    # the openai client's parse() adds it to messages sent back; ignored
+
+
+class ToolCall(_Strict):
+    """A call an assistant message made, sent back in the conversation."""
+
+    id: str = Field(min_length=1, max_length=256)
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = Field(default=None, max_length=64)
+    tool_calls: list[ToolCall] | None = Field(default=None, max_length=128)   # assistant messages
+    tool_call_id: str | None = Field(default=None, min_length=1, max_length=256)   # tool messages
+    refusal: str | None = None      # as the API returns assistant messages; not rendered
+    parsed: Any = None              # the openai client's parse() adds it to messages sent back; ignored
+
+    @model_validator(mode="after")
+    def _check_tool_fields(self):
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("tool_calls: only assistant messages carry tool calls")
+        if (self.role == "tool") != (self.tool_call_id is not None):
+            raise ValueError("tool_call_id: required on tool messages, and only there")
+        return self
 
     def text(self) -> str:
         if self.content is None:
@@ -72,6 +100,54 @@ class ChatMessage(_Strict):
         if isinstance(self.content, str):
             return self.content
         return "".join(p.text for p in self.content)
+
+
+class FunctionDefinition(_Strict):
+    name: str = Field(pattern=FUNCTION_NAME)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None    # a JSON schema; none: no arguments
+    strict: Bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: str = Field(pattern=FUNCTION_NAME)
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JsonSchemaFormat(_Strict):
+    name: str = Field(pattern=FUNCTION_NAME)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: Bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+    strict: Bool | None = None      # accepted here too; OpenAI's place is json_schema.strict
+
+    @model_validator(mode="after")
+    def _check_schema(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema: required with type json_schema, and only then")
+        return self
+
+
+class StructuredOutputsBody(_Strict):
+    """vLLM's `structured_outputs`: one of a JSON schema, a regex, a choice."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
 
 
 class _Sampling(_Strict):
@@ -94,6 +170,18 @@ class _Sampling(_Strict):
     min_tokens: Int | None = Field(default=None, ge=0)
     ignore_eos: Bool | None = None
     cache_salt: str | None = Field(default=None, max_length=256)
+    # structured outputs (gateway/structured.py): OpenAI's, then vLLM's
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = Field(default=None, min_length=1, max_length=1024)
+    structured_outputs: StructuredOutputsBody | None = None
+    stop_token_ids: list[Annotated[int, Strict(), Field(ge=0)]] | None = Field(default=None, max_length=64)
+    skip_special_tokens: Bool | None = None
+    include_stop_str_in_output: Bool | None = None
+    # smaller runs sooner, among this tenant's own requests of its class (never past another
+    # tenant's: the engine orders by class, then tenant fairness, then this)
+    priority: Int | None = Field(default=None, ge=-(2**31), lt=2**31)
 
     @model_validator(mode="after")
     def _check_stop(self):
@@ -102,6 +190,9 @@ class _Sampling(_Strict):
             raise ValueError("stop: stop sequences must be non-empty strings")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options: only allowed when stream is true")
+        if self.stream_options is not None and self.stream_options.continuous_usage_stats \
+                and not self.stream_options.include_usage:
+            raise ValueError("stream_options.continuous_usage_stats: requires include_usage to be true")
         return self
 
     def stop_list(self) -> list[str]:
@@ -114,6 +205,9 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: Int | None = Field(default=None, ge=1)
     logprobs: Bool | None = False
     top_logprobs: Int | None = Field(default=None, ge=0, le=20)
+    tools: list[Tool] | None = Field(default=None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: Bool | None = None
 
     @model_validator(mode="after")
     def _check_logprobs(self):

@@ -72,7 +72,7 @@ class AdminKeyCreate(_Strict):
 class AdapterCreate(_Strict):
     name: str = Field(min_length=1, max_length=64)
     base_model: str = Field(min_length=1, max_length=128)
-    owner_tenant_id: str | None          # required; null: every tenant may use it
+    owner_tenant_id: str | None = None   # the tenant that alone may use it; absent or null: public
     path: str = Field(min_length=1, max_length=1024)    # a directory under the adapter root
 
 
@@ -187,6 +187,11 @@ class ListPublic(BaseModel, Generic[T]):
 class TenantPagePublic(ListPublic[TenantPublic]):
     has_more: bool
     last_id: str | None
+
+
+class AuditPagePublic(ListPublic[AuditPublic]):
+    has_more: bool
+    last_id: str | None            # `after` of the next page
 
 
 class DeletedPublic(BaseModel):

@@ -1,12 +1,13 @@
 """`lockgate serve`: uvicorn around the app, with a draining shutdown.
 
-SIGTERM or SIGINT: the app starts answering 503 to new requests at once and uvicorn stops
-accepting connections. Admitted requests get `shutdown_timeout_s` to finish; those still
-running then are cut (`Lifecycle.drain`): each stream ends with an error event
-(`server_shutdown`), each JSON request with a 503, and each writes its one `cancelled` usage
-row within `shutdown_grace_s`. Only then does uvicorn's own graceful shutdown (other
-connections, `shutdown_grace_s` more) run, and the app's shutdown close the usage writer
-and stop the engines.
+SIGTERM or SIGINT: the app starts answering 503 `server_draining` to new requests at once
+(`gateway.draining.DrainGate`), on connections old and new: the listening sockets stay open
+while the drain lasts, so a client meets a 503 it can act on, never a refused connection.
+Admitted requests get `shutdown_timeout_s` to finish; those still running then are cut
+(`Lifecycle.drain`): each stream ends with an error event (`server_shutdown`), each JSON
+request with a 503, and each writes its one `cancelled` usage row within `shutdown_grace_s`.
+Only then does uvicorn stop listening and run its own graceful shutdown (other connections,
+`shutdown_grace_s` more), and the app's shutdown close the usage writer and stop the engines.
 """
 
 from __future__ import annotations
@@ -44,9 +45,8 @@ class DrainingServer(uvicorn.Server):
         getattr(self, "_captured_signals", []).clear()
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
-        """No new connections; the admitted requests drained (then cut); then uvicorn's own."""
-        for server in self.servers:
-            server.close()
+        """The admitted requests drained (then cut) while new ones are still answered, 503;
+        then uvicorn's own shutdown, which stops listening."""
         await self.lifecycle.drain(self.drain_timeout_s, self.drain_grace_s)
         await super().shutdown(sockets)
 

@@ -50,6 +50,10 @@ class Settings(BaseSettings):
     port: int = 8000
     migrate: bool = False                    # with database_url: run migrations at start
     create_demo_tenant: bool = True          # embedded default only: a "demo" tenant and key
+    # /metrics names tenants: it takes an admin key, or this token (a scraper's own, as a
+    # bearer token); metrics_public opens it to anyone who reaches the port (a private network)
+    metrics_token: SecretStr | None = None
+    metrics_public: bool = False
 
     # request limits
     max_body_bytes: int = 1 << 20
@@ -57,6 +61,9 @@ class Settings(BaseSettings):
     max_tokens_limit: int | None = None      # None: the model's context decides
     max_prompt_chars: int = 1 << 20
     max_stop_sequences: int = 4
+    # structured outputs (gateway/structured.py): a schema's size, and how long compiling it may take
+    max_schema_bytes: int = Field(default=64 << 10, ge=64)
+    grammar_compile_timeout_s: float = Field(default=5.0, gt=0)
     # prompts of this many characters or more are tokenized by worker processes, off the event
     # loop (gateway/tokenize_pool.py); each worker holds a few hundred MB
     tokenizer_workers: int = Field(default=1, ge=1, le=64)
@@ -80,6 +87,10 @@ class Settings(BaseSettings):
     shutdown_grace_s: float = 5.0            # after shutdown_timeout_s: cut requests write their rows
     database_timeout_s: float = 5.0          # a route's database work; usage writes, each
     usage_replay_interval_s: float = 2.0     # spooled usage rows: how often the database is retried
+    # 429s are counted in memory per tenant, key, limit and minute, and added to the database
+    # this often (and at shutdown); at most this many counters are held while it is down
+    refusal_flush_interval_s: float = 5.0
+    refusal_max_buckets: int = 100_000
     default_tier: str = "default"
 
     # engine
@@ -88,6 +99,16 @@ class Settings(BaseSettings):
     # False: an engine per model
     shared_engine: bool = True
     memory_budget: int | None = None   # bytes for all models of the shared engine (None: all fit)
+
+    # the Batch API (gateway/batches.py, gateway/batch_runner.py)
+    max_file_bytes: int = Field(default=64 << 20, ge=1024)     # an uploaded file (POST /v1/files)
+    batch_max_lines: int = Field(default=50_000, ge=1)         # requests in one batch's input file
+    batch_poll_s: float = Field(default=1.0, gt=0)             # how often a replica looks for batches
+    batch_lease_ttl_s: float = Field(default=30.0, gt=0)       # a dead replica's batches move after this
+    batch_max_active: int = Field(default=8, ge=1)             # batches one replica works at once
+    batch_max_inflight: int = Field(default=16, ge=1)          # a replica's batch lines in the engine at once
+    batch_pause_poll_s: float = Field(default=5.0, gt=0)       # a batch paused by a limit retries this often
+    file_sweep_interval_s: float = Field(default=60.0, gt=0)   # expired files deleted this often
 
     # LoRA adapters
     adapter_root: Path | None = None         # None: data_dir / "adapters"; every adapter lives under it
@@ -119,7 +140,7 @@ class Settings(BaseSettings):
         return v
 
     @field_validator("request_timeout_s", "shutdown_grace_s", "database_timeout_s",
-                     "usage_replay_interval_s")
+                     "usage_replay_interval_s", "refusal_flush_interval_s")
     @classmethod
     def _seconds(cls, v: float) -> float:
         if not 0 < v <= 86400:
@@ -127,11 +148,18 @@ class Settings(BaseSettings):
         return v
 
     @field_validator("max_body_bytes", "max_n", "max_prompt_chars", "max_loras", "max_lora_rank",
-                     "limiter_max_queued_settlements")
+                     "limiter_max_queued_settlements", "refusal_max_buckets")
     @classmethod
     def _positive(cls, v: int) -> int:
         if v < 1:
             raise ValueError("must be >= 1")
+        return v
+
+    @field_validator("metrics_token")
+    @classmethod
+    def _metrics_token(cls, v: SecretStr | None) -> SecretStr | None:
+        if v is not None and len(v.get_secret_value()) < 16:
+            raise ValueError("must be at least 16 characters (it guards tenant names)")
         return v
 
     @field_validator("redis_timeout_s")

@@ -39,6 +39,7 @@ from tenancy import api_keys, auth
 from tenancy.auth import Principal
 from tenancy.errors import AuthError, Invalid
 from tenancy.limiter import Lease, Limiter
+from tenancy.usage.refusals import RefusalCounter
 from tenancy.usage.writer import UsageWriter
 from tenancy.visibility import adapter_visible, model_visible
 
@@ -176,6 +177,7 @@ class AppState:
     adapters: AdapterCatalog = field(init=False)
     metrics: Metrics = field(init=False)
     tokenize: TokenizePool = field(init=False)   # large prompts tokenized off the loop
+    refusals: RefusalCounter = field(init=False)  # 429s by limit, flushed in batches (app.lifespan)
     inflight: dict[str, Lease] = field(init=False, default_factory=dict)     # job id -> its lease
     _touched: dict[str, float] = field(init=False, default_factory=dict)
     _background: set[asyncio.Task[Any]] = field(init=False, default_factory=set)
@@ -188,6 +190,9 @@ class AppState:
         self.metrics = Metrics(self.engine_stats)
         # its worker processes start on the first large prompt, never at start-up
         self.tokenize = TokenizePool(workers=s.tokenizer_workers, inline_chars=s.tokenizer_inline_chars)
+        self.refusals = RefusalCounter(self.sessions, interval_s=s.refusal_flush_interval_s,
+                                       timeout_s=s.database_timeout_s,
+                                       max_buckets=s.refusal_max_buckets)
 
     @property
     def ready(self) -> bool:

@@ -78,9 +78,9 @@ def _portable(exc: Exception) -> Exception:
     return exc if type(back) is type(exc) and str(back) == str(exc) else ValueError(str(exc))
 
 
-def _chat_in_worker(spec: ModelSpec, messages: list[Message]) -> list[int]:
+def _chat_in_worker(spec: ModelSpec, chat: tuple[list[Message], list[Message] | None]) -> list[int]:
     try:
-        return _worker_model(spec).chat_prompt_ids(messages)
+        return _worker_model(spec).chat_prompt_ids(*chat)
     except Exception as exc:  # noqa: BLE001 - re-raised as itself where it travels
         raise _portable(exc) from None
 
@@ -123,12 +123,13 @@ class TokenizePool:
     def num_jobs(self) -> int:
         return self._num_jobs
 
-    async def chat_prompt_ids(self, info: ModelInfo, messages: list[Message]) -> list[int]:
-        """`info.chat_prompt_ids(messages)`: the same ids, the same exceptions (and the
+    async def chat_prompt_ids(self, info: ModelInfo, messages: list[Message],
+                              tools: list[Message] | None = None) -> list[int]:
+        """`info.chat_prompt_ids(messages, tools)`: the same ids, the same exceptions (and the
         pool's own `TokenizerError`s)."""
         if chat_chars(messages) < self.inline_chars:
-            return info.chat_prompt_ids(messages)
-        return await self._run(_chat_in_worker, info, messages)
+            return info.chat_prompt_ids(messages, tools)
+        return await self._run(_chat_in_worker, info, (messages, tools))
 
     async def encode(self, info: ModelInfo, text: str) -> list[int]:
         """`info.encode(text)`: the same ids, the same exceptions (and `TokenizerError`s)."""

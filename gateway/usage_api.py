@@ -1,10 +1,15 @@
 """Usage reports over HTTP (`UsagePublic` as JSON, or CSV), shared by the admin console and a
-tenant's own `/v1/usage`."""
+tenant's own `/v1/usage`: `group_by` a comma list of tenant, key, model, service_tier, day;
+a page of `limit` groups (default and most `MAX_LIST_LIMIT`) after the cursor `after` (the
+`last_id` of the page before; in CSV the `x-last-id` and `x-has-more` headers)."""
 
 from __future__ import annotations
 
+import base64
+import binascii
 import csv
 import io
+import json
 from datetime import UTC, datetime
 from typing import Any
 
@@ -15,20 +20,23 @@ from pydantic import BaseModel
 from gateway.errors import APIError
 from gateway.state import AppState
 from tenancy.errors import Invalid
-from tenancy.usage.report import usage_report
+from tenancy.usage.report import parse_group_by, usage_page
+from tenancy.validation import MAX_LIST_LIMIT
 
-GROUPS = ("day", "model", "service_tier")
-CSV_FIELDS = ["group", "requests", "prompt_tokens", "cached_tokens", "completion_tokens",
-              "total_tokens", "ttft_ms_p50", "ttft_ms_p95"]     # the header of an empty report
+CSV_FIELDS = ["requests", "ok", "errors", "cancelled", "prompt_tokens", "cached_tokens",
+              "completion_tokens", "total_tokens", "ttft_ms_p50", "ttft_ms_p95"]
+QUERY = {"tenant_id", "start", "end", "group_by", "format", "limit", "after"}
 
 
 class UsagePublic(BaseModel):
     object: str = "list"
     tenant_id: str | None          # None: every tenant
-    group_by: str | None
-    start: str | None
+    group_by: str | None           # the groups, a comma list; `group` of an entry: None,
+    start: str | None              # the value of the one group, or {name: value} of several
     end: str | None
-    data: list[dict[str, Any]]     # one row per group, as `usage_report` gives it
+    data: list[dict[str, Any]]     # one row per group, as `usage_page` gives it
+    has_more: bool = False         # more groups after this page
+    last_id: str | None = None     # the last group's cursor: `after` of the next page
 
 
 def parse_time(value: str | None, name: str) -> datetime | None:
@@ -45,40 +53,77 @@ def parse_time(value: str | None, name: str) -> datetime | None:
     return dt if dt.tzinfo else dt.replace(tzinfo=UTC)
 
 
+def parse_limit(value: str | None, *, default: int = MAX_LIST_LIMIT,
+                most: int = MAX_LIST_LIMIT) -> int:
+    """A query's page size: 1 to `most`, `default` when absent; 400 naming `limit` otherwise."""
+    if value is None or value == "":
+        return default
+    if not value.isdigit() or not 1 <= int(value) <= most:
+        raise APIError(400, f"limit: must be an integer from 1 to {most}", param="limit")
+    return int(value)
+
+
+def encode_cursor(values: list[str]) -> str:
+    return base64.urlsafe_b64encode(json.dumps(values).encode()).decode().rstrip("=")
+
+
+def decode_cursor(value: str | None) -> list[str] | None:
+    """An `after` cursor (`encode_cursor`'s); 400 naming `after` if it is not one."""
+    if value in (None, ""):
+        return None
+    try:
+        values = json.loads(base64.urlsafe_b64decode(value + "=" * (-len(value) % 4)))
+    except (ValueError, binascii.Error):
+        values = None
+    if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
+        raise APIError(400, "after: not a cursor of this report (the last_id of a page)",
+                       param="after")
+    return values
+
+
 async def usage_response(state: AppState, request: Request, tenant_id: str | None) -> Response:
-    """The report the query asks for (start, end, group_by, format), of `tenant_id`'s usage."""
+    """The report the query asks for (start, end, group_by, format, limit, after), of
+    `tenant_id`'s usage (None: everyone's)."""
     q = request.query_params
-    unknown = set(q) - {"tenant_id", "start", "end", "group_by", "format"}
+    unknown = set(q) - QUERY
     if unknown:
         name = sorted(unknown)[0]
         raise APIError(400, f"{name}: unknown query parameter", param=name)
     start, end = parse_time(q.get("start"), "start"), parse_time(q.get("end"), "end")
     if start and end and end < start:
         raise APIError(400, "end: is before start", param="end")
-    group_by = q.get("group_by") or None
-    if group_by is not None and group_by not in GROUPS:
-        raise APIError(400, f"group_by: must be one of {', '.join(GROUPS)}", param="group_by")
     fmt = q.get("format") or "json"
     if fmt not in ("json", "csv"):
         raise APIError(400, "format: must be json or csv", param="format")
+    limit, after = parse_limit(q.get("limit")), decode_cursor(q.get("after"))
     try:
+        groups = parse_group_by(q.get("group_by"))
         async with state.sessions() as session:
-            rows = await usage_report(session, tenant_id=tenant_id, start=start, end=end,
-                                              group_by=group_by)
+            page = await usage_page(session, tenant_id=tenant_id, start=start, end=end,
+                                    group_by=groups, limit=limit, after=after)
     except Invalid as exc:
         raise APIError(400, str(exc), param=exc.field) from None
+    last_id = encode_cursor(page.last) if page.last is not None else None
     if fmt == "csv":
-        return Response(_csv(rows), media_type="text/csv")
-    report = UsagePublic(tenant_id=tenant_id, group_by=group_by,
+        headers = {"x-has-more": str(page.has_more).lower(), **({"x-last-id": last_id} if last_id else {})}
+        return Response(_csv(groups, page.data), media_type="text/csv", headers=headers)
+    report = UsagePublic(tenant_id=tenant_id, group_by=",".join(groups) or None,
                          start=start.isoformat() if start else None,
-                         end=end.isoformat() if end else None, data=rows)
+                         end=end.isoformat() if end else None, data=page.data,
+                         has_more=page.has_more, last_id=last_id)
     return JSONResponse(report.model_dump())
 
 
-def _csv(rows: list[dict[str, Any]]) -> str:
+def _csv(groups: tuple[str, ...], rows: list[dict[str, Any]]) -> str:
+    """One line per entry: its group (one `group` column, or one column per group when there
+    are several), then its totals."""
+    names = list(groups) if len(groups) > 1 else ["group"]
     buf = io.StringIO()
-    w = csv.DictWriter(buf, fieldnames=list(rows[0]) if rows else CSV_FIELDS)
+    w = csv.DictWriter(buf, fieldnames=names + CSV_FIELDS)
     w.writeheader()
     for r in rows:
-        w.writerow({k: ("" if v is None else v) for k, v in r.items()})
+        g = r["group"]
+        cells = dict(g) if isinstance(g, dict) else {"group": g}
+        cells.update((k, v) for k, v in r.items() if k != "group")
+        w.writerow({k: ("" if v is None else v) for k, v in cells.items()})
     return buf.getvalue()

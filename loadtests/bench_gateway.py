@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from loadtests.cache import demo_model_dir
 from loadtests.harness.cpu import CpuMeter
 from loadtests.harness.load import (
     MAX_CONNECTIONS,
@@ -65,13 +66,8 @@ class BenchServer(ServerProcess):
 
 # -- the model directory (only its tokenizer and config are read) -----------------------------
 def default_model_dir() -> Path:
-    root = Path(os.environ.get("LOCKGATE_CACHE", Path.home() / ".cache" / "lockgate"))
-    path = root / "demo-models" / "llama-tiny-seed0"
-    if not (path / "tokenizer.json").is_file() or not (path / "config.json").is_file():
-        from engine.demo_model import write_demo_model
-
-        write_demo_model(path, family="llama", size="tiny", seed=0)
-    return path
+    """The tiny llama demo model, written once under `cache_dir()`."""
+    return demo_model_dir("llama", "tiny", 0)
 
 
 # -- the direct baseline ------------------------------------------------------------------------------

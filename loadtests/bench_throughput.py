@@ -23,18 +23,13 @@ from typing import Any
 
 import torch
 
+from loadtests.cache import demo_model_dir
 from loadtests.workload import OfflineRequest, offline_workload
 
 
 def default_model_dir(family: str = "llama", seed: int = 0) -> Path:
-    """A `small` demo model (the llama one by default), written once into the user's cache."""
-    root = Path(os.environ.get("LOCKGATE_CACHE", Path.home() / ".cache" / "lockgate"))
-    path = root / "demo-models" / f"{family}-small-seed{seed}"
-    if not (path / "model.safetensors").is_file():
-        from engine.demo_model import write_demo_model
-
-        write_demo_model(path, family=family, size="small", seed=seed)
-    return path
+    """A `small` demo model (the llama one by default), written once under `cache_dir()`."""
+    return demo_model_dir(family, "small", seed)
 
 
 def _peak_rss_mib() -> float:

@@ -48,14 +48,7 @@ def prompts_for(model_dir: str, lengths: list[int], seed: int = 0) -> list[list[
 
 
 def demo_dir(family: str, size: str, seed: int) -> str:
-    """A demo model directory under the user's cache, written on first use."""
-    import os
-    from pathlib import Path
+    """A demo model directory under `cache_dir()`, written on first use."""
+    from loadtests.cache import demo_model_dir
 
-    from engine import write_demo_model
-
-    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lockgate" / "bench-models"
-    path = root / f"{family}-{size}-{seed}"
-    if not (path / "config.json").is_file():
-        write_demo_model(path, family=family, size=size, seed=seed)
-    return str(path)
+    return str(demo_model_dir(family, size, seed))

@@ -44,7 +44,7 @@ def _lora_error(exc: LoRAError, body: AdapterCreate) -> APIError:
     return APIError(400, f"path: the adapter in {body.path!r} cannot be served: {msg}", param="path")
 
 
-def _in_use(exc: LoRAError, name: str) -> APIError:
+def in_use_error(exc: LoRAError, name: str) -> APIError:
     return APIError(409, f"adapter {name!r} is in use by requests on this replica; retry when "
                     f"they have finished ({exc})", code="adapter_in_use")
 
@@ -52,6 +52,10 @@ def _in_use(exc: LoRAError, name: str) -> APIError:
 @router.post("/adapters", status_code=201)
 async def create_adapter(body: AdapterCreate, state: StateDep, session: SessionDep,
                          admin: AdminDep) -> AdapterPublic:
+    return await register_adapter(state, session, body, actor=admin.key_id)
+
+
+async def register_adapter(state: AppState, session: Any, body: AdapterCreate, *, actor: str) -> AdapterPublic:
     """Check the names here, then let the catalog register it (engine first, then the row)."""
     if body.name in state.models:
         raise APIError(400, f"name: {body.name!r} is a served model's name", param="name")
@@ -61,9 +65,9 @@ async def create_adapter(body: AdapterCreate, state: StateDep, session: SessionD
                        f"{', '.join(sorted(state.models))})", param="base_model")
     try:
         row = await state.adapters.create(session, base, name=body.name, path=body.path,
-                                          owner_tenant_id=body.owner_tenant_id, actor=admin.key_id)
+                                          owner_tenant_id=body.owner_tenant_id, actor=actor)
     except AdapterInUse as exc:
-        raise _in_use(exc, body.name) from None
+        raise in_use_error(exc, body.name) from None
     except AdapterRefused as exc:
         raise _lora_error(exc.cause, body) from None
     return adapter_public(row, state)
@@ -91,7 +95,7 @@ async def unload_adapter(adapter_id: str, state: StateDep, session: SessionDep) 
         try:
             unloaded = entry.engine.unload_lora(a.name)
         except LoRAError as exc:
-            raise _in_use(exc, a.name) from None
+            raise in_use_error(exc, a.name) from None
     return AdapterUnloadedPublic.from_row(a, registered=_registered(a, state), unloaded=unloaded)
 
 
@@ -104,5 +108,5 @@ async def delete_adapter(adapter_id: str, state: StateDep, session: SessionDep,
     try:
         await state.adapters.delete(session, a, actor=admin.key_id)
     except AdapterInUse as exc:
-        raise _in_use(exc, a.name) from None
+        raise in_use_error(exc, a.name) from None
     return AdapterDeletedPublic(id=adapter_id, name=a.name)

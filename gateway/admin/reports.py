@@ -1,17 +1,18 @@
-"""/admin/v1/usage (any tenant's or everyone's, JSON or CSV) and /admin/v1/audit."""
+"""/admin/v1/usage (any tenant's or everyone's, JSON or CSV), /admin/v1/quotas/report (each
+tenant's and key's limits beside their live use and refusals) and /admin/v1/audit."""
 
 from __future__ import annotations
 
-from typing import Annotated
-
-from fastapi import Query, Request, Response
+from fastapi import Request, Response
 
 from gateway.admin.route import admin_router
 from gateway.deps import SessionDep, StateDep
 from gateway.errors import APIError
-from gateway.schemas import AuditPublic, ListPublic
-from gateway.usage_api import UsagePublic, usage_response
-from tenancy.audit import list_audit
+from gateway.openapi import error_responses
+from gateway.quota_report import ADMIN_QUERY, QuotaReportPublic, quota_response
+from gateway.schemas import AuditPagePublic, AuditPublic
+from gateway.usage_api import UsagePublic, parse_limit, parse_time, usage_response
+from tenancy.audit import audit_page
 from tenancy.models import Tenant
 
 router = admin_router()
@@ -26,7 +27,36 @@ async def usage(request: Request, state: StateDep, session: SessionDep) -> Respo
     return await usage_response(state, request, tenant_id)
 
 
-@router.get("/audit")
-async def audit(session: SessionDep, limit: Annotated[int, Query(ge=1, le=1000)] = 100) -> ListPublic[AuditPublic]:
-    rows = await list_audit(session, limit=limit)
-    return ListPublic[AuditPublic](data=[AuditPublic.from_row(r) for r in rows])
+@router.get("/quotas/report", responses=error_responses(400, 404))
+async def quota_report(request: Request, state: StateDep) -> QuotaReportPublic:
+    """Every live tenant a page at a time (`limit`, `after`), or `tenant_id`'s alone; the
+    refusals over [`start`, `end`) (default: the last 24 h)."""
+    return await quota_response(state, request, request.query_params.get("tenant_id") or None,
+                                allowed=ADMIN_QUERY)
+
+
+AUDIT_QUERY = {"limit", "after", "action", "target_type", "target_id", "actor", "start", "end"}
+
+
+@router.get("/audit", responses=error_responses(400))
+async def audit(request: Request, session: SessionDep) -> AuditPagePublic:
+    """The newest entries first, a page of `limit` (100; at most 1000) after `after` (the
+    `last_id` of the page before; `has_more` says whether there is one), filtered by
+    `action`, `target_type`, `target_id`, `actor` and [`start`, `end`). Any other query
+    parameter is a 400, not a filter silently ignored."""
+    q = request.query_params
+    unknown = sorted(set(q) - AUDIT_QUERY)
+    if unknown:
+        raise APIError(400, f"{unknown[0]}: unknown query parameter (known: "
+                       f"{', '.join(sorted(AUDIT_QUERY))})", param=unknown[0])
+    limit = parse_limit(q.get("limit"), default=100)
+    after = q.get("after") or None
+    if after is not None and not (after.isdigit() and len(after) <= 18):
+        raise APIError(400, "after: not a cursor of this listing (the last_id of a page)", param="after")
+    start, end = parse_time(q.get("start"), "start"), parse_time(q.get("end"), "end")
+    rows, has_more = await audit_page(
+        session, limit, before_id=int(after) if after else None, action=q.get("action") or None,
+        target_type=q.get("target_type") or None, target_id=q.get("target_id") or None,
+        actor=q.get("actor") or None, start=start, end=end)
+    return AuditPagePublic(data=[AuditPublic.from_row(r) for r in rows], has_more=has_more,
+                           last_id=str(rows[-1].id) if rows else None)

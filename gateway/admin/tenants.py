@@ -19,7 +19,7 @@ from gateway.schemas import (
     TenantPublic,
 )
 from gateway.state import AppState
-from tenancy import tenants
+from tenancy import adapters, tenants
 
 logger = logging.getLogger(__name__)
 router = admin_router()
@@ -32,9 +32,24 @@ def _after_tenant_change(state: AppState, t: Any) -> None:
         state.push_weight(t.id, t.weight)
 
 
+async def check_model_names(state: AppState, session: Any, names: list[str] | None) -> None:
+    """A tenant's model list names served models and registered adapters only: an unknown
+    name (a typo) would lock the tenant out of every model, so it is a 400 naming it."""
+    unknown = [n for n in names or [] if n not in state.models]
+    if unknown:
+        found = await adapters.adapter_ids_by_name(session, unknown)
+        unknown = [n for n in unknown if n not in found]
+    if unknown:
+        raise APIError(400, f"models: {', '.join(repr(n) for n in unknown)} "
+                       f"{'is' if len(unknown) == 1 else 'are'} neither a served model nor an adapter "
+                       f"(served: {', '.join(sorted(state.models))})", param="models",
+                       code="unknown_model")
+
+
 @router.post("/tenants", status_code=201)
 async def create_tenant(body: TenantCreate, state: StateDep, session: SessionDep,
                         admin: AdminDep) -> TenantPublic:
+    await check_model_names(state, session, body.models)
     t = await tenants.create_tenant(
         session, name=body.name, weight=body.weight, service_tiers=body.service_tiers,
         default_tier=body.default_tier, models=body.models, status=body.status,
@@ -67,6 +82,7 @@ async def patch_tenant(tenant_id: str, body: TenantPatch, state: StateDep, sessi
     for name in ("name", "weight", "status", "service_tiers", "default_tier"):
         if name in changes and changes[name] is None:
             raise APIError(400, f"{name}: may not be null", param=name)
+    await check_model_names(state, session, changes.get("models"))
     t = await tenants.update_tenant(session, tenant_id, actor=admin.key_id, **changes)
     _after_tenant_change(state, t)
     return TenantPublic.from_row(t)

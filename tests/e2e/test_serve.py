@@ -70,32 +70,35 @@ def mode(path: Path) -> int:
 
 def test_first_start_writes_keys_once(tmp_path):
     """Embedded, no LOCKGATE_ADMIN_KEY, stdout not a terminal: the admin key and the demo
-    tenant's key (with a curl line that works) go to 0600 files, not to the log; a second start
-    on the same data directory writes nothing new and the keys still work."""
+    tenant's key go, bare, to 0600 files (so `$(cat FILE)` is the key), not to the log; the
+    log has a curl line reading the key file, which works. A second start on the same data
+    directory writes nothing new, the keys still work, and it says how to get back in with a
+    lost admin key: `lockgate keys create --admin` makes one that works."""
     data_dir = tmp_path / "data"
     srv = start_without_admin_key(data_dir)
     admin_file, demo_file = data_dir / "admin_key", data_dir / "demo_key"
     try:
         assert mode(admin_file) == 0o600 and mode(demo_file) == 0o600
-        admin_key = re.search(r"admin key \(shown once\): (\S+)", admin_file.read_text()).group(1)
-        demo_text = demo_file.read_text()
-        demo_key = re.search(r"demo tenant key \(shown once\): (\S+)", demo_text).group(1)
-        curl = next(ln.strip() for ln in demo_text.splitlines() if ln.strip().startswith("curl "))
+        admin_key, demo_key = admin_file.read_text(), demo_file.read_text()
+        assert re.fullmatch(r"lg-\S+\n", admin_key) and re.fullmatch(r"lg-\S+\n", demo_key)
+        admin_key, demo_key = admin_key.strip(), demo_key.strip()
         log = srv.log()
         assert admin_key not in log and demo_key not in log          # secrets only in the files
         assert f"admin key written to {admin_file}" in log
         assert f"demo key written to {demo_file}" in log
 
-        r = httpx.get(srv.url + "/admin/v1/tenants", timeout=30,
-                      headers={"Authorization": f"Bearer {admin_key}"})
-        assert r.status_code == 200, r.text
-        assert [t["name"] for t in r.json()["data"]] == ["demo"]
+        # as a user would use the files: $(cat admin_key) in a shell
+        done = subprocess.run(["bash", "-c", f'curl -sS -H "Authorization: Bearer $(cat {admin_file})" '
+                               f"{srv.url}/admin/v1/tenants"], capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        assert [t["name"] for t in json.loads(done.stdout)["data"]] == ["demo"]
         r = chat(srv.url, demo_key)
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["message"]["role"] == "assistant"
 
-        # the printed curl line, as a user would paste it into a shell
-        assert srv.url.removeprefix("http://") in curl and demo_key in curl
+        # the logged curl line, as a user would paste it into a shell
+        curl = next(ln.strip() for ln in log.splitlines() if ln.strip().startswith("curl "))
+        assert srv.url.removeprefix("http://") in curl and f"$(cat {demo_file})" in curl
         done = subprocess.run(["bash", "-c", curl + " -sS"], capture_output=True, text=True,
                               timeout=60)
         assert done.returncode == 0, done.stderr
@@ -111,11 +114,23 @@ def test_first_start_writes_keys_once(tmp_path):
     try:
         log = again.log()
         assert "shown once" not in log and "written to" not in log
+        assert "LOCKGATE_ADMIN_KEY" in log and "lockgate keys create --admin" in log
         assert {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in before} == before
         r = httpx.get(again.url + "/admin/v1/tenants", timeout=30,
                       headers={"Authorization": f"Bearer {admin_key}"})
         assert r.status_code == 200 and [t["name"] for t in r.json()["data"]] == ["demo"]
         assert chat(again.url, demo_key).status_code == 200
+
+        # the way back in, while the server runs
+        done = run_cli(["keys", "create", "--admin", "--name", "recovered"], base_env(data_dir))
+        assert done.returncode == 0, done.stdout + done.stderr
+        new_key = done.stdout.strip()
+        assert re.fullmatch(r"lg-\S+", new_key) and new_key not in (admin_key, demo_key)
+        r = httpx.get(again.url + "/admin/v1/tenants", timeout=30,
+                      headers={"Authorization": f"Bearer {new_key}"})
+        assert r.status_code == 200, r.text
+        done = run_cli(["keys", "create"], base_env(data_dir))
+        assert done.returncode != 0 and "--admin" in done.stdout + done.stderr
     finally:
         assert again.stop() == 0
 
@@ -153,8 +168,9 @@ def test_schema_behind_needs_upgrade_or_migrate(tmp_path):
 
 
 def test_sigterm_drains_in_flight_stream(tmp_path):
-    """SIGTERM during a long stream: the stream still ends with [DONE], a request on another
-    kept-alive connection is not served, the process exits 0, and the usage row is there."""
+    """SIGTERM during a long stream: the stream still ends with [DONE], new requests (on
+    another kept-alive connection, or a new one) are answered 503 `server_draining` while it
+    runs, the process exits 0, and the usage row is there."""
     max_tokens = 1500          # a few seconds of streaming: SIGTERM lands well inside it
     srv = GatewayServer.start(tmp_path / "data", extra_args=["--shutdown-timeout", "30"])
     try:
@@ -174,15 +190,17 @@ def test_sigterm_drains_in_flight_stream(tmp_path):
             t_term = time.monotonic()
             srv.proc.send_signal(signal.SIGTERM)
             time.sleep(0.3)
-            try:
-                late = idle.post("/v1/chat/completions",
-                                 json={"model": "tiny", "messages": [{"role": "user", "content": "x"}],
-                                       "max_tokens": 1})
-            except httpx.TransportError:
-                pass                 # uvicorn closed the idle connection, and refuses new ones
-            else:
-                assert late.status_code == 503, late.text
-                assert late.json()["error"]["code"] == "server_draining"
+            # while the stream holds the drain open, a new request is answered 503, on the
+            # kept-alive connection and on a new one alike: never a refused connection
+            late = {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 1}
+            for answer in (idle.post("/v1/chat/completions", json=late),
+                           httpx.post(srv.url + "/v1/chat/completions", json=late, headers=h, timeout=30),
+                           httpx.get(srv.url + "/v1/models", headers=h, timeout=30)):
+                assert answer.status_code == 503, answer.text
+                assert answer.json()["error"]["code"] == "server_draining"
+                assert answer.headers["retry-after"] == "5"
+            ready = httpx.get(srv.url + "/ready", timeout=30)
+            assert ready.status_code == 503 and ready.json()["draining"] is True
             rest = [ln for ln in lines if ln]
         idle.close()
         assert rest[-1] == "data: [DONE]"

@@ -231,7 +231,7 @@ def test_bad_registrations_are_400s_naming_the_field(server, tenants, registered
         (body(name="ada-pub"), "name", "already exists"),
         (body(name="tiny"), "name", "served model"),
         (body(name="bad name!"), "name", "must match"),
-        ({k: v for k, v in body().items() if k != "owner_tenant_id"}, "owner_tenant_id", None),
+        # (owner_tenant_id left out registers a public adapter: tests/gateway/test_vllm_compat.py)
     ]
     before = server.admin.get("/adapters").json()
     engine_before = set(lora_stats(server)["in_cpu"])

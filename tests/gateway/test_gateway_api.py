@@ -173,11 +173,12 @@ def test_errors_as_openai_client_sees_them(server, tenant):
         c.chat.completions.create(model="tiny", messages=msgs, temperature=5)
     assert e.value.body["param"] == "temperature"
     with pytest.raises(openai.BadRequestError) as e:
-        c.chat.completions.create(model="tiny", messages=msgs, tools=[{"type": "function", "function": {"name": "f"}}])
-    assert e.value.body["param"] == "tools" and e.value.code == "unsupported_parameter"
+        c.chat.completions.create(model="tiny", messages=msgs, extra_body={"functions": [{"name": "f"}]})
+    assert e.value.body["param"] == "functions" and e.value.code == "unsupported_parameter"
     with pytest.raises(openai.BadRequestError) as e:
-        c.chat.completions.create(model="tiny", messages=msgs, response_format={"type": "json_object"})
-    assert e.value.body["param"] == "response_format"
+        c.chat.completions.create(model="tiny", messages=msgs, response_format={
+            "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}})
+    assert e.value.body["param"] == "response_format.json_schema.schema"
     with pytest.raises(openai.BadRequestError) as e:
         c.chat.completions.create(model="tiny", messages=msgs, logit_bias={"1": 5})
     assert e.value.body["param"] == "logit_bias"
@@ -267,7 +268,7 @@ def test_metrics_and_health(server, tenant):
     _, key = tenant
     client(server, key).chat.completions.create(model="tiny", messages=[{"role": "user", "content": "m"}],
                                                  max_tokens=2)
-    text = httpx.get(server.url + "/metrics").text
+    text = server.admin.get(server.url + "/metrics").text     # an admin key (or the metrics token)
     for name in ("lockgate_requests_total", "lockgate_time_to_first_token_seconds_bucket",
                  "lockgate_e2e_request_latency_seconds_bucket", "lockgate_tokens_total",
                  "lockgate_queue_depth", "lockgate_running", "lockgate_kv_blocks",

@@ -17,7 +17,6 @@ import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import httpx
 import openai
 import pytest
 
@@ -74,7 +73,7 @@ def hold(c: openai.OpenAI):
 def refusals(server, tenant_name: str) -> dict[tuple[str, str], float]:
     """lockgate_overload_refusals_total of one tenant: (service_tier, reason) -> count."""
     out = {}
-    for line in httpx.get(server.url + "/metrics").text.splitlines():
+    for line in server.admin.get(server.url + "/metrics").text.splitlines():
         if line.startswith("lockgate_overload_refusals_total{") and f'tenant="{tenant_name}"' in line:
             labels = dict(re.findall(r'(\w+)="([^"]*)"', line))
             out[(labels["service_tier"], labels["reason"])] = float(line.rsplit(" ", 1)[1])

@@ -10,6 +10,7 @@ given a value below)."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import secrets
@@ -26,6 +27,7 @@ import httpx
 import pytest
 from pydantic import BaseModel
 
+from gateway.admin.vllm_lora import PATHS as VLLM_ADMIN_PATHS
 from tenancy import keys as keymod
 from tests.support import gateway_server
 from tests.support.gateway_server import GatewayServer, running_server
@@ -66,6 +68,11 @@ def app_routes(tmp_path_factory) -> list[tuple[str, frozenset[str], Any]]:
     routes = _flatten(app.routes)
     assert routes, "no routes enumerated from create_app().routes"
     return routes
+
+
+def is_admin_route(path: str) -> bool:
+    """/admin routes, and vLLM's adapter routes under /v1 (admin keys only, as vLLM's)."""
+    return path.startswith("/admin") or path in VLLM_ADMIN_PATHS
 
 
 def fill(path: str, values: dict[str, str]) -> str:
@@ -312,10 +319,21 @@ def test_path_parameter_routes_refuse_another_tenants_objects(ctx, tenants, app_
     _, key_a, b, key_b = tenants
     b_keys = ctx.srv.admin.get(f"/tenants/{b['id']}/keys").json()["data"]
     b_key = next(k for k in b_keys if key_b.startswith(keymod.KEY_PREFIX + k["prefix"]))
+    # B's own file and batch (the Batch API): A's key must not reach them either
+    line = json.dumps({"custom_id": "b-secret", "method": "POST", "url": "/v1/completions",
+                       "body": {"model": "tiny", "prompt": "b", "max_tokens": 1}})
+    r = ctx.call("POST", "/v1/files", key_b, data={"purpose": "batch"},
+                 files={"file": ("b.jsonl", line.encode())})
+    assert r.status_code == 200, r.text
+    b_file = r.json()["id"]
+    r = ctx.call("POST", "/v1/batches", key_b, json={"input_file_id": b_file, "endpoint": "/v1/completions",
+                                                     "completion_window": "24h"})
+    assert r.status_code == 200, r.text
+    b_batch = r.json()["id"]
     values = {"tenant_id": b["id"], "key_id": b_key["id"], "model_id": "b-private",
-              "adapter_id": "ada_0000000000000000"}
+              "adapter_id": "ada_0000000000000000", "file_id": b_file, "batch_id": b_batch}
     b_data = {b["name"], b["id"], b_key["id"], b_key["prefix"], key_b,
-              demo_model("llama", "tiny", 1)}
+              demo_model("llama", "tiny", 1), b_file, b_batch, "b-secret"}
     before = ctx.srv.admin.get(f"/tenants/{b['id']}").json()
 
     checked = []
@@ -342,18 +360,22 @@ def test_path_parameter_routes_refuse_another_tenants_objects(ctx, tenants, app_
     after = ctx.srv.admin.get(f"/tenants/{b['id']}/keys").json()["data"]
     assert [(k["id"], k["revoked_at"]) for k in after] == [(k["id"], k["revoked_at"]) for k in b_keys]
     assert ctx.chat(key_b, "b-private").status_code == 200
+    assert ctx.call("GET", f"/v1/files/{b_file}", key_b).status_code == 200
+    assert ctx.call("GET", f"/v1/batches/{b_batch}", key_b).json()["status"] != "cancelling"
 
 
 # == 2. admin routes need an admin key ================================================================
 def test_every_admin_route_needs_an_admin_key(ctx, tenants, app_routes):
     a, key_a, _, _ = tenants
-    admin_routes = [(p, m, b) for p, m, b in app_routes if p.startswith("/admin")]
+    admin_routes = [(p, m, b) for p, m, b in app_routes if is_admin_route(p)]
+    assert set(VLLM_ADMIN_PATHS) <= {p for p, _, _ in admin_routes}
     pairs = [(p, meth) for p, m, _ in admin_routes for meth in sorted(m)]
     assert len(pairs) >= 10, pairs
     assert {"POST", "GET", "PATCH", "PUT", "DELETE"} <= {m for _, m in pairs}
     a_key_id = ctx.srv.admin.get(f"/tenants/{a['id']}/keys").json()["data"][0]["id"]
     # a tenant's key aimed at its own tenant and key: the most plausible escalation
-    values = {"tenant_id": a["id"], "key_id": a_key_id, "adapter_id": "ada_0000000000000000"}
+    values = {"tenant_id": a["id"], "key_id": a_key_id, "adapter_id": "ada_0000000000000000",
+              "batch_id": "batch_0000"}
     bogus = "lg-" + secrets.token_urlsafe(32)
     ctx.probed.append(bogus)
     invalid_bodies = [{"bogus": 1, "name": 7}, [1, 2], "text"]
@@ -387,10 +409,10 @@ def test_every_admin_route_needs_an_admin_key(ctx, tenants, app_routes):
 
 
 def test_admin_key_cannot_call_tenant_routes(ctx, app_routes):
-    v1 = [(p, m, b) for p, m, b in app_routes if p.startswith("/v1/")]
+    v1 = [(p, m, b) for p, m, b in app_routes if p.startswith("/v1/") and not is_admin_route(p)]
     assert {p for p, _, _ in v1} >= {"/v1/chat/completions", "/v1/completions", "/v1/models"}
     for path, methods, _ in v1:
-        url = fill(path, {"model_id": "tiny"})
+        url = fill(path, {"model_id": "tiny", "file_id": "file-0000", "batch_id": "batch_0000"})
         for method in sorted(methods):
             kw = {"json": {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
                            "prompt": "x", "max_tokens": 1}} if method in MUTATING else {}
@@ -402,9 +424,9 @@ def test_admin_key_cannot_call_tenant_routes(ctx, app_routes):
 
 def test_admin_auth_precedes_malformed_json(ctx, app_routes):
     """Admin routes authenticate before reading the body (gateway.admin.AdminRoute)."""
-    posts = [p for p, m, _ in app_routes if p.startswith("/admin") and "POST" in m]
+    posts = [p for p, m, _ in app_routes if is_admin_route(p) and "POST" in m]
     for path in posts:
-        r = ctx.call("POST", fill(path, {"tenant_id": "x", "adapter_id": "x"}), content=b"{not json",
+        r = ctx.call("POST", fill(path, {"tenant_id": "x", "adapter_id": "x", "batch_id": "x"}), content=b"{not json",
                      headers={"content-type": "application/json"})
         assert r.status_code == 401, f"POST {path}: {r.status_code} {r.text}"
 

@@ -137,7 +137,7 @@ def test_open_a_new_request_is_admitted_in_process_and_ready_says_degraded(open_
         chat(c)
     ready = httpx.get(open_server.url + "/ready", timeout=5)
     assert ready.status_code == 200 and ready.json()["limiter"] == "degraded", ready.text
-    metrics = httpx.get(open_server.url + "/metrics", timeout=5).text
+    metrics = open_server.admin.get(open_server.url + "/metrics", timeout=5).text
     assert 'lockgate_limiter_redis_events_total{event="outages"} 1.0' in metrics
     assert 'lockgate_limiter_redis_events_total{event="fallback_decisions"} 3.0' in metrics
     assert open_server.log().count("does not answer") == 1

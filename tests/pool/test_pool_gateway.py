@@ -192,7 +192,7 @@ def test_metrics_carry_each_workers_series(replicas):
     a, _ = replicas
     deadline = time.monotonic() + 10
     while True:
-        text = httpx.get(a.url + "/metrics", timeout=10).text
+        text = a.admin.get(a.url + "/metrics", timeout=10).text
         ok = all(f'vllm:kv_cache_usage_perc{{worker="lockgate-worker-{i}"}}' in text for i in (0, 1))
         if ok or time.monotonic() > deadline:
             break
