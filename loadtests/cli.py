@@ -388,3 +388,71 @@ def bench_pool(
 
     out = run(repeats=repeats, tenants=tenants, per_tenant=per_tenant, prefix=prefix, echo=typer.echo)
     _dump(json_out, out)
+
+
+@bench_app.command("serve")
+def bench_serve(
+    url: Annotated[str, typer.Option(help="the server's base URL, any OpenAI-compatible one")],
+    api_key: Annotated[str | None, typer.Option(
+        envvar=["OPENAI_API_KEY", "LOCKGATE_KEY"], show_envvar=False,
+        help="bearer key (default: $OPENAI_API_KEY or $LOCKGATE_KEY)",
+    )] = None,
+    model: Annotated[str | None, typer.Option(help="model name (default: the first of GET /v1/models)")] = None,
+    rates: Annotated[str, typer.Option(help="request rates to step through, req/s, comma-separated")] = "1,2,4,8",
+    duration: Annotated[float, typer.Option(min=0.1, help="seconds of Poisson arrivals per rate")] = 30.0,
+    drain: Annotated[float, typer.Option(
+        min=0.0, help="then at most this many seconds for requests still out (they count as failures)",
+    )] = 30.0,
+    tier_mix: Annotated[str, typer.Option(
+        help="service_tier weights, e.g. default=0.7,flex=0.3; `none` sends no tier",
+    )] = "default",
+    prompt_tokens: Annotated[int, typer.Option(min=1, help="prompt length, in words (about tokens)")] = 64,
+    max_tokens: Annotated[int, typer.Option(min=1, help="max_tokens of each request")] = 64,
+    slo_ttft_ms: Annotated[float, typer.Option(min=0.0, help="goodput's TTFT target")] = 500.0,
+    slo_tpot_ms: Annotated[float, typer.Option(min=0.0, help="goodput's TPOT target")] = 50.0,
+    seed: Annotated[int, typer.Option()] = 0,
+    max_requests: Annotated[int | None, typer.Option(min=1, help="at most this many arrivals per rate")] = None,
+    max_in_flight: Annotated[int, typer.Option(min=1, help="requests out at once, at most")] = 512,
+    timeout: Annotated[float, typer.Option(min=0.1, help="seconds per request")] = 60.0,
+    out: Annotated[Path | None, typer.Option(
+        help="write results.json, requests.csv and the plots (PNG) here",
+    )] = None,
+    chat: Annotated[bool, typer.Option("--chat/--completions", help="the endpoint")] = True,
+) -> None:
+    """Throughput-latency curves: Poisson arrivals at each rate; TTFT, TPOT, ITL, e2e
+    p50/p90/p99, output tokens/s and goodput under the SLOs, per service tier."""
+    from loadtests.bench_serve import BenchServeError, ServeConfig, parse_rates, parse_tier_mix
+    from loadtests.bench_serve import bench_serve as run
+
+    try:
+        cfg = ServeConfig(url=url, rates=parse_rates(rates), tier_mix=parse_tier_mix(tier_mix), api_key=api_key,
+                          model=model, duration_s=duration, drain_s=drain, prompt_words=prompt_tokens,
+                          max_tokens=max_tokens, slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms, seed=seed,
+                          max_requests=max_requests, timeout_s=timeout,
+                          endpoint="chat" if chat else "completions", max_in_flight=max_in_flight)
+    except BenchServeError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    try:
+        run(cfg, out, echo=typer.echo)
+    except BenchServeError as exc:
+        typer.echo(f"lockgate bench serve: {exc}", err=True)
+        raise typer.Exit(2) from None
+
+
+@bench_app.command("structured")
+def bench_structured(
+    model: Annotated[Path | None, typer.Option(help="model directory (default: the small llama demo model)")] = None,
+    num_requests: Annotated[int, typer.Option(min=2)] = 64,
+    output_len: Annotated[int, typer.Option(min=1, help="output tokens per request (forced)")] = 64,
+    repeats: Annotated[int, typer.Option(min=1, help="runs of each side, alternating; the best counts")] = 3,
+    num_threads: Annotated[int, typer.Option(min=0, help="torch threads (0: torch's default)")] = 0,
+    seed: Annotated[int, typer.Option()] = 0,
+    json_out: Annotated[Path | None, typer.Option("--json", help="also write the results here")] = None,
+) -> None:
+    """Output tokens/s with half the batch held to a JSON schema vs none constrained."""
+    from loadtests.bench_structured import StructuredSizes
+    from loadtests.bench_structured import bench_structured as run
+
+    sizes = StructuredSizes(num_requests=num_requests, output_len=output_len, repeats=repeats,
+                            num_threads=num_threads or None, seed=seed)
+    run(str(model) if model else None, sizes=sizes, json_out=str(json_out) if json_out else None, echo=typer.echo)
