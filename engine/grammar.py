@@ -80,11 +80,11 @@ def grammar_text(spec: StructuredOutputsParams) -> str:
             return llguidance.LLMatcher.grammar_from_json_schema('{"type":"object"}', defaults=JSON_OPTIONS)
         if kind == "regex":
             return llguidance.LLMatcher.grammar_from_regex(text)
+        # a choice: Lark's string literals take JSON's escapes
+        return llguidance.LLMatcher.grammar_from_lark(
+            "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in spec.choice or []))
     except (ValueError, TypeError, RuntimeError) as exc:    # not JSON, or not a schema object
         raise GrammarError(f"structured_outputs.{kind}: {exc}", field=f"structured_outputs.{kind}") from None
-    # a choice: Lark's string literals take JSON's escapes
-    return llguidance.LLMatcher.grammar_from_lark(
-        "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in spec.choice or []))
 
 
 class GrammarCompiler:

@@ -56,6 +56,7 @@ ENDPOINTS: dict[str, tuple[type[BaseModel], tuple[str, ...], Any]] = {
     "/v1/completions": (CompletionRequest, UNSUPPORTED_COMPLETION, completion_job),
 }
 TRANSIENT = (429, 503)          # a limit, the engine's queue bound, a busy tokenizer: wait, retry
+MAX_FAILURES = 5                # unforeseen failures of one line before it is answered as an error
 
 
 class Retry(Exception):
@@ -108,17 +109,23 @@ class BatchRunner:
         if now - self._last_renew >= s.batch_lease_ttl_s / 3:
             self._last_renew = now
             for batch_id in list(self.active):
-                async with self.state.sessions() as session:
-                    held = await store.renew_lease(session, batch_id=batch_id, owner=self.owner,
-                                                   ttl_s=s.batch_lease_ttl_s)
-                if not held:
+                try:
+                    async with self.state.sessions() as session:
+                        held = await store.renew_lease(session, batch_id=batch_id, owner=self.owner,
+                                                       ttl_s=s.batch_lease_ttl_s)
+                except Exception:  # the database failed now: retried next round, the lease still runs
+                    logger.warning("batch %s: lease not renewed", batch_id, exc_info=True)
+                    self._last_renew = 0.0
+                    continue
+                if not held and batch_id in self.active:
                     logger.warning("batch %s: lease lost; its lines in flight are abandoned", batch_id)
                     self.active.pop(batch_id).cancel()
-        free = s.batch_max_active - len(self.active)
+        # a batch paused by its tenant's limit holds no place: others are taken meanwhile
+        free = s.batch_max_active - len(set(self.active) - set(self.paused))
         if free > 0:
             async with self.state.sessions() as session:
                 claimed = await store.claim_batches(session, owner=self.owner, ttl_s=s.batch_lease_ttl_s,
-                                                    limit=free)
+                                                    limit=free, exclude=set(self.active))
             for batch_id in claimed:
                 logger.info("batch %s: taken by %s", batch_id, self.owner)
                 self.active[batch_id] = asyncio.get_running_loop().create_task(self.work(batch_id))
@@ -135,9 +142,7 @@ class BatchRunner:
         tasks = list(self.active.values())
         for t in tasks:
             t.cancel()
-        for t in tasks:
-            with contextlib.suppress(BaseException):
-                await t
+        await asyncio.gather(*tasks, return_exceptions=True)
         self.active.clear()
 
     # -- one batch --------------------------------------------------------------------------------
@@ -149,6 +154,7 @@ class BatchRunner:
                 async with self.state.sessions() as session:
                     batch = await store.get_batch(session, batch_id=batch_id, tenant_id=None)
                 if batch.lease_owner != self.owner:
+                    await self._cancel_lines(inflight)      # taken over: its lines are the holder's
                     return
                 if batch.status == "validating":
                     async with self.state.sessions() as session:
@@ -158,21 +164,23 @@ class BatchRunner:
                 ending = self._ending(batch)
                 if ending is not None:
                     await self._cancel_lines(inflight)
-                    await self._end(batch, *ending)
-                    return
+                    if await self._end(batch, *ending):
+                        return
+                    continue
                 for n in [n for n, t in inflight.items() if t.done()]:
                     inflight.pop(n)
                 lines: list[BatchLine] = []
                 # the replica's lines shared among the batches it works, so that one big
                 # batch does not keep the others' lines out of the engine's fair queue
                 room = max(1, s.batch_max_inflight // max(1, len(self.active))) - len(inflight)
-                if room > 0 and batch_id not in self.paused:
+                if room > 0 and batch_id not in self.paused and not self.state.draining:
                     async with self.state.sessions() as session:
                         lines = await store.pending_lines(session, batch_id=batch_id, limit=room,
                                                           skip=set(inflight))
-                if not lines and not inflight and batch_id not in self.paused:
-                    await self._end(batch, "completed", None)
-                    return
+                if not lines and not inflight and batch_id not in self.paused and not self.state.draining:
+                    if await self._end(batch, "completed", None):
+                        return
+                    continue        # cancelled (or taken) meanwhile: look again
                 for ln in lines:
                     inflight[ln.line] = asyncio.get_running_loop().create_task(self.run_line(batch, ln))
                 waiters: list[asyncio.Future[Any]] = list(inflight.values())
@@ -205,25 +213,29 @@ class BatchRunner:
         return None
 
     async def _cancel_lines(self, inflight: dict[int, asyncio.Task[None]]) -> None:
-        for t in inflight.values():
+        tasks = list(inflight.values())
+        for t in tasks:
             t.cancel()
-        for t in inflight.values():
-            with contextlib.suppress(BaseException):
-                await t
+        await asyncio.gather(*tasks, return_exceptions=True)
         inflight.clear()
 
-    async def _end(self, batch: Batch, status: str, code: str | None) -> None:
+    async def _end(self, batch: Batch, status: str, code: str | None) -> bool:
         """Answer what is left (cancelled or expired lines, as errors), write the output
-        and error files and end the batch in `status`."""
+        and error files and end the batch in `status`; False if it could not (a cancel came
+        first, or the lease went), and the caller looks at the batch again."""
         async with self.state.sessions() as session:
             if code is not None:
                 await store.error_pending(session, batch_id=batch.id, code=code,
                                           message=f"the batch was {status} before this line ran")
+                only_from: tuple[str, ...] = store.ACTIVE
             else:
                 await store.set_status(session, batch_id=batch.id, owner=self.owner, status="finalizing",
                                        only_from=("in_progress",))
-            done = await store.write_results(session, batch=batch, owner=self.owner, final_status=status)
-        logger.info("batch %s: %s%s", batch.id, status, "" if done else " (lease lost first)")
+                only_from = ("finalizing",)     # a cancel that came meanwhile wins
+            done = await store.write_results(session, batch=batch, owner=self.owner, final_status=status,
+                                             only_from=only_from)
+        logger.info("batch %s: %s%s", batch.id, status, "" if done else " not yet (its state moved)")
+        return done
 
     # -- one line ---------------------------------------------------------------------------------
     async def principal(self, key_id: str) -> Principal:
@@ -238,20 +250,30 @@ class BatchRunner:
         return p
 
     async def run_line(self, batch: Batch, ln: BatchLine) -> None:
-        """Run one line until it is answered (retrying while it cannot start)."""
+        """Run one line until it is answered (retrying while it cannot start; an unforeseen
+        failure `MAX_FAILURES` times in a row answers it as an error)."""
+        failures = 0
         while True:
             try:
                 await self.attempt(batch, ln)
             except Retry as r:
-                if r.paused:
+                if r.paused and self.paused.get(batch.id) != r.reason:
                     self.paused[batch.id] = r.reason
                     await self._set_paused(batch.id, r.reason)
                 await asyncio.sleep(r.after_s)
                 continue
             except asyncio.CancelledError:
                 raise
-            except Exception:
-                logger.warning("batch %s line %d failed; retried", batch.id, ln.line, exc_info=True)
+            except Exception as exc:  # a database or engine failure: the line stays pending
+                failures += 1
+                logger.warning("batch %s line %d failed (%d of %d)", batch.id, ln.line, failures,
+                               MAX_FAILURES, exc_info=True)
+                if failures >= MAX_FAILURES:
+                    with contextlib.suppress(Exception):
+                        await self._refused(batch, ln, APIError(
+                            500, f"The line failed {failures} times: {type(exc).__name__}: {exc}",
+                            code="internal_error"), f"{batch.id}-{ln.line}")
+                    return
                 await asyncio.sleep(self.settings.batch_pause_poll_s)
                 continue
             if self.paused.pop(batch.id, None) is not None:
@@ -284,6 +306,8 @@ class BatchRunner:
         try:
             principal = await self.principal(batch.api_key_id)
         except AuthError as exc:
+            if exc.reason == "tenant_suspended":     # may come back: wait, as for a limit
+                raise Retry("the tenant is suspended", s.batch_pause_poll_s, paused=True) from None
             await self._refused(batch, ln, APIError(401, f"The batch's API key can no longer be used "
                                                          f"({exc.reason}).", code="invalid_api_key"),
                                 request_id)
@@ -319,10 +343,7 @@ class BatchRunner:
     async def _run(self, batch: Batch, ln: BatchLine, job: Any, model: str, tier: str, request_id: str) -> None:
         run = job.run
 
-        async def nothing(row: UsageRow) -> bool:    # a prompt refused at submit ran nothing
-            return True
-
-        run.record = nothing
+        run.abandon_on_submit_error = True      # a refusal at submit ran nothing: no row, not counted
         try:
             try:
                 await run.submit(sheddable=False)
@@ -331,13 +352,15 @@ class BatchRunner:
                     raise Retry(f"engine busy: {exc.message}", retry_after(exc, 1.0), paused=False) from None
                 await self._refused(batch, ln, exc, request_id)
                 return
-            run.record = None
             async for _ in run.events():
                 pass
         except RunCut as cut:
-            if self.state.draining:
+            if self.state.draining or not run.finals:
+                # stopping, or cut by request_timeout_s before it ran (a long queue): run it again
                 await asyncio.shield(run.abandon())
-                raise asyncio.CancelledError from None
+                if self.state.draining:
+                    raise asyncio.CancelledError from None
+                raise Retry("waited request_timeout_s in the engine's queue", 0.0, paused=False) from None
             await asyncio.shield(run.finish_recorded("cancelled", self._recorder(batch, ln, cut.status, {
                 "status_code": cut.status, "request_id": request_id, "body": cut.body()}, request_id)))
             return

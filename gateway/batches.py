@@ -114,7 +114,7 @@ async def upload_file(request: Request, principal: TenantDep, state: StateDep, s
             text = content.decode("utf-8")
         except UnicodeDecodeError as exc:
             raise APIError(400, f"file: not UTF-8 text (byte {exc.start})", param="file") from None
-        lines = sum(1 for ln in text.splitlines() if ln.strip())
+        lines = sum(1 for ln in text.split("\n") if ln.strip())
         if lines > s.batch_max_lines:
             raise APIError(400, f"file: {lines} lines; at most {s.batch_max_lines} requests per batch file",
                            param="file", code="too_many_lines")

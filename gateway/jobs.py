@@ -156,6 +156,9 @@ class RequestRun:
         self.batch_id: str | None = None              # a batch's line: the batch, on its row
         # writes the usage row instead of the usage writer when set (a batch's line)
         self.record: Callable[[UsageRow], Awaitable[Any]] | None = None
+        # a prompt the engine refuses at submit ends the run with no row and its admission
+        # cancelled, not counted (a batch's line, which is retried or answered as an error)
+        self.abandon_on_submit_error = False
 
     # -- admission ----------------------------------------------------------------------------
     async def admit(self) -> None:
@@ -200,7 +203,10 @@ class RequestRun:
         except EngineOverloaded as exc:
             raise await self.refuse(exc) from None
         except APIError:
-            await self.finish("error")
+            if self.abandon_on_submit_error:
+                await self.abandon()
+            else:
+                await self.finish("error")
             raise
         self._open = len(self.streams)
         # one task a prompt reads its stream into the run's queue, which `cut` can also reach
@@ -412,7 +418,15 @@ class RequestRun:
             self._close_streams()
             now = time.time()
             self.usage = self.usage_dict(status)
-            written = await record(self._usage_row(status, now))
+            try:
+                written = await record(self._usage_row(status, now))
+            except BaseException:
+                # the row may have been committed after all (a timeout after the commit): the
+                # lease is left to lapse, and the reconciler settles it to the row, or refunds it
+                if self.lease is not None:
+                    self.state.inflight.pop(self.id, None)
+                    self.lease = None
+                raise
             if written:
                 self._count(status, now)
         finally:

@@ -118,6 +118,14 @@ class Settings(BaseSettings):
     adapter_cache_ttl_s: float = 5.0         # a deleted adapter stops working on every replica within this
 
     @model_validator(mode="after")
+    def _batch_lease(self) -> Settings:
+        if self.batch_poll_s * 3 > self.batch_lease_ttl_s:
+            raise ValueError(f"batch_poll_s ({self.batch_poll_s:g}) must be at most a third of "
+                             f"batch_lease_ttl_s ({self.batch_lease_ttl_s:g}): leases are renewed "
+                             "from the poll loop")
+        return self
+
+    @model_validator(mode="after")
     def _adapter_root(self) -> Settings:
         if self.adapter_root is None:
             self.adapter_root = self.data_dir / "adapters"

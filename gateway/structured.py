@@ -110,6 +110,9 @@ async def check(settings: Settings, info: ModelInfo, spec: StructuredOutputsPara
     except GrammarError as exc:
         detail = str(exc).removeprefix(f"{exc.field}: ")
         raise APIError(400, f"{param}: {detail}", param=param, code="invalid_schema") from None
+    except Exception as exc:  # noqa: BLE001 - the grammar library's own failure on this input
+        raise APIError(400, f"{param}: could not be compiled ({type(exc).__name__}: {exc})", param=param,
+                       code="invalid_schema") from None
     if compiled is None or compiled.seconds > timeout:
         raise APIError(400, f"{param}: took longer than {timeout:g} s to compile", param=param,
                        code="schema_too_complex")

@@ -15,6 +15,7 @@ transaction as its usage row (`finish_line`). A replica that dies mid-line leave
 
 from __future__ import annotations
 
+import asyncio
 import json
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -157,13 +158,15 @@ def parse_input(content: bytes, *, endpoint: str, max_lines: int) -> list[InputL
         text = content.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise Invalid("input_file_id", f"the file is not UTF-8 text (byte {exc.start})") from None
-    raw = [ln for ln in text.splitlines() if ln.strip()]
+    # JSONL lines end at "\n" alone (str.splitlines would also cut at U+2028 and the like,
+    # which JSON strings may hold); a line is numbered by its place in the file
+    raw = [(n, ln) for n, ln in enumerate(text.split("\n")) if ln.strip()]
     if not raw:
         raise Invalid("input_file_id", "the file has no lines")
     if len(raw) > max_lines:
         raise Invalid("input_file_id", f"the file has {len(raw)} lines; at most {max_lines} per batch")
     seen: set[str] = set()
-    return [_parse_line(n, ln, endpoint, seen) for n, ln in enumerate(raw)]
+    return [_parse_line(n, ln, endpoint, seen) for n, ln in raw]
 
 
 def _parse_line(n: int, text: str, endpoint: str, seen: set[str]) -> InputLine:
@@ -228,8 +231,8 @@ async def create_batch(session: AsyncSession, *, tenant_id: str, api_key_id: str
                   input_file_id=input_file_id, completion_window=completion_window, status="validating",
                   meta=meta, total=0, output_expires_s=output_expires_after_s, created_at=now,
                   expires_at=now + COMPLETION_WINDOWS[completion_window])
-    try:
-        lines = parse_input(f.content, endpoint=endpoint, max_lines=max_lines)
+    try:       # tens of thousands of lines: off the event loop
+        lines = await asyncio.to_thread(parse_input, f.content, endpoint=endpoint, max_lines=max_lines)
     except Invalid as exc:
         batch.status, batch.failed_at = "failed", now
         batch.errors = [{"code": "invalid_file", "message": exc.message, "param": "input_file_id",
@@ -306,12 +309,17 @@ async def cancel_batch(session: AsyncSession, *, batch_id: str, tenant_id: str |
 
 
 # -- the runner's side ------------------------------------------------------------------------------
-async def claim_batches(session: AsyncSession, *, owner: str, ttl_s: float, limit: int) -> list[str]:
+async def claim_batches(session: AsyncSession, *, owner: str, ttl_s: float, limit: int,
+                        exclude: set[str] | frozenset[str] = frozenset()) -> list[str]:
     """Up to `limit` active batches whose lease is free or lapsed, now leased to `owner`
-    (oldest first). Each claim is a compare-and-set, so two replicas never hold one batch."""
+    (oldest first), none of `exclude` (those `owner` works already). Each claim is a
+    compare-and-set, so two replicas never hold one batch."""
     now = utcnow()
     free = or_(Batch.lease_owner.is_(None), Batch.lease_expires_at < now)
-    ids = (await session.execute(select(Batch.id).where(Batch.status.in_(ACTIVE), free)
+    conds = [Batch.status.in_(ACTIVE), free]
+    if exclude:
+        conds.append(Batch.id.notin_(sorted(exclude)))
+    ids = (await session.execute(select(Batch.id).where(*conds)
                                  .order_by(Batch.created_at).limit(limit))).scalars().all()
     claimed = []
     for batch_id in ids:
@@ -403,14 +411,20 @@ def _output_line(batch_id: str, ln: BatchLine) -> dict[str, Any]:
             "response": ln.response, "error": ln.error}
 
 
-async def write_results(session: AsyncSession, *, batch: Batch, owner: str, final_status: str) -> bool:
+async def write_results(session: AsyncSession, *, batch: Batch, owner: str, final_status: str,
+                        only_from: tuple[str, ...] = ACTIVE) -> bool:
     """The output file (lines answered 200) and the error file (the rest answered), then the
-    batch in `final_status`, in one transaction; False if `owner` lost the lease meanwhile."""
+    batch in `final_status`, in one transaction; False if `owner` lost the lease meanwhile or
+    the batch is no longer in one of `only_from` (a cancel came first)."""
     lines = (await session.execute(select(BatchLine).where(
         BatchLine.batch_id == batch.id, BatchLine.status.in_(("done", "error")))
         .order_by(BatchLine.line))).scalars().all()
-    ok = [json.dumps(_output_line(batch.id, ln)) for ln in lines if ln.status == "done"]
-    bad = [json.dumps(_output_line(batch.id, ln)) for ln in lines if ln.status == "error"]
+
+    def render() -> tuple[list[str], list[str]]:
+        return ([json.dumps(_output_line(batch.id, ln)) for ln in lines if ln.status == "done"],
+                [json.dumps(_output_line(batch.id, ln)) for ln in lines if ln.status == "error"])
+
+    ok, bad = await asyncio.to_thread(render)       # tens of thousands of lines: off the event loop
     now = utcnow()
     expires = now + timedelta(seconds=batch.output_expires_s) if batch.output_expires_s else None
 
@@ -425,7 +439,7 @@ async def write_results(session: AsyncSession, *, batch: Batch, owner: str, fina
         err = file_row("error", bad) if bad else None
         stamp = {"completed": "completed_at", "expired": "expired_at", "cancelled": "cancelled_at"}[final_status]
         res = await session.execute(update(Batch).where(Batch.id == batch.id, Batch.lease_owner == owner,
-                                                        Batch.status.in_(ACTIVE))
+                                                        Batch.status.in_(only_from))
                                     .values(status=final_status, output_file_id=out.id if out else None,
                                             error_file_id=err.id if err else None, paused=None,
                                             lease_owner=None, lease_expires_at=None, **{stamp: now}))

@@ -349,3 +349,25 @@ def test_on_services_the_replica_holding_a_batch_killed_the_other_finishes_it(tm
             a.stop()
             drop_redis_prefix(prefix)
 
+
+
+def test_batch_lines_wait_out_a_full_engine_queue_and_are_never_shed(tmp_path):
+    """An engine whose offline queue holds 2 waiting requests (and runs 2 at a time), a
+    replica that would put 8 lines in flight: lines the engine refuses are held back and
+    retried, so every line is answered 200 and none is an error."""
+    kwargs = {"kv_cache_memory": 32 << 20, "max_num_seqs": 2, "max_waiting_per_class": 2}
+    env = {**FAST, "LOCKGATE_BATCH_MAX_INFLIGHT": "8", "LOCKGATE_ENGINE_KWARGS": json.dumps(kwargs)}
+    with running_server(tmp_path, "embedded", models=models(), extra_env=env) as s:
+        _, key = s.tenant()
+        c = client(s, key)
+        n = 16
+        b = c.batches.create(input_file_id=upload(c, request_lines(n, max_tokens=8)).id,
+                             endpoint="/v1/chat/completions", completion_window="24h")
+        b = wait_for(c, b.id, lambda x: x.status in FINAL)
+        assert b.status == "completed"
+        check_answered_once(c, b, n, str(tmp_path / "lockgate.db"))
+        # the engine did refuse some of them at its bound: the metric counts the refusals
+        metrics = httpx.get(s.url + "/metrics", headers={"Authorization": f"Bearer {s.admin_key}"}).text
+        refused = [ln for ln in metrics.splitlines()
+                   if ln.startswith("lockgate_overload_refusals_total{") and 'reason="refused"' in ln]
+        assert refused and sum(float(ln.rsplit(" ", 1)[1]) for ln in refused) > 0, refused

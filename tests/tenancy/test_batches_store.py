@@ -41,12 +41,18 @@ def test_input_lines_keep_malformed_ones_as_errors_and_refuse_unreadable_files()
                       line("b", url="/v1/completions"), line("c", stream=True),
                       json.dumps({"custom_id": "d", "method": "GET", "url": CHAT, "body": {}}), "", line("e")])
     got = store.parse_input(text.encode(), endpoint=CHAT, max_lines=20)
-    assert [g.line for g in got] == list(range(9))           # blank lines are not lines
+    assert [g.line for g in got] == [*range(8), 9]        # numbered by place; blank lines are not lines
     errors = [(g.custom_id, g.error["code"]) if g.error else (g.custom_id, None) for g in got]
     assert errors == [("a", None), (None, "invalid_json_line"), (None, "invalid_request"),
                       (None, "invalid_request"), ("a", "duplicate_custom_id"), ("b", "mismatched_endpoint"),
                       ("c", "invalid_request"), ("d", "invalid_request"), ("e", None)]
     assert got[0].body == {"model": "m", "messages": []}
+    # a JSON string may hold U+2028 and U+0085 unescaped: still one line
+    odd = json.dumps({"custom_id": "u", "method": "POST", "url": CHAT,
+                      "body": {"model": "m", "messages": [{"role": "user", "content": "a\u2028b\x85c"}]}},
+                     ensure_ascii=False)
+    (only,) = store.parse_input((odd + "\r\n").encode(), endpoint=CHAT, max_lines=1)
+    assert only.error is None and only.body["messages"][0]["content"] == "a\u2028b\x85c"
     for content, why in ((b"\xff", "UTF-8"), (b"\n \n", "no lines"), ((line("x") + "\n") .encode() * 3, "at most 2")):
         with pytest.raises(Invalid, match=why):
             store.parse_input(content, endpoint=CHAT, max_lines=2)
