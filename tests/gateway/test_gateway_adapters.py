@@ -220,7 +220,7 @@ def test_bad_registrations_are_400s_naming_the_field(server, tenants, registered
         (body(path="big"), "path", "exceeds max_lora_rank"),
         (body(path="corrupt"), "path", "cannot be read"),
         (body(path="../outside"), "path", "'..'"),
-        (body(path=str(outside)), "path", "outside the adapter root"),
+        (body(path=str(outside)), "path", f"outside the adapter root, {root.resolve()}"),   # where it is
         (body(path="escape"), "path", "symbolic link"),
         (body(path="https://example.com/adapters/pub"), "path", "URL"),
         (body(path="file:///etc"), "path", "URL"),
