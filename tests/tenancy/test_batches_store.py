@@ -11,7 +11,6 @@ import pytest
 from sqlalchemy import func, select
 
 from tenancy import batches as store
-from tenancy import db as tdb
 from tenancy import tenants
 from tenancy.errors import Invalid, NotFound
 from tenancy.models import StoredFile, UsageRecord, utcnow
@@ -19,16 +18,6 @@ from tenancy.usage.writer import UsageRow
 
 ACTOR = "key_0000000000000000"
 CHAT = "/v1/chat/completions"
-
-
-@pytest.fixture
-async def sessions(db_url):
-    await tdb.upgrade_async(db_url)
-    engine = tdb.make_engine(db_url)
-    try:
-        yield tdb.make_sessionmaker(engine)
-    finally:
-        await engine.dispose()
 
 
 def line(cid: str, url: str = CHAT, **body) -> str:

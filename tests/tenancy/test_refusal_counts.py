@@ -30,16 +30,6 @@ class Clock:
         return self.now
 
 
-@pytest.fixture
-async def sessions(db_url):
-    await tdb.upgrade_async(db_url)
-    engine = tdb.make_engine(db_url)
-    try:
-        yield tdb.make_sessionmaker(engine)
-    finally:
-        await engine.dispose()
-
-
 async def totals(sessions, tenant_ids=None, start=None, end=None):
     async with sessions() as s:
         return await refusal_totals(s, tenant_ids=tenant_ids, start=start, end=end)

@@ -26,16 +26,6 @@ PEPPER = bytes(range(32))
 ACTOR = "key_0000000000000000"
 
 
-@pytest.fixture
-async def sessions(db_url):
-    await tdb.upgrade_async(db_url)
-    engine = tdb.make_engine(db_url)
-    try:
-        yield tdb.make_sessionmaker(engine)
-    finally:
-        await engine.dispose()
-
-
 async def count(sessions, model, *where) -> int:
     async with sessions() as s:
         return await s.scalar(select(func.count()).select_from(model).where(*where))

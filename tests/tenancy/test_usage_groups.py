@@ -8,23 +8,12 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from tenancy import db as tdb
 from tenancy import tenants
 from tenancy.errors import Invalid
 from tenancy.usage.report import parse_group_by, usage_page, usage_report
 from tenancy.usage.writer import UsageRow, UsageWriter
 
 D1 = datetime(2024, 3, 1, 10, 0, tzinfo=UTC)
-
-
-@pytest.fixture
-async def sessions(db_url):
-    await tdb.upgrade_async(db_url)
-    engine = tdb.make_engine(db_url)
-    try:
-        yield tdb.make_sessionmaker(engine)
-    finally:
-        await engine.dispose()
 
 
 def row(i: int, tenant_id: str, key_id: str, model: str, tier: str, day: int,
