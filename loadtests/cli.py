@@ -31,8 +31,26 @@ def bench_throughput(
     skip_hf: Annotated[bool, typer.Option(help="skip the HF static-batching side")] = False,
     repeats: Annotated[int, typer.Option(min=1, help="runs of each side; the fastest counts")] = 3,
     json_out: Annotated[Path | None, typer.Option("--json", help="also write the results here")] = None,
+    peer: Annotated[str | None, typer.Option(
+        help="measure against a peer engine instead: 'vllm' (its CPU build, in the venv "
+             "scripts/peer-vllm.sh makes); 64 requests unless --num-requests is given")] = None,
+    scaling: Annotated[bool, typer.Option(
+        help="with --peer: also 16/64/256 concurrent sequences and a 7B-shaped layer")] = False,
 ) -> None:
-    """Offline throughput: the engine vs HF static batching vs the ideal-batching bound."""
+    """Offline throughput: the engine vs HF static batching vs the ideal-batching bound, or
+    (--peer vllm) the engine vs vLLM's CPU build, both checked against HF."""
+    if peer is not None:
+        from loadtests.bench_peer import PeerUnavailable, bench_peer
+
+        try:
+            bench_peer(str(model) if model else None, peer=peer,
+                       num_requests=64 if num_requests == 128 else num_requests, seed=seed,
+                       repeats=repeats, scaling=scaling, json_out=str(json_out) if json_out else None,
+                       echo=typer.echo)
+        except PeerUnavailable as exc:
+            typer.echo(f"error: {exc}", err=True)
+            raise typer.Exit(2) from None
+        return
     from loadtests.bench_throughput import bench_throughput as run
 
     run(
