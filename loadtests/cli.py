@@ -66,6 +66,33 @@ def bench_throughput(
     )
 
 
+@bench_app.command("kernels")
+def bench_kernels(
+    kernel: Annotated[list[str] | None, typer.Option(
+        help="paged_attention, lora or quant (repeatable; default all)")] = None,
+    dtype: Annotated[str | None, typer.Option(
+        help="activation dtype (default bfloat16 on CUDA, float32 on the CPU)")] = None,
+    quick: Annotated[bool | None, typer.Option(
+        help="small shapes (default on the CPU, where Triton is interpreted)")] = None,
+    iters: Annotated[int, typer.Option(min=1, help="timed calls per side; the median counts")] = 20,
+) -> None:
+    """Each Triton kernel against its baseline: time, ratio, GB/s, FLOP/s, share of the
+    device's peaks (measured here: a large copy, a large matmul)."""
+    from loadtests.bench_kernels import KERNELS
+    from loadtests.bench_kernels import bench_kernels as run
+
+    chosen = tuple(kernel or KERNELS)
+    unknown = [k for k in chosen if k not in KERNELS]
+    if unknown:
+        typer.echo(f"error: --kernel: unknown {', '.join(unknown)} (known: {', '.join(KERNELS)})", err=True)
+        raise typer.Exit(2)
+    try:
+        run(kernels=chosen, dtype_name=dtype, quick=quick, iters=iters, echo=typer.echo)
+    except ValueError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+
+
 @bench_app.command("gateway")
 def bench_gateway(
     database_url: Annotated[str, typer.Option(

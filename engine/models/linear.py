@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.lora import implementation as lora_implementation
 from kernels.lora import lora_masked, sgmv, slot_mask
 
 
@@ -101,7 +102,9 @@ class LinearBase(nn.Module):
         lora = self.lora
         if lora is not None and lora.batch.active and not lora.targeted.isdisjoint(lora.batch.slots):
             batch = lora.batch
-            if batch.masked:
+            # the Triton SGMV serves every segment in one launch, so the masked form (which
+            # pays off only against a call per segment) is for the reference alone
+            if batch.masked and lora_implementation(x.device) != "triton":
                 # slots that do not adapt this projection hold zeros: no need to mask them
                 num_slots, width, _ = lora.lora_a.shape
                 lora_masked(x, y, lora.lora_a, lora.lora_bt, batch.mask(num_slots, width, x.dtype, x.device))

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from engine.quant.packed import PackedLinear, PackedTensor, config_int, resolve_group_size
-from kernels.quant import awq_dequantize, quant_matmul
+from kernels.quant import awq_dequantize, awq_matmul
 
 AWQ_PACK = 8   # 4-bit codes per int32
 _PROJECTION_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
@@ -47,7 +47,8 @@ class AWQConfig:
 
 
 class AWQLinear(PackedLinear):
-    """y = x @ ((q - z) * s) (+ b), dequantized per forward into the model's dtype.
+    """y = x @ ((q - z) * s) (+ b) through kernels.quant.awq_matmul: the fused Triton kernel
+    where it is picked (CUDA), else dequantized per forward into the model's dtype.
 
     Buffers (parts side by side along the output dimension, as the checkpoint's tensors are
     laid out per HF layer): qweight int32 [in, out / 8], qzeros int32 [groups, out / 8],
@@ -81,4 +82,5 @@ class AWQLinear(PackedLinear):
         return awq_dequantize(self.qweight, self.qzeros, self.scales, self.group_size)
 
     def base_forward(self, x: torch.Tensor) -> torch.Tensor:
-        return quant_matmul(x, self.dequantize(), self.bias)
+        # the parts side by side are one AWQ tensor set (every part a multiple of 8 columns)
+        return awq_matmul(x, self.qweight, self.qzeros, self.scales, self.group_size, self.bias)

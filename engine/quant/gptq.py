@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from engine.quant.packed import PackedLinear, PackedTensor, config_int, resolve_group_size
-from kernels.quant import gptq_dequantize
+from kernels.quant import gptq_dequantize, gptq_matmul
 
 GPTQ_BITS = (4, 8)
 
@@ -64,7 +64,9 @@ class GPTQConfig:
 
 
 class GPTQLinear(PackedLinear):
-    """y = x @ ((q - z) * s)[g_idx] (+ b), dequantized per forward into the model's dtype.
+    """y = x @ ((q - z) * s)[g_idx] (+ b) through kernels.quant.gptq_matmul, part by part: the
+    fused Triton kernel where it is picked (CUDA), else dequantized per forward into the model's
+    dtype.
 
     Buffers (parts side by side along the output dimension): qweight int32 [in / pack, out],
     qzeros int32 [groups, out / pack], scales [groups, out], g_idx int32 [parts, in] (each HF
@@ -104,24 +106,29 @@ class GPTQLinear(PackedLinear):
                 f"g_idx has groups {int(tensor.min())}..{int(tensor.max())}, expected 0..{self.num_groups - 1}"
             )
 
-    def _dequantize_part(self, part: int) -> torch.Tensor:
+    def _part_tensors(self, part: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """qweight, qzeros, scales, g_idx of one part (views of the buffers)."""
         lo, n = self.offsets[part], self.out_sizes[part]
-        return gptq_dequantize(
+        return (
             self.qweight[:, lo:lo + n],
             self.qzeros[:, lo // self.pack:(lo + n) // self.pack],
             self.scales[:, lo:lo + n],
             self.g_idx[part],
-            self.bits,
         )
+
+    def _dequantize_part(self, part: int) -> torch.Tensor:
+        return gptq_dequantize(*self._part_tensors(part), self.bits)
 
     def dequantize(self) -> torch.Tensor:
         return torch.cat([self._dequantize_part(p) for p in range(len(self.out_sizes))], dim=1)
 
     def base_forward(self, x: torch.Tensor) -> torch.Tensor:
-        """One part at a time, into its slice of the output: only one part's weight exists at once."""
+        """One part at a time (each has its own g_idx), into its slice of the output: on the
+        reference path only one part's weight exists at once."""
+        if len(self.out_sizes) == 1:
+            return gptq_matmul(x, *self._part_tensors(0), self.bits, self.bias)
         y = x.new_empty(*x.shape[:-1], self.out_features)
         for part, (lo, n) in enumerate(zip(self.offsets, self.out_sizes, strict=True)):
-            torch.matmul(x, self._dequantize_part(part).to(x.dtype), out=y[..., lo:lo + n])
-        if self.bias is not None:
-            y += self.bias.to(x.dtype)
+            bias = None if self.bias is None else self.bias[lo:lo + n]
+            y[..., lo:lo + n] = gptq_matmul(x, *self._part_tensors(part), self.bits, bias)
         return y

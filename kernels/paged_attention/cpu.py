@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from kernels.dispatch import CHOICES, KernelUnavailable, kernel_choice
 from kernels.paged_attention import reference
 
 logger = logging.getLogger(__name__)
@@ -38,21 +39,7 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("csrc") / "decode_attention.c"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 COMPILE_TIMEOUT_S = 120.0
-KERNEL_CHOICES = ("reference", "cpu")   # "triton" comes with the Triton kernels
-
-
-class KernelUnavailable(RuntimeError):
-    """The CPU kernel was asked for (`LOCKGATE_KERNELS=cpu`) and cannot be built or loaded."""
-
-
-def kernel_choice() -> str | None:
-    """`LOCKGATE_KERNELS` (reference or cpu), or None when unset."""
-    value = os.environ.get("LOCKGATE_KERNELS", "").strip().lower()
-    if not value:
-        return None
-    if value not in KERNEL_CHOICES:
-        raise ValueError(f"LOCKGATE_KERNELS: must be one of {', '.join(KERNEL_CHOICES)}, got {value!r}")
-    return value
+KERNEL_CHOICES = CHOICES   # LOCKGATE_KERNELS' values, shared by every kernel (kernels/dispatch.py)
 
 
 def cache_dir() -> Path:
@@ -150,9 +137,10 @@ def load() -> ctypes.CDLL:
 
 def available() -> bool:
     """Whether the CPU path runs in this process: not turned off by LOCKGATE_KERNELS, and
-    built. Unset, a failed build is logged once and the reference runs; `cpu` raises."""
+    built. Unset, a failed build is logged once and the reference runs; `cpu` raises;
+    `reference` and `triton` ask for another path (False, and nothing is built)."""
     choice = kernel_choice()
-    if choice == "reference":
+    if choice in ("reference", "triton"):     # asked for another path: this one is not built
         return False
     if _lib is not None:
         return True

@@ -1,0 +1,8 @@
+"""The kernels' Triton paths run here on CPU tensors, in Triton's interpreter. Triton reads
+TRITON_INTERPRET when it is first imported (triton.language jits its own helpers then), so
+it is set before any test module of this directory imports it; TRITON_INTERPRET=0 in the
+environment keeps the compiler (a CUDA machine)."""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
