@@ -39,6 +39,7 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("csrc") / "decode_attention.c"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 COMPILE_TIMEOUT_S = 120.0
+MAX_BLOCK, MAX_GROUP = 256, 64   # the kernel's limits (csrc): larger shapes take the reference
 KERNEL_CHOICES = CHOICES   # LOCKGATE_KERNELS' values, shared by every kernel (kernels/dispatch.py)
 
 
@@ -182,9 +183,11 @@ def decode_attention(
         block_tables.shape[1], seq_rows.data_ptr(), token_rows.data_ptr(), ctx_lens.data_ptr(),
         seq_rows.numel(), query.shape[1], num_kv_heads, num_blocks, block_size, head_dim,
         float(scale), out.data_ptr(), torch.get_num_threads())
+    if rc == 1:
+        raise MemoryError("decode_attention: no scratch memory")
     if rc:
-        raise MemoryError("decode_attention: no scratch memory" if rc == 1 else
-                          f"decode_attention: {query.shape[1]} query heads over {num_kv_heads} KV heads")
+        raise ValueError(f"decode_attention: {query.shape[1]} query heads over {num_kv_heads} KV heads, "
+                         f"block size {block_size}: at most 64 query heads a KV head, blocks of at most 256")
 
 
 def paged_attention(
@@ -202,7 +205,9 @@ def paged_attention(
     q_lens = query_start_loc[1:] - query_start_loc[:-1]
     decode = q_lens == 1
     num_decodes = int(decode.sum())
-    if num_decodes == 0 or not query.is_contiguous():
+    num_kv_heads, _, block_size, _ = key_cache.shape
+    if (num_decodes == 0 or not query.is_contiguous() or block_size > MAX_BLOCK
+            or query.shape[1] > MAX_GROUP * num_kv_heads):
         return reference.paged_attention(query, key_cache, value_cache, block_tables, seq_lens,
                                          query_start_loc, scale, first_slots)
     out = torch.empty_like(query)

@@ -122,3 +122,20 @@ def test_build_is_cached_per_machine(fresh_state):
     first = cpu.build()
     mtime = os.stat(first).st_mtime_ns
     assert cpu.build() == first and os.stat(first).st_mtime_ns == mtime
+
+
+def test_shapes_past_the_kernels_limits_take_the_reference_and_a_direct_call_is_refused():
+    """Blocks over 256 tokens: paged_attention answers through the reference (same result);
+    calling the kernel itself with them is a ValueError naming the limits."""
+    if not cpu.available():
+        pytest.skip("no C compiler")
+    torch.manual_seed(3)
+    kc, vc = torch.randn(1, 3, 512, 8), torch.randn(1, 3, 512, 8)
+    q = torch.randn(2, 2, 8)
+    tables = torch.tensor([[2], [0]])
+    lens, starts = torch.tensor([300, 17]), torch.tensor([0, 1, 2])
+    got = cpu.paged_attention(q, kc, vc, tables, lens, starts, 0.3)
+    want = reference.paged_attention(q, kc, vc, tables, lens, starts, 0.3)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="blocks of at most 256"):
+        cpu.decode_attention(q, kc, vc, tables, torch.arange(2), torch.arange(2), lens, 0.3, torch.empty_like(q))
