@@ -26,8 +26,7 @@ else
   PY=python3
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-export TRITON_INTERPRET=0          # compiled kernels on the GPU, never the interpreter
-export LOCKGATE_TEST_DEVICE=cuda   # tests/kernels put their tensors there
+export TRITON_INTERPRET=0   # compiled kernels on the GPU; tests/kernels/device.py then puts their tensors there
 export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 
 "$PY" - <<'EOF' || fail "the Python environment above lacks what the check needs"

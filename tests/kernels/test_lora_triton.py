@@ -1,5 +1,8 @@
 """kernels/lora/triton.py (BGMV and SGMV shrink/expand) against the plain-torch reference,
-on CPU tensors under Triton's interpreter.
+on CPU tensors under Triton's interpreter (TRITON_INTERPRET=1, the default here), or compiled
+on CUDA tensors with TRITON_INTERPRET=0 (scripts/device-check.sh): DEVICE,
+tests/kernels/device.py. Inputs come from CPU generators; the reference runs on them on the
+CPU, the kernels on DEVICE copies, and the results are compared on the CPU.
 
 Tolerances: the expected values are the reference run in float32 on the same (rounded)
 inputs; float32 within rtol = atol = 1e-4, float16 within 2e-3 and bfloat16 within 1.6e-2
@@ -7,12 +10,14 @@ relative (a couple of roundings of the output at those precisions) with atol 2e-
 for values near zero. Outputs the kernels must not touch (tokens without an adapter,
 columns outside the out slice, rows outside every segment) are compared bit for bit.
 
-Every launch is capped at 64 programs (the interpreter runs them one after another): the
-`launches` fixture wraps the kernels' one launch point and checks each grid.
+Under the interpreter every launch is capped at 64 programs (it runs them one after
+another): the `launches` fixture wraps the kernels' one launch point and checks each grid
+(on a GPU it only records them: there the shrink splits its reduction to fill the device).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 
@@ -28,6 +33,9 @@ import kernels.lora as lora_pkg
 from kernels.dispatch import KernelUnavailable
 from kernels.lora import reference
 from kernels.lora import triton as tk
+from tests.kernels.device import DEVICE, needs_device
+
+needs_device()
 
 MAX_PROGRAMS = 64
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -41,7 +49,8 @@ def launches(monkeypatch):
     launch = tk._launch
 
     def counting(kernel, grid, *args, **meta):
-        assert math.prod(grid) <= MAX_PROGRAMS, f"{kernel.__name__} launched {grid}"
+        if DEVICE.type == "cpu":        # the interpreter: programs one by one
+            assert math.prod(grid) <= MAX_PROGRAMS, f"{kernel.__name__} launched {grid}"
         seen.append((kernel.__name__, grid))
         launch(kernel, grid, *args, **meta)
 
@@ -59,6 +68,11 @@ def make_slots(num_slots, ranks, r_max, in_f, out_f, g, dtype):
         a[s, :r] = torch.randn(r, in_f, generator=g) / in_f ** 0.5
         b[s, :, :r] = torch.randn(out_f, r, generator=g) / max(r, 1) ** 0.5
     return a.to(dtype), b.to(dtype)
+
+
+def on_device(*tensors):
+    """The tensors on DEVICE (on the CPU: the same tensors, views included)."""
+    return tuple(t.to(DEVICE) for t in tensors)
 
 
 def close(got, want, dtype):
@@ -90,9 +104,11 @@ def test_bgmv_lora_shrink_expand_matches_reference(T, in_f, out_f, r_max, ranks,
     scaling = torch.tensor([0.5, 2.0, 1.0, 0.25][:n])
     want = reference.lora_shrink_expand(x.float(), out0.float().clone(), a.float(), b.float(), slots, scaling,
                                         (lo, lo + out_f))
-    out = out0.clone()
-    ret = tk.lora_shrink_expand(x, out, a, b, slots, scaling, (lo, lo + out_f))
+    out = out0.to(DEVICE, copy=True)
+    x_dev = big.to(DEVICE)[:, 3:3 + in_f]            # the same strided view, on DEVICE
+    ret = tk.lora_shrink_expand(x_dev, out, *on_device(a, b, slots, scaling), (lo, lo + out_f))
     assert ret is out
+    out = out.cpu()
     close(out, want, dtype)
     # no adapter, or outside the slice: untouched, bit for bit
     assert torch.equal(out[slots == -1], out0[slots == -1])
@@ -118,9 +134,10 @@ def test_sgmv_matches_reference(T, in_f, out_f, r_max, ranks, dtype):
     scales = [0.5, 2.0, 1.0, 0.25][:n]
     want = reference.sgmv(x.float(), out0.float().clone(), a.float(), bt.float(), cuts, seg_slots, scales,
                           (20, 20 + out_f))
-    out = out0.clone()
-    ret = tk.sgmv(x, out, a, bt, cuts, seg_slots, scales, (20, 20 + out_f))
+    out = out0.to(DEVICE, copy=True)
+    ret = tk.sgmv(*on_device(x), out, *on_device(a, bt), cuts, seg_slots, scales, (20, 20 + out_f))
     assert ret is out
+    out = out.cpu()
     close(out, want, dtype)
     assert torch.equal(out[:, :20], out0[:, :20])
     for i, s in enumerate(seg_slots):
@@ -145,39 +162,43 @@ def test_shrink_and_expand_separately(dtype):
         if per_token[t] >= 0:
             want_shrunk[t] = x[t].float() @ a[per_token[t]].float().T
     rtol, atol = TOL[dtype]
-    for shrunk in (tk.lora_shrink(x, a, per_token), tk.lora_shrink(x, a, segments=(seg_starts, seg_slots))):
-        assert shrunk.dtype == torch.float32 and shrunk.shape == (T, r_max)
-        torch.testing.assert_close(shrunk, want_shrunk, rtol=rtol, atol=atol)
-        assert torch.equal(shrunk[4:9], torch.zeros(5, r_max))
+    x_dev, a_dev, bt_dev, per_token_dev = on_device(x, a, bt, per_token)
+    for shrunk in (tk.lora_shrink(x_dev, a_dev, per_token_dev),
+                   tk.lora_shrink(x_dev, a_dev, segments=(seg_starts, seg_slots))):
+        assert shrunk.dtype == torch.float32 and shrunk.shape == (T, r_max) and shrunk.device == x_dev.device
+        torch.testing.assert_close(shrunk.cpu(), want_shrunk, rtol=rtol, atol=atol)
+        assert torch.equal(shrunk.cpu()[4:9], torch.zeros(5, r_max))
     out0 = torch.randn(T, out_f, generator=g).to(dtype)
     want = out0.float().clone()
     for t in range(T):
         s = int(per_token[t])
         if s >= 0:
             want[t] += scales[s] * (want_shrunk[t] @ bt[s].float())
-    got_b = tk.lora_expand(want_shrunk, out0.clone(), bt, torch.tensor(scales), per_token)
-    got_s = tk.lora_expand(want_shrunk, out0.clone(), bt, scales, segments=(seg_starts, seg_slots))
-    close(got_b, want, dtype)
-    close(got_s, want, dtype)
+    shrunk_dev, scales_dev = on_device(want_shrunk, torch.tensor(scales))
+    got_b = tk.lora_expand(shrunk_dev, out0.to(DEVICE, copy=True), bt_dev, scales_dev, per_token_dev)
+    got_s = tk.lora_expand(shrunk_dev, out0.to(DEVICE, copy=True), bt_dev, scales, segments=(seg_starts, seg_slots))
+    close(got_b.cpu(), want, dtype)
+    close(got_s.cpu(), want, dtype)
     with pytest.raises(ValueError):
-        tk.lora_shrink(x, a)
+        tk.lora_shrink(x_dev, a_dev)
 
 
 def test_no_adapter_anywhere_leaves_out_untouched(launches):
     g = torch.Generator().manual_seed(6)
-    a, b = make_slots(2, [8, 8], 8, 40, 24, g, torch.float32)
-    x = torch.randn(17, 40, generator=g)
-    out0 = torch.randn(17, 24, generator=g)
+    a, b = on_device(*make_slots(2, [8, 8], 8, 40, 24, g, torch.float32))
+    x = torch.randn(17, 40, generator=g).to(DEVICE)
+    out0 = torch.randn(17, 24, generator=g).to(DEVICE)
     out = out0.clone()
-    tk.lora_shrink_expand(x, out, a, b, torch.full((17,), -1), torch.ones(2))
+    ones = torch.ones(2, device=DEVICE)
+    tk.lora_shrink_expand(x, out, a, b, torch.full((17,), -1, device=DEVICE), ones)
     assert torch.equal(out, out0)
     tk.sgmv(x, out, a, b.transpose(1, 2), [0, 5, 17], [-1, -1], [1.0, 1.0])
     assert torch.equal(out, out0)
     assert not any(name.startswith("_sgmv") for name, _ in launches)   # segments of -1: nothing to launch
     # empty batch, empty slice
-    tk.lora_shrink_expand(torch.empty(0, 40), torch.empty(0, 24), a, b, torch.empty(0, dtype=torch.int64),
-                          torch.ones(2))
-    tk.lora_shrink_expand(x, out, a, b[:, :0], torch.zeros(17, dtype=torch.int64), torch.ones(2), (3, 3))
+    tk.lora_shrink_expand(torch.empty(0, 40, device=DEVICE), torch.empty(0, 24, device=DEVICE), a, b,
+                          torch.empty(0, dtype=torch.int64, device=DEVICE), ones)
+    tk.lora_shrink_expand(x, out, a, b[:, :0], torch.zeros(17, dtype=torch.int64, device=DEVICE), ones, (3, 3))
     assert torch.equal(out, out0)
 
 
@@ -198,19 +219,22 @@ def test_fused_qkv_slices_like_the_engine():
     out0 = torch.randn(T, total, generator=g)
     seg_starts, seg_slots, scales = [0, 10, 11, 30, 33], [0, -1, 2, 1], [1.0, 0.5, 2.0]
     want = reference.sgmv(x, out0.clone(), a_fused, bt_fused, seg_starts, seg_slots, scales)
-    got = tk.sgmv(x, out0.clone(), a_fused, bt_fused, seg_starts, seg_slots, scales)
-    close(got, want, torch.float32)
+    x_dev = x.to(DEVICE)
+    got = tk.sgmv(x_dev, out0.to(DEVICE, copy=True), *on_device(a_fused, bt_fused), seg_starts, seg_slots, scales)
+    close(got.cpu(), want, torch.float32)
     per_token = torch.cat([torch.full((seg_starts[i + 1] - seg_starts[i],), s) for i, s in enumerate(seg_slots)])
-    split = out0.clone()
+    split = out0.to(DEVICE, copy=True)
     for p, (a, b) in enumerate(parts):
-        tk.lora_shrink_expand(x, split, a, b, per_token, torch.tensor(scales), (offsets[p], offsets[p + 1]))
-    close(split, want, torch.float32)
+        tk.lora_shrink_expand(x_dev, split, *on_device(a, b, per_token, torch.tensor(scales)),
+                              (offsets[p], offsets[p + 1]))
+    close(split.cpu(), want, torch.float32)
 
 
 def test_bad_slots_and_shapes_rejected():
     g = torch.Generator().manual_seed(9)
-    a, b = make_slots(2, [8, 8], 8, 40, 24, g, torch.float32)
-    x, out = torch.randn(3, 40, generator=g), torch.zeros(3, 24)
+    a, b = on_device(*make_slots(2, [8, 8], 8, 40, 24, g, torch.float32))
+    x, out = on_device(torch.randn(3, 40, generator=g), torch.zeros(3, 24))
+    # slots on the host are range-checked (on a GPU the kernels skip bad ones: no host sync)
     with pytest.raises(IndexError):
         tk.lora_shrink_expand(x, out, a, b, torch.tensor([0, 2, -1]), torch.ones(2))
     with pytest.raises(IndexError):
@@ -221,12 +245,13 @@ def test_bad_slots_and_shapes_rejected():
         tk.lora_shrink_expand(x, out, a, b, torch.tensor([0, 1, -1]), torch.ones(2), out_slice=(0, 5))
     with pytest.raises(ValueError):
         tk.lora_shrink_expand(x.half(), out, a, b, torch.tensor([0, 1, -1]), torch.ones(2))
-    assert torch.equal(out, torch.zeros(3, 24))
+    assert torch.equal(out, torch.zeros(3, 24, device=DEVICE))
 
 
 def test_dispatch_picks_triton_when_asked(monkeypatch, launches):
     """kernels.lora (what the engine imports) takes the Triton path under
-    LOCKGATE_KERNELS=triton, the reference otherwise on the CPU, with matching results."""
+    LOCKGATE_KERNELS=triton (on DEVICE), the reference otherwise on the CPU, with matching
+    results."""
     g = torch.Generator().manual_seed(10)
     a, b = make_slots(3, [8, 16, 4], 16, 72, 40, g, torch.float32)
     bt = b.transpose(1, 2).contiguous()
@@ -243,15 +268,17 @@ def test_dispatch_picks_triton_when_asked(monkeypatch, launches):
     assert not launches
 
     monkeypatch.setenv("LOCKGATE_KERNELS", "triton")
-    assert lora_pkg.implementation(cpu) == "triton"
-    got_tok = lora_pkg.lora_shrink_expand(x, out0.clone(), a, b, slots, scaling, (5, 45))
-    got_seg = lora_pkg.sgmv(x, out0.clone(), a, bt, *seg, scaling.tolist(), (5, 45))
+    assert lora_pkg.implementation(DEVICE) == "triton"
+    x_dev, a_dev, b_dev, bt_dev, slots_dev, scaling_dev = on_device(x, a, b, bt, slots, scaling)
+    got_tok = lora_pkg.lora_shrink_expand(x_dev, out0.to(DEVICE, copy=True), a_dev, b_dev, slots_dev, scaling_dev,
+                                          (5, 45))
+    got_seg = lora_pkg.sgmv(x_dev, out0.to(DEVICE, copy=True), a_dev, bt_dev, *seg, scaling.tolist(), (5, 45))
     assert {name for name, _ in launches} == {"_bgmv_shrink_kernel", "_bgmv_expand_kernel",
                                              "_sgmv_shrink_kernel", "_sgmv_expand_kernel"}
-    close(got_tok, ref_tok, torch.float32)
-    close(got_seg, ref_seg, torch.float32)
+    close(got_tok.cpu(), ref_tok, torch.float32)
+    close(got_seg.cpu(), ref_seg, torch.float32)
 
-    monkeypatch.setenv("TRITON_INTERPRET", "0")      # no CUDA and no interpreter: fail loudly
+    monkeypatch.setenv("TRITON_INTERPRET", "0")      # CPU tensors, no interpreter: fail loudly
     with pytest.raises(KernelUnavailable):
         lora_pkg.sgmv(x, out0.clone(), a, bt, *seg, scaling.tolist())
 
@@ -273,17 +300,20 @@ def test_engine_projection_under_triton(monkeypatch, launches):
     layer.lora = LoRASlots(lora_a=a, lora_bt=bt, scales=[2.0, 0.5], targeted={0, 1}, batch=batch)
     x = torch.randn(17, hidden, generator=g)
     with torch.no_grad():
-        want = layer(x)
+        want = layer(x)             # on the CPU, LOCKGATE_KERNELS unset: the reference
+        # the same layer and adapters on DEVICE (on the CPU: the same objects)
+        layer.to(DEVICE)
+        layer.lora = dataclasses.replace(layer.lora, lora_a=a.to(DEVICE), lora_bt=bt.to(DEVICE))
         monkeypatch.setenv("LOCKGATE_KERNELS", "triton")
-        got = layer(x)
+        got = layer(x.to(DEVICE))
     assert launches
-    close(got, want, torch.float32)
+    close(got.cpu(), want, torch.float32)
 
 
 def test_bench_cases_run_quick():
     from kernels.lora.bench import cases
 
-    found = cases(torch.device("cpu"), torch.float32, quick=True)
+    found = cases(DEVICE, torch.float32, quick=True)
     assert any(c.baseline == "base layer without LoRA" for c in found)
     for c in found:
         assert c.kernel == "lora" and c.bound == "memory" and c.bytes_moved > 0 and c.flops > 0

@@ -1,16 +1,21 @@
 """The Triton paged-attention kernels (kernels/paged_attention/triton.py) against the
-plain-torch reference, on the CPU under Triton's interpreter (TRITON_INTERPRET=1, set for
-every test here): mixed prefill chunks and decodes, odd lengths, GQA groups, block sizes
-8/16/32, float32/float16/bfloat16, a head size that is not a power of two, scattered and
-non-contiguous tables, split-K decodes, caches past 2**31 elements; write_kv_cache; how
-LOCKGATE_KERNELS picks them; and the engine's greedy output on them equal to HF's.
+plain-torch reference, on the CPU under Triton's interpreter (TRITON_INTERPRET=1, the
+default here), or compiled on CUDA tensors with TRITON_INTERPRET=0 (scripts/device-check.sh;
+DEVICE, tests/kernels/device.py): mixed prefill chunks and decodes, odd lengths, GQA
+groups, block sizes 8/16/32, float32/float16/bfloat16, a head size that is not a power of
+two, scattered and non-contiguous tables, split-K decodes, caches past 2**31 elements;
+write_kv_cache; how LOCKGATE_KERNELS picks them; and the engine's greedy output on them
+equal to HF's (on CUDA, where the engine's device "auto" finds one).
 TRITON_INTERPRET=1 is set before triton is imported (here and in tests/kernels/conftest.py).
+Inputs come from CPU generators and are moved to DEVICE; the reference runs on CPU copies
+of them, and the kernels' outputs are compared there.
 
 Tolerances: float32 1e-5 (rtol and atol). float16 and bfloat16 against the reference run
 in float32 on the same (rounded) inputs, so that they measure the kernel's own rounding
 (probabilities rounded to the input type before P @ V, the output rounded once): float16
 atol 2e-3, rtol 1e-2; bfloat16 atol 2e-2, rtol 2e-2. Outputs are O(1) (unit-normal
 inputs). Each launch stays at 64 programs or fewer: the interpreter runs them one by one.
+The cache past 2**31 elements is a CPU-only test (it needs untouched virtual memory).
 """
 
 from __future__ import annotations
@@ -28,14 +33,14 @@ import torch
 from kernels import dispatch
 
 pytest.importorskip("triton")
-if not dispatch.interpreting():
-    pytest.skip("these tests run Triton's interpreter on CPU tensors: TRITON_INTERPRET=0 here",
-                allow_module_level=True)
 
 from kernels.paged_attention import cpu, implementation, reference
 from kernels.paged_attention import paged_attention as dispatched_attention
 from kernels.paged_attention import triton as tk
 from kernels.paged_attention import write_kv_cache as dispatched_write
+from tests.kernels.device import DEVICE, needs_device
+
+needs_device()
 
 TOL = {
     torch.float32: {"rtol": 1e-5, "atol": 1e-5},
@@ -56,7 +61,8 @@ def default_kernel_choice(monkeypatch):
 def make_case(seqs, block_size, heads, head_dim, num_blocks, dtype=torch.float32, seed=0, cache=None,
               table_from=0):
     """Caches (NaN where unwritten, unless `cache` is given) holding each sequence's context
-    in scattered blocks drawn from [table_from, num_blocks); queries; tables; lengths."""
+    in scattered blocks drawn from [table_from, num_blocks); queries; tables; lengths. Built
+    on the CPU (a CPU generator), returned on DEVICE."""
     g = torch.Generator().manual_seed(seed)
     num_heads, num_kv_heads = heads
     if cache is None:
@@ -79,17 +85,20 @@ def make_case(seqs, block_size, heads, head_dim, num_blocks, dtype=torch.float32
     for _, q_len in seqs:
         starts.append(starts[-1] + q_len)
     q = torch.randn(starts[-1], num_heads, head_dim, generator=g).to(dtype)
-    return q, kc, vc, bt, torch.tensor([c for c, _ in seqs]), torch.tensor(starts)
+    case = q, kc, vc, bt, torch.tensor([c for c, _ in seqs]), torch.tensor(starts)
+    return tuple(t.to(DEVICE) for t in case)
 
 
 def check(q, kc, vc, bt, lens, starts, **kwargs):
-    """Triton against the reference (in float32 for the half types); returns the output."""
+    """Triton (on DEVICE) against the reference (on CPU copies, in float32 for the half
+    types); returns the output, on DEVICE."""
     scale = q.shape[-1] ** -0.5
     got = tk.paged_attention(q, kc, vc, bt, lens, starts, scale)
-    want = reference.paged_attention(q.float(), kc.float(), vc.float(), bt, lens, starts, scale)
-    assert got.dtype == q.dtype and got.shape == q.shape
+    want = reference.paged_attention(*(t.float().cpu() for t in (q, kc, vc)), *(t.cpu() for t in (bt, lens, starts)),
+                                     scale)
+    assert got.dtype == q.dtype and got.shape == q.shape and got.device == q.device
     assert not torch.isnan(got).any()
-    torch.testing.assert_close(got.float(), want, **(kwargs or TOL[q.dtype]))
+    torch.testing.assert_close(got.float().cpu(), want, **(kwargs or TOL[q.dtype]))
     return got
 
 
@@ -122,9 +131,9 @@ def test_sequences_without_queries_and_a_batch_shaped_like_decodes():
 def test_non_contiguous_query_and_table():
     q, kc, vc, bt, lens, starts = make_case(MIXED, 16, (4, 2), 32, 120, seed=2)
     # the query a view into a fused QKV row, as the engine passes it; a column slice of a wider table
-    fused = torch.randn(q.shape[0], 3, 4, 32)
+    fused = torch.randn(q.shape[0], 3, 4, 32).to(DEVICE)
     fused[:, 1] = q
-    wide = torch.cat([bt, torch.full((bt.shape[0], 5), 10**6)], 1)
+    wide = torch.cat([bt, torch.full((bt.shape[0], 5), 10**6, device=DEVICE)], 1)
     got = check(fused[:, 1], kc, vc, wide[:, : bt.shape[1]], lens, starts)
     assert got.is_contiguous()
     # a transposed table: stride along the blocks is not 1
@@ -161,6 +170,8 @@ def test_split_count():
     assert tk.num_splits(3, 100_000) == 64 // 4 and tk.num_splits(100, 100_000) == 2
 
 
+@pytest.mark.skipif(DEVICE.type == "cuda", reason="relies on torch.empty leaving 2 x 8.6 GB of CPU memory "
+                    "untouched (only the pages used are allocated); on a GPU the caches would be real memory")
 def test_caches_past_2_31_elements():
     # two KV heads of 2**23 + 64 blocks x 16 x 16: head 1 starts past 2**31 elements and the
     # tables use the top blocks, so int32 offsets would wrap (and the interpreter would read
@@ -199,14 +210,17 @@ def test_write_kv_cache_matches_the_reference(dtype):
     slots = torch.randperm(num_blocks * block_size, generator=g)[:n]
     # K and V as the engine has them: views into a fused row (not contiguous)
     fused = torch.randn(n, 3, num_kv_heads, head_dim, generator=g).to(dtype)
-    k, v = fused[:, 1], fused[:, 2]
+    # the reference on the CPU tensors, the kernel on DEVICE copies (the same tensors on the CPU)
     want_k, want_v = kc.clone(), vc.clone()
-    reference.write_kv_cache(k, v, want_k, want_v, slots)
+    reference.write_kv_cache(fused[:, 1], fused[:, 2], want_k, want_v, slots)
+    kc, vc, fused, slots = (t.to(DEVICE) for t in (kc, vc, fused, slots))
+    k, v = fused[:, 1], fused[:, 2]
     tk.write_kv_cache(k, v, kc, vc, slots)
-    assert torch.equal(kc, want_k) and torch.equal(vc, want_v)
+    assert torch.equal(kc.cpu(), want_k) and torch.equal(vc.cpu(), want_v)
     # a negative slot is skipped (a padding token)
-    tk.write_kv_cache(k[:2] * 0, v[:2] * 0, kc, vc, torch.tensor([-1, int(slots[0])]))
-    rows, want_rows = kc.view(num_kv_heads, -1, head_dim), want_k.view(num_kv_heads, -1, head_dim)
+    tk.write_kv_cache(k[:2] * 0, v[:2] * 0, kc, vc, torch.tensor([-1, int(slots[0])], device=DEVICE))
+    slots = slots.cpu()
+    rows, want_rows = kc.cpu().view(num_kv_heads, -1, head_dim), want_k.view(num_kv_heads, -1, head_dim)
     assert torch.equal(rows[:, slots[0]], torch.zeros(num_kv_heads, head_dim, dtype=dtype))
     assert torch.equal(rows[:, slots[1:]], want_rows[:, slots[1:]])
 
@@ -227,17 +241,18 @@ def test_refuses_what_it_cannot_run():
 def test_lockgate_kernels_triton_takes_the_kernels(monkeypatch):
     monkeypatch.setenv("LOCKGATE_KERNELS", "triton")
     for dtype in DTYPES:
-        assert implementation(torch.device("cpu"), dtype) == "triton"
+        assert implementation(DEVICE, dtype) == "triton"
     assert cpu.available() is False                 # asking for triton builds no CPU kernel
     calls = []
     for name in ("paged_attention", "write_kv_cache"):
         real = getattr(tk, name)
         monkeypatch.setattr(tk, name, lambda *a, _real=real, _name=name, **kw: calls.append(_name) or _real(*a, **kw))
     q, kc, vc, bt, lens, starts = make_case(MIXED[:4], 8, (4, 2), 16, 40)
-    dispatched_write(torch.randn(2, 2, 16), torch.randn(2, 2, 16), kc, vc, torch.tensor([0, 1]))
+    dispatched_write(torch.randn(2, 2, 16).to(DEVICE), torch.randn(2, 2, 16).to(DEVICE), kc, vc,
+                     torch.tensor([0, 1], device=DEVICE))
     got = dispatched_attention(q, kc, vc, bt, lens, starts, 0.25)
-    torch.testing.assert_close(got, reference.paged_attention(q, kc, vc, bt, lens, starts, 0.25),
-                               rtol=1e-5, atol=1e-5)
+    want = reference.paged_attention(*(t.cpu() for t in (q, kc, vc, bt, lens, starts)), 0.25)
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-5)
     assert calls == ["write_kv_cache", "paged_attention"]
 
 
@@ -302,7 +317,7 @@ def test_engine_greedy_output_on_the_triton_kernels_matches_hf(monkeypatch):
 def test_bench_cases_quick_run_and_agree():
     from kernels.paged_attention import bench
 
-    found = bench.cases(torch.device("cpu"), torch.float32, quick=True)
+    found = bench.cases(DEVICE, torch.float32, quick=True)
     assert [c.bound for c in found] == ["memory", "memory", "compute"]
     for case in found:
         assert case.kernel == "paged_attention" and case.name.endswith("fp32")

@@ -25,16 +25,14 @@ from safetensors.torch import load_file
 
 import kernels.quant
 from engine.quant import AWQConfig, AWQLinear, GPTQConfig, GPTQLinear
-from kernels.dispatch import interpreting
 from kernels.quant import reference
 
 pytest.importorskip("triton")
 from kernels.quant import bench
 from kernels.quant import triton as fused
+from tests.kernels.device import DEVICE, needs_device
 
-DEVICE = torch.device("cpu" if interpreting() else "cuda")
-if DEVICE.type == "cuda" and not torch.cuda.is_available():
-    pytest.skip("TRITON_INTERPRET is off and there is no CUDA device", allow_module_level=True)
+needs_device()
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "quant"
