@@ -14,6 +14,7 @@ from engine.grammar import grammar_bitmask
 from engine.kv_cache import KVCacheManager
 from engine.lora import LoRAManager
 from engine.models import AttentionMetadata, LlamaForCausalLM, build_skeleton, load_model, tensor_bytes
+from engine.models.loader import packed_weight_bytes
 from engine.request import Sequence
 from engine.sampler import Sampler, SamplerOutput, SampleRow
 from engine.scheduler import SchedulerOutput
@@ -60,7 +61,7 @@ class ModelRunner:
         # shapes and sizes without storage: what the budget counts before (and while not)
         # loading, and what adapters are checked against
         self.skeleton = build_skeleton(model_config, dtype)
-        self.weight_bytes = tensor_bytes(self.skeleton)
+        self.weight_bytes = tensor_bytes(self.skeleton) + packed_weight_bytes(self.skeleton, device, dtype)
         self.model: LlamaForCausalLM | None = None
         self.sampler = Sampler(seed, device)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []

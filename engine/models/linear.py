@@ -18,9 +18,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from kernels.linear import PackedWeight
+from kernels.linear import linear as dense_linear
 from kernels.lora import implementation as lora_implementation
 from kernels.lora import lora_masked, sgmv, slot_mask
 
@@ -119,9 +120,10 @@ class DenseLinear(LinearBase):
         super().__init__(in_features, out_sizes, bias)
         self.weight = nn.Parameter(torch.empty(self.out_features, in_features))
         self.bias = nn.Parameter(torch.empty(self.out_features)) if bias else None
+        self.packed = PackedWeight()    # the weight as the CPU kernel wants it, made on first use
 
     def base_forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return dense_linear(x, self.weight, self.bias, self.packed)
 
     def load_part(self, part: int, name: str, tensor: torch.Tensor) -> None:
         param = self.weight if name == "weight" else self.bias if name == "bias" else None

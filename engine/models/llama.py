@@ -18,6 +18,8 @@ from torch import nn
 from engine.config import ModelConfig
 from engine.models.linear import DenseLinear, LinearBase, LinearFactory
 from engine.models.rope import RopeAt, RotaryEmbedding
+from kernels.linear import PackedWeight
+from kernels.linear import linear as dense_linear
 from kernels.paged_attention import contiguous_first_slots, paged_attention, write_kv_cache
 
 
@@ -128,6 +130,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else nn.utils.skip_init(
             nn.Linear, cfg.hidden_size, cfg.vocab_size, bias=False, device=torch.empty(0).device)
         self.rope = rope
+        self._head_packed = PackedWeight()
 
     def forward(
         self,
@@ -150,7 +153,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight)
+        return dense_linear(hidden, weight, None, self._head_packed)
 
     # -- loading -----------------------------------------------------------------------------
     def projections(self) -> dict[str, tuple[LinearBase, int]]:

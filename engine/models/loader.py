@@ -11,9 +11,11 @@ import torch
 from safetensors import safe_open
 
 from engine.config import ModelConfig
+from engine.models.linear import DenseLinear
 from engine.models.llama import LlamaForCausalLM
 from engine.models.rope import RotaryEmbedding
 from engine.quant import linear_factory
+from kernels.linear import packs
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +63,18 @@ def tensor_bytes(model: torch.nn.Module) -> int:
     """Bytes of a model's parameters and buffers (quantized projections keep their packed
     weights and scales as buffers)."""
     return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+
+
+def packed_weight_bytes(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> int:
+    """Bytes of the packed copies the CPU linear kernel keeps of dense projections and the
+    vocabulary head (kernels/linear), where it runs: memory beside the weights."""
+    if not packs(device, dtype):
+        return 0
+    total = sum(m.weight.numel() for m in model.modules() if isinstance(m, DenseLinear))
+    head = model.get_submodule("lm_head") if getattr(model, "lm_head", None) is not None \
+        else model.get_submodule("embed_tokens")
+    total += sum(p.numel() for name, p in head.named_parameters() if name == "weight")
+    return total * torch.tensor([], dtype=dtype).element_size()
 
 
 def load_model(

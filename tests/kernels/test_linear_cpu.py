@@ -1,0 +1,96 @@
+"""The CPU linear kernel (kernels/linear: oneDNN with the weight packed once) against
+F.linear, its packing kept in step with the weight, the cases it leaves to F.linear, and the
+engine's greedy output equal to HF's on both paths."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine import LLM, SamplingParams
+from engine.config import ModelConfig
+from engine.models import build_skeleton
+from engine.models.loader import packed_weight_bytes, tensor_bytes
+from kernels import linear as lin
+from kernels.linear import PackedWeight, cpu, implementation, linear
+from tests.support.helpers import demo_model, hf_greedy, random_prompts
+
+needs_kernel = pytest.mark.skipif(not cpu.available(), reason="this torch has no oneDNN packed linear")
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 7, 8, 33, 300])
+@pytest.mark.parametrize(("n_in", "n_out"), [(24, 40), (256, 1408), (704, 256), (256, 8192)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_matches_f_linear(rows, n_in, n_out, bias):
+    g = torch.Generator().manual_seed(rows * 7 + n_in)
+    x, w = torch.randn(rows, n_in, generator=g), torch.randn(n_out, n_in, generator=g) / n_in**0.5
+    b = torch.randn(n_out, generator=g) if bias else None
+    got = linear(x, w, b, PackedWeight())
+    torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(cpu.linear(x, cpu.pack(w), b), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_the_packed_weight_follows_the_weight():
+    w = torch.nn.Parameter(torch.randn(64, 32))
+    x, packed = torch.randn(16, 32), PackedWeight()
+    first = linear(x, w, None, packed)
+    kept = packed.packed
+    assert linear(x, w, None, packed) is not None and packed.packed is kept     # packed once
+    with torch.no_grad():
+        w.mul_(2)                                    # changed in place: packed again
+    torch.testing.assert_close(linear(x, w, None, packed), 2 * first, rtol=1e-5, atol=1e-5)
+    assert packed.packed is not kept
+    w2 = torch.randn(64, 32)                         # another tensor: packed again
+    torch.testing.assert_close(linear(x, w2, None, packed), F.linear(x, w2), rtol=1e-5, atol=1e-5)
+    with torch.inference_mode():                     # inference tensors have no version
+        w3 = torch.randn(64, 32)
+        torch.testing.assert_close(linear(x, w3, None, PackedWeight()), F.linear(x, w3), rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_which_calls_take_the_kernel(monkeypatch):
+    small, head = torch.randn(256, 256), torch.randn(8192, 256)
+    assert implementation(torch.randn(8, 256), small) == "cpu"
+    assert implementation(torch.randn(7, 256), small) == "reference"          # gemv wins on a few rows
+    assert implementation(torch.randn(1, 256), head) == "cpu"                 # ...but not on a large weight
+    assert implementation(torch.randn(64, 256, dtype=torch.bfloat16), small.bfloat16()) == "reference"
+    assert implementation(torch.randn(2, 32, 256), small) == "reference"      # 2-D inputs only
+    monkeypatch.setenv("LOCKGATE_KERNELS", "reference")
+    assert implementation(torch.randn(64, 256), small) == "reference"
+    assert not lin.packs(torch.device("cpu"), torch.float32)
+
+
+def test_without_the_kernel_every_call_is_f_linear(monkeypatch):
+    """A torch without oneDNN (or one whose packed linear fails its check) still serves."""
+    monkeypatch.setattr(cpu, "available", lambda: False)
+    x, w = torch.randn(64, 256), torch.randn(512, 256)
+    assert implementation(x, w) == "reference"
+    assert torch.equal(linear(x, w, None, PackedWeight()), F.linear(x, w))
+    assert not lin.packs(torch.device("cpu"), torch.float32)
+
+
+@needs_kernel
+def test_the_budget_counts_the_packed_copies(monkeypatch):
+    skeleton = build_skeleton(ModelConfig.from_dir(demo_model("llama")), torch.float32)
+    dense = sum(m.weight.numel() for m in skeleton.modules() if hasattr(m, "packed")) + skeleton.lm_head.weight.numel()
+    assert packed_weight_bytes(skeleton, torch.device("cpu"), torch.float32) == 4 * dense
+    assert 0 < 4 * dense < tensor_bytes(skeleton)
+    assert packed_weight_bytes(skeleton, torch.device("cpu"), torch.bfloat16) == 0
+    monkeypatch.setenv("LOCKGATE_KERNELS", "reference")
+    assert packed_weight_bytes(skeleton, torch.device("cpu"), torch.float32) == 0
+
+
+@pytest.mark.parametrize("kernels", ["default", "reference"])
+def test_engine_greedy_equals_hf_on_both_paths(kernels, monkeypatch):
+    if kernels == "reference":
+        monkeypatch.setenv("LOCKGATE_KERNELS", "reference")
+    d = demo_model("llama")
+    prompts = random_prompts(d, [3, 17, 40, 90, 130, 200, 257, 9, 64, 33], seed=5)
+    lens = [12, 20, 7, 16, 9, 14, 10, 18, 6, 11]
+    llm = LLM(d)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        [SamplingParams(max_tokens=n, temperature=0.0) for n in lens], use_progress_bar=False)
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(d, p, n) for p, n in zip(prompts, lens, strict=True)]
