@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -58,16 +59,20 @@ def run_vllm(python: Path, model_dir: str, work: list[OfflineRequest], max_num_s
            "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
            "kv_space_gib": 2}
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHONPATH", "VIRTUAL_ENV"))}
+    # a session of its own, so that a timeout kills whatever the peer started too
+    proc = subprocess.Popen([str(python), str(Path(__file__).with_name("peer_vllm_side.py"))],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env, start_new_session=True)
     try:
-        done = subprocess.run([str(python), str(Path(__file__).with_name("peer_vllm_side.py"))],
-                              input=json.dumps(job), capture_output=True, text=True, env=env,
-                              timeout=timeout_s, check=False)
-    except subprocess.TimeoutExpired as exc:
-        raise PeerUnavailable(f"the vLLM side took over {timeout_s:.0f} s") from exc
-    for line in done.stdout.splitlines():
+        stdout, stderr = proc.communicate(json.dumps(job), timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise PeerUnavailable(f"the vLLM side took over {timeout_s:.0f} s") from None
+    for line in stdout.splitlines():
         if line.startswith(RESULT_PREFIX):
             return json.loads(line[len(RESULT_PREFIX):])
-    raise PeerUnavailable(f"the vLLM side failed (exit {done.returncode}): {done.stderr.strip()[-3000:]}")
+    raise PeerUnavailable(f"the vLLM side failed (exit {proc.returncode}): {stderr.strip()[-3000:]}")
 
 
 # -- the oracle ------------------------------------------------------------------------------
@@ -90,15 +95,52 @@ def run_hf_oracle(model_dir: str, num_requests: int, seed: int) -> list[list[int
     return out
 
 
+def near_ties(model_dir: str, num_requests: int, seed: int, got: dict[str, list[list[int]]],
+              oracle: list[list[int]]) -> dict[str, list[dict[str, Any]]]:
+    """For each side's request that differs from HF: where it first differs, and HF's own
+    logits there (float64 from HF's float32 forward): the top two and their gap, so a flip at
+    a float32 near-tie tells itself apart from a wrong token."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    work = _workload(model_dir, num_requests, seed)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    out: dict[str, list[dict[str, Any]]] = {}
+    for side, tokens in got.items():
+        for i, (a, b) in enumerate(zip(tokens, oracle, strict=True)):
+            if a == b:
+                continue
+            j = next((k for k in range(min(len(a), len(b))) if a[k] != b[k]), min(len(a), len(b)))
+            ids = torch.tensor([work[i].prompt_token_ids + b[:j]])
+            with torch.inference_mode():
+                logits = model(ids).logits[0, -1].double()
+            top = logits.topk(2).values.tolist()
+            side_logit = float(logits[a[j]]) if j < len(a) else float("nan")
+            gap = top[0] - side_logit
+            out.setdefault(side, []).append({"request": i, "position": j, "hf_top2": top,
+                                             "side_token_logit": side_logit,
+                                             "gap": gap, "relative_gap": gap / abs(top[0])})
+    return out
+
+
 # -- the machine's roofline -------------------------------------------------------------------
 def measure_peaks(repeats: int = 5) -> dict[str, float]:
-    """sgemm FLOP/s (2048^3 fp32 matmul) and memory bandwidth (a 256 MiB copy: read + write),
-    best of `repeats`, with torch's default threads."""
+    """sgemm FLOP/s (a 2048^3 fp32 matmul, the faster of torch.mm (MKL) and oneDNN with a
+    packed weight, which may use wider vectors than MKL does on a given CPU) and memory
+    bandwidth (a 256 MiB copy: read + write), best of `repeats`, torch's default threads."""
+    from kernels.linear import cpu as cpu_linear
+
     n = 2048
     a, b = torch.randn(n, n), torch.randn(n, n)
     c = torch.empty(n, n)
     torch.mm(a, b, out=c)
     best_mm = min(_timed(lambda: torch.mm(a, b, out=c)) for _ in range(repeats))
+    if cpu_linear.available():
+        packed = cpu_linear.pack(b)
+        cpu_linear.linear(a, packed, None)
+        best_mm = min(best_mm, *(_timed(lambda: cpu_linear.linear(a, packed, None)) for _ in range(repeats)))
     src = torch.ones(64 * 1024 * 1024)     # 256 MiB of fp32
     dst = torch.empty_like(src)
     dst.copy_(src)
@@ -228,6 +270,16 @@ def bench_peer(
     oracle = _in_fresh_process(run_hf_oracle, model_dir, num_requests, seed)
     cost = workload_cost(model_dir, work)
     report = _report(results, oracle, peaks, cost, echo)
+    if not report["both_equal_hf"]:
+        ties = _in_fresh_process(near_ties, model_dir, num_requests, seed,
+                                 {s: results[s]["tokens"] for s in results}, oracle)
+        report["differences"] = ties
+        for side, rows in ties.items():
+            for t in rows:
+                echo(f"  {side}: request {t['request']} first differs at output {t['position']}: HF's top two "
+                     f"logits {t['hf_top2'][0]:.5f} / {t['hf_top2'][1]:.5f}, "
+                     f"{side}'s token {t['side_token_logit']:.5f} "
+                     f"(gap {t['gap']:.2e}, {t['relative_gap']:.1e} relative)")
     if scaling:
         report["scaling"] = _scaling(python, model_dir, seed, echo)
     if json_out:
