@@ -5,6 +5,11 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ["LOCKGATE_CHECK_INVARIANTS"] = "1"
+# The Triton kernels' tests run them on CPU tensors in Triton's interpreter, which triton
+# reads once, when first imported, and anything collected may import it first (peft and
+# transformers look for it): so it is set here, for the whole session, unless set already
+# (scripts/device-check.sh sets TRITON_INTERPRET=0 on a GPU machine: compiled, on CUDA).
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import weakref
 
