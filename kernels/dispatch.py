@@ -11,6 +11,7 @@ CPU kernel runs that op's reference (the reference is its CPU path).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 
@@ -58,6 +59,17 @@ def triton_runs_on(device: torch.device) -> str | None:
     return f"Triton kernels need a CUDA device or TRITON_INTERPRET=1; these tensors are on {device.type}"
 
 
+def on_device(device: torch.device) -> contextlib.AbstractContextManager[object]:
+    """Around a Triton launch: the launch goes to the tensors' own CUDA device (not whichever
+    is current); CPU tensors need the interpreter (KernelUnavailable otherwise)."""
+    if device.type == "cuda":
+        return torch.cuda.device(device)
+    if not interpreting():
+        raise KernelUnavailable(f"Triton kernels on {device.type} tensors run in Triton's interpreter: "
+                                "set TRITON_INTERPRET=1 before triton is imported")
+    return contextlib.nullcontext()
+
+
 def pick(device: torch.device, has_cpu_kernel: bool = False) -> str:
     """The path a kernel call on this device takes: "reference", "cpu" or "triton".
 
@@ -81,4 +93,4 @@ def pick(device: torch.device, has_cpu_kernel: bool = False) -> str:
     return "reference"
 
 
-__all__ = ["CHOICES", "KernelUnavailable", "interpreting", "kernel_choice", "pick", "triton_runs_on"]
+__all__ = ["CHOICES", "KernelUnavailable", "interpreting", "kernel_choice", "on_device", "pick", "triton_runs_on"]

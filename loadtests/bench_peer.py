@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -69,6 +71,10 @@ def run_vllm(python: Path, model_dir: str, work: list[OfflineRequest], max_num_s
         os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate()
         raise PeerUnavailable(f"the vLLM side took over {timeout_s:.0f} s") from None
+    except BaseException:          # Ctrl-C too: its own session never sees the terminal's SIGINT
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        raise
     for line in stdout.splitlines():
         if line.startswith(RESULT_PREFIX):
             return json.loads(line[len(RESULT_PREFIX):])
@@ -121,7 +127,7 @@ def near_ties(model_dir: str, num_requests: int, seed: int, got: dict[str, list[
             gap = top[0] - side_logit
             out.setdefault(side, []).append({"request": i, "position": j, "hf_top2": top,
                                              "side_token_logit": side_logit,
-                                             "gap": gap, "relative_gap": gap / abs(top[0])})
+                                             "gap": gap, "relative_gap": gap / max(abs(top[0]), 1e-30)})
     return out
 
 
@@ -213,14 +219,21 @@ def layer7b_model_dir() -> Path:
     sd[p + "mlp.gate_proj.weight"] = w(inter, h)
     sd[p + "mlp.up_proj.weight"] = w(inter, h)
     sd[p + "mlp.down_proj.weight"] = w(h, inter)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.mkdir(parents=True, exist_ok=True)
-    for f in small.iterdir():
-        if f.name not in ("config.json", "model.safetensors"):
-            (tmp / f.name).write_bytes(f.read_bytes())
-    (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
-    save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    tmp.rename(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=path.name + ".tmp"))
+    try:
+        for f in small.iterdir():
+            if f.name not in ("config.json", "model.safetensors"):
+                (tmp / f.name).write_bytes(f.read_bytes())
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+        save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        tmp.rename(path)
+    except OSError:
+        if (path / "model.safetensors").is_file():     # another bench wrote it meanwhile
+            return path
+        raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return path
 
 

@@ -5,6 +5,8 @@ reference, which every device runs). `LOCKGATE_KERNELS=reference` keeps `F.linea
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn.functional as F
 
@@ -14,23 +16,26 @@ from kernels.linear import cpu
 
 class PackedWeight:
     """A projection's weight as oneDNN wants it, packed on first use and again whenever the
-    weight is replaced or changed in place (its storage or version moves)."""
+    weight is replaced (another tensor, or another storage) or changed in place (its version
+    moves).
 
-    __slots__ = ("_key", "packed")
+    Used from one thread at a time (the engine's step loop; each model owns its modules).
+    `implementation` never packs an inference tensor, whose in-place changes have no version
+    to show them."""
+
+    __slots__ = ("_key", "_source", "packed")
 
     def __init__(self) -> None:
         self._key: tuple[int, int, tuple[int, ...]] | None = None
+        self._source: weakref.ref[torch.Tensor] | None = None   # the very tensor packed
         self.packed: torch.Tensor | None = None
 
     def get(self, weight: torch.Tensor) -> torch.Tensor:
-        try:
-            version = weight._version
-        except RuntimeError:    # an inference tensor keeps no version: it cannot change in place either
-            version = -1
-        key = (weight.data_ptr(), version, tuple(weight.shape))
-        if key != self._key or self.packed is None:
-            self.packed = cpu.pack(weight)
-            self._key = key
+        key = (weight.data_ptr(), weight._version, tuple(weight.shape))
+        if key != self._key or self.packed is None or self._source is None or self._source() is not weight:
+            packed = cpu.pack(weight)
+            self._key, self._source, self.packed = key, weakref.ref(weight), packed
+            return packed
         return self.packed
 
     def clear(self) -> None:
@@ -44,10 +49,14 @@ def packs(device: torch.device, dtype: torch.dtype) -> bool:
             and pick(device, has_cpu_kernel=cpu.available()) == "cpu")
 
 
-def implementation(x: torch.Tensor, weight: torch.Tensor) -> str:
+def implementation(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> str:
     """"cpu" (oneDNN, packed weight) or "reference" (F.linear) for this call."""
     fits = (x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32
-            and weight.dim() == 2 and x.dim() == 2)
+            and weight.dim() == 2 and x.dim() == 2 and not weight.is_inference()
+            and (bias is None or (bias.dtype == torch.float32 and bias.device.type == "cpu"))
+            # oneDNN's op has no backward: where a gradient is wanted, F.linear
+            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
+                                                  or (bias is not None and bias.requires_grad))))
     if not fits or pick(x.device, has_cpu_kernel=cpu.available()) != "cpu":
         return "reference"
     # oneDNN's fixed cost (~10 us) loses to MKL's gemv on one or a few rows of a small
@@ -58,8 +67,8 @@ def implementation(x: torch.Tensor, weight: torch.Tensor) -> str:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: PackedWeight) -> torch.Tensor:
     """F.linear(x, weight, bias), through oneDNN on the CPU in float32 (same result within
     float32 rounding: the sums run in another order)."""
-    if implementation(x, weight) == "cpu":
-        return cpu.linear(x.contiguous(), packed.get(weight), bias)
+    if implementation(x, weight, bias) == "cpu":
+        return cpu.linear(x.contiguous(), packed.get(weight), None if bias is None else bias.contiguous())
     return F.linear(x, weight, bias)
 
 

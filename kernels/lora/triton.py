@@ -51,7 +51,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.dispatch import interpreting
+from kernels.dispatch import interpreting, on_device
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # programs a launch should reach on a GPU before the shrink stops splitting its reduction
@@ -206,8 +206,11 @@ def _sgmv_expand_kernel(
 
 # ------------------------------------------------------------------------------- launch
 def _launch(kernel: triton.JITFunction, grid: tuple[int, ...], *args: object, **meta: object) -> None:
-    """Every launch goes through here (tests count the programs of each grid)."""
-    kernel[grid](*args, **meta)
+    """Every launch goes through here (tests count the programs of each grid), on the device
+    of its tensors."""
+    device = next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu"))
+    with on_device(device):
+        kernel[grid](*args, **meta)
 
 
 def _pow2(n: int, lo: int, hi: int) -> int:

@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.dispatch import interpreting
+from kernels.dispatch import interpreting, on_device
 from kernels.quant.reference import GPTQ_BITS
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -243,18 +243,19 @@ def _launch(kernel, x2: torch.Tensor, out_shape: tuple[int, ...], N: int, K: int
         y = torch.empty((split, M, N), dtype=torch.float32, device=x2.device)
         stride_ys = y.stride(0)
     grid = (triton.cdiv(M, tiles.block_m) * triton.cdiv(N, tiles.block_n), split)
-    kernel[grid](
-        x2, *tensors, bias if bias is not None else y, y,
-        M, N, K, *scalars, k_per_split,
-        x2.stride(0), x2.stride(1), *strides,
-        stride_ys, y.stride(-2), y.stride(-1),
-        HAS_BIAS=bias is not None,
-        DOT_PRECISION="ieee" if x2.dtype == torch.float32 else "tf32",
-        DOT_IN_FP32=interpreting() and x2.dtype == torch.bfloat16,
-        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-        **constexprs,
-    )
+    with on_device(x2.device):
+        kernel[grid](
+            x2, *tensors, bias if bias is not None else y, y,
+            M, N, K, *scalars, k_per_split,
+            x2.stride(0), x2.stride(1), *strides,
+            stride_ys, y.stride(-2), y.stride(-1),
+            HAS_BIAS=bias is not None,
+            DOT_PRECISION="ieee" if x2.dtype == torch.float32 else "tf32",
+            DOT_IN_FP32=interpreting() and x2.dtype == torch.bfloat16,
+            BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+            num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+            **constexprs,
+        )
     if split > 1:
         y_final.copy_(y.sum(dim=0))
     return y_final.reshape(out_shape)

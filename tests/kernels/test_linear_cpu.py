@@ -34,7 +34,7 @@ def test_matches_f_linear(rows, n_in, n_out, bias):
 
 @needs_kernel
 def test_the_packed_weight_follows_the_weight():
-    w = torch.nn.Parameter(torch.randn(64, 32))
+    w = torch.nn.Parameter(torch.randn(64, 32), requires_grad=False)     # as the engine's are used
     x, packed = torch.randn(16, 32), PackedWeight()
     first = linear(x, w, None, packed)
     kept = packed.packed
@@ -94,3 +94,36 @@ def test_engine_greedy_equals_hf_on_both_paths(kernels, monkeypatch):
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         [SamplingParams(max_tokens=n, temperature=0.0) for n in lens], use_progress_bar=False)
     assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(d, p, n) for p, n in zip(prompts, lens, strict=True)]
+
+
+@needs_kernel
+def test_calls_the_kernel_cannot_serve_exactly_take_f_linear():
+    w, x = torch.randn(256, 256), torch.randn(64, 256)
+    # a gradient wanted: oneDNN's op has no backward
+    wg = torch.randn(256, 256, requires_grad=True)
+    assert implementation(x, wg) == "reference"
+    y = linear(x, wg, None, PackedWeight())
+    y.sum().backward()
+    assert wg.grad is not None
+    with torch.no_grad():
+        assert implementation(x, wg) == "cpu"
+    # an inference tensor can change in place with no version to show it: never packed
+    with torch.inference_mode():
+        wi = torch.randn(256, 256)
+    assert implementation(x, wi) == "reference"
+    # a bias that is not float32: F.linear's own rules; a strided one: made contiguous
+    assert implementation(x, w, torch.randn(256, dtype=torch.float64)) == "reference"
+    strided = torch.randn(512)[::2]
+    torch.testing.assert_close(linear(x, w, strided, PackedWeight()), F.linear(x, w, strided), rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_a_new_tensor_at_the_same_address_is_packed_again():
+    x, packed = torch.randn(16, 32), PackedWeight()
+    storage = torch.randn(64, 32)
+    a = storage.view(64, 32)
+    linear(x, a, None, packed)
+    b = storage.view(64, 32)           # same storage, same version, another tensor
+    with torch.no_grad():
+        storage.copy_(torch.randn(64, 32))
+    torch.testing.assert_close(linear(x, b, None, packed), F.linear(x, b), rtol=1e-5, atol=1e-5)

@@ -139,3 +139,19 @@ def test_shapes_past_the_kernels_limits_take_the_reference_and_a_direct_call_is_
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="blocks of at most 256"):
         cpu.decode_attention(q, kc, vc, tables, torch.arange(2), torch.arange(2), lens, 0.3, torch.empty_like(q))
+
+
+def test_a_first_block_of_minus_infinity_scores_is_weighed_as_nothing():
+    """Every score of the first block at -inf (keys at -inf against a positive query): the
+    later keys decide, as in the reference; no NaN."""
+    if not cpu.available():
+        pytest.skip("no C compiler")
+    torch.manual_seed(4)
+    kc, vc = torch.randn(1, 4, 16, 8), torch.randn(1, 4, 16, 8)
+    kc[0, 1] = float("-inf")                       # block 1 is the sequence's first
+    q = torch.rand(1, 2, 8) + 0.1
+    tables, lens, starts = torch.tensor([[1, 3, 0]]), torch.tensor([40]), torch.tensor([0, 1])
+    got = cpu.paged_attention(q, kc, vc, tables, lens, starts, 0.5)
+    want = reference.paged_attention(q, kc, vc, tables, lens, starts, 0.5)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -35,7 +35,7 @@ static inline float dot(const float *a, const float *b, int64_t d) {
     return s;
 }
 
-/* e^x for x <= 0 (0 below -87.3): x = n ln2 + r, |r| <= ln2 / 2, e^r by a degree-6
+/* e^x for x <= 0 (about 1e-38 at and below -87.3): x = n ln2 + r, |r| <= ln2 / 2, e^r by a degree-6
  * polynomial (Horner), 2^n put into the exponent bits. Branch-free, so loops of it vectorize. */
 static inline float exp_neg(float x) {
     x = x < -87.3f ? -87.3f : x;
@@ -166,6 +166,7 @@ int lg_decode_attention_f32(
                     const float *qg = q + g * D;
                     const float bmax = block_scores(qg, kb, m, D, scale, s);
                     const float new_max = bmax > mx[g] ? bmax : mx[g];
+                    if (new_max == -INFINITY) continue;   /* every key so far at -inf: nothing to weigh yet */
                     float psum = 0.f;
                     #pragma omp simd reduction(+:psum)
                     for (int64_t t = 0; t < m; t++) {
