@@ -53,6 +53,20 @@ def test_decodes_and_chunks_match_the_reference(block_size, heads, scattered):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("head_dim", [64, 80, 128])
+@pytest.mark.parametrize("heads", [(4, 2), (3, 1), (10, 2), (2, 2)])
+def test_real_head_sizes_take_the_vector_paths(head_dim, heads):
+    """Head sizes of real models: multiples of 8 (keys scored 8 at a time), of 64 (values 64
+    columns at a time) with and without a remainder (80); query heads per KV head one, two
+    (a pair), three and five (pairs and a single)."""
+    seqs = [(1, 1), (7, 1), (8, 1), (9, 1), (100, 1), (257, 1), (40, 9)]
+    q, kc, vc, bt, lens, starts = _case(seqs, 16, heads, head_dim, 120, seed=5)
+    scale = head_dim ** -0.5
+    want = reference.paged_attention(q, kc, vc, bt, lens, starts, scale)
+    got = cpu.paged_attention(q, kc, vc, bt, lens, starts, scale)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_long_context_and_many_blocks():
     # 8k-token contexts, block ids near the top of a 70k-block cache
     seqs = [(8191, 1), (5000, 1), (1, 1), (4097, 1)]
