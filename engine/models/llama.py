@@ -20,7 +20,8 @@ from engine.models.linear import DenseLinear, LinearBase, LinearFactory
 from engine.models.rope import RopeAt, RotaryEmbedding
 from kernels.linear import PackedWeight
 from kernels.linear import linear as dense_linear
-from kernels.paged_attention import contiguous_first_slots, paged_attention, write_kv_cache
+from kernels.paged_attention import contiguous_first_slots, paged_attention
+from kernels.pointwise import add_rms_norm, rms_norm, rope_write_kv
 
 
 @dataclass(slots=True)
@@ -41,12 +42,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:   # one fused op; same result as the spelled-out form
-            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-        # half types: normalize in fp32 as HF does, then scale in the model's dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+    def add_forward(self, x: torch.Tensor | None, residual: torch.Tensor) -> torch.Tensor:
+        """residual += x in place (x None: nothing added), then the norm of it, in one pass."""
+        return add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -67,14 +67,10 @@ class Attention(nn.Module):
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        qkv = self.qkv_proj(x)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = rope(q), rope(k)
         key_cache, value_cache = kv_cache
-        write_kv_cache(k, v, key_cache, value_cache, meta.slot_mapping)
+        # q and k rotated, k and v written into the cache, in one pass on the CPU
+        q = rope_write_kv(self.qkv_proj(x), self.num_heads, self.num_kv_heads, rope.cos, rope.sin,
+                          key_cache, value_cache, meta.slot_mapping)
         o = paged_attention(
             q, key_cache, value_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
             self.scale, meta.first_slots,
@@ -102,9 +98,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, linear)
 
-    def forward(self, x, rope, kv_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, rope, kv_cache, meta):
+        """x: the previous layer's MLP output, added to `residual` (the hidden state, updated
+        in place; x None in the first layer, whose residual is the embedding). Returns this
+        layer's MLP output; the caller's residual now holds the state before it."""
+        h = self.input_layernorm.add_forward(x, residual)
+        h = self.self_attn(h, rope, kv_cache, meta)
+        h = self.post_attention_layernorm.add_forward(h, residual)
+        return self.mlp(h)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -147,9 +148,10 @@ class LlamaForCausalLM(nn.Module):
         if kv_caches and meta.first_slots is None:     # likewise the contiguity of each table
             meta.first_slots = contiguous_first_slots(meta.block_tables, meta.seq_lens,
                                                       kv_caches[0][0].shape[2])
+        residual, x = x, None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, rope, kv_cache, meta)
-        return self.norm(x)
+            x = layer(x, residual, rope, kv_cache, meta)
+        return self.norm.add_forward(x, residual)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

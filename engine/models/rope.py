@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from kernels.pointwise import rotate
+
 
 def inv_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
@@ -69,5 +71,4 @@ class RopeAt:
         self.cos, self.sin, self.half = cos, sin, half
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        x1, x2 = x[..., : self.half], x[..., self.half :]
-        return x * self.cos + torch.cat([-x2, x1], dim=-1) * self.sin
+        return rotate(x, self.cos, self.sin)

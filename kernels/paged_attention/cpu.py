@@ -7,154 +7,56 @@ padding) with all sequences and KV heads shared out between the threads: on the 
 bench's shapes (64 decodes of 500-1100 tokens, 2 KV heads of 64) 1.9x faster per layer on
 two cores. float32 only; other dtypes take the reference.
 
-The kernel is compiled on first use with the machine's C compiler (`CC`, else cc/gcc;
-`-O3 -march=native -fopenmp`) into a cache directory (`LOCKGATE_KERNEL_CACHE`, default
-`~/.cache/lockgate/kernels`), keyed by the source, the flags, the compiler and the CPU, and
-loaded with ctypes; a compile is bounded in time. `LOCKGATE_KERNELS=reference` keeps the
-plain-torch path; `cpu` asks for this one and fails loudly (naming what is missing) where it
-cannot be built; unset, the engine takes it where it builds and otherwise says so once in
-the log and runs the reference.
+The kernel is built on first use (kernels/cbuild.py: the machine's C compiler, cached per
+source, compiler and CPU). `LOCKGATE_KERNELS=reference` keeps the plain-torch path; `cpu`
+asks for this one and fails loudly (naming what is missing) where it cannot be built;
+unset, the engine takes it where it builds and otherwise says so once in the log and runs
+the reference.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-import threading
 from pathlib import Path
 
 import torch
 
-from kernels.dispatch import CHOICES, KernelUnavailable, kernel_choice
+from kernels.cbuild import CKernel
+from kernels.dispatch import CHOICES, KernelUnavailable
 from kernels.paged_attention import reference
 
-logger = logging.getLogger(__name__)
-
 SOURCE = Path(__file__).with_name("csrc") / "decode_attention.c"
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
-COMPILE_TIMEOUT_S = 120.0
 MAX_BLOCK, MAX_GROUP = 256, 64   # the kernel's limits (csrc): larger shapes take the reference
 KERNEL_CHOICES = CHOICES   # LOCKGATE_KERNELS' values, shared by every kernel (kernels/dispatch.py)
 
 
-def cache_dir() -> Path:
-    explicit = os.environ.get("LOCKGATE_KERNEL_CACHE")
-    if explicit:
-        return Path(explicit)
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "lockgate" / "kernels"
+def _declare(lib: ctypes.CDLL) -> None:
+    fn = lib.lg_decode_attention_f32
+    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+    fn.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64,
+                   ctypes.c_float, ptr, ctypes.c_int]
+    fn.restype = ctypes.c_int
 
 
-def _compiler() -> str | None:
-    for name in (os.environ.get("CC"), "cc", "gcc"):
-        if name and shutil.which(name):
-            return shutil.which(name)
-    return None
-
-
-def _cpu_id() -> str:
-    """What -march=native compiles for: the CPU's model and flags."""
-    try:
-        text = Path("/proc/cpuinfo").read_text(errors="replace")
-    except OSError:
-        return platform.processor() or platform.machine()
-    wanted = [line for line in text.splitlines() if line.startswith(("model name", "flags"))][:2]
-    return "\n".join(wanted) or platform.machine()
-
-
-def _compiler_version(cc: str) -> str:
-    try:
-        done = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30, check=False)  # noqa: S603
-    except (OSError, subprocess.TimeoutExpired):
-        return ""
-    return done.stdout.splitlines()[0] if done.stdout else ""
+KERNEL = CKernel(SOURCE, "CPU attention kernel", _declare)
 
 
 def build(directory: Path | None = None) -> Path:
-    """The compiled kernel's path, compiling it if this machine has none yet. Raises
-    KernelUnavailable naming what is missing (no compiler, a failed or slow compile)."""
-    cc = _compiler()
-    if cc is None:
-        raise KernelUnavailable("no C compiler found (set CC, or install gcc): the CPU attention "
-                                "kernel cannot be built; LOCKGATE_KERNELS=reference runs without it")
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), _compiler_version(cc).encode(),
-                                     _cpu_id().encode(), platform.machine().encode()])).hexdigest()[:16]
-    directory = directory or cache_dir()
-    target = directory / f"decode_attention-{key}.so"
-    if target.exists():
-        return target
-    directory.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=directory)
-    os.close(fd)
-    try:
-        done = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp, "-lm"],  # noqa: S603
-                              capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S, check=False)
-        if done.returncode != 0:
-            raise KernelUnavailable(f"{cc} could not compile {SOURCE.name} "
-                                    f"(exit {done.returncode}): {done.stderr.strip()[-2000:]}")
-        os.replace(tmp, target)     # atomic: concurrent builders each rename a whole file
-    except subprocess.TimeoutExpired as exc:
-        raise KernelUnavailable(f"{cc} took over {COMPILE_TIMEOUT_S:.0f} s compiling {SOURCE.name}") from exc
-    except OSError as exc:
-        raise KernelUnavailable(f"compiling {SOURCE.name} with {cc}: {exc}") from exc
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return target
-
-
-_lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_tried = False
+    """The compiled kernel's path, compiling it if this machine has none yet (KernelUnavailable
+    naming what is missing)."""
+    return KERNEL.build(directory)
 
 
 def load() -> ctypes.CDLL:
-    """The kernel library, built and loaded once per process (KernelUnavailable if not)."""
-    global _lib, _tried
-    with _lock:
-        if _lib is not None:
-            return _lib
-        _tried = True
-        path = build()
-        try:
-            lib = ctypes.CDLL(str(path))
-        except OSError as exc:
-            raise KernelUnavailable(f"loading {path}: {exc}") from exc
-        fn = lib.lg_decode_attention_f32
-        ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-        fn.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64,
-                       ctypes.c_float, ptr, ctypes.c_int]
-        fn.restype = ctypes.c_int
-        _lib = lib
-        return lib
+    return KERNEL.load()
 
 
 def available() -> bool:
-    """Whether the CPU path runs in this process: not turned off by LOCKGATE_KERNELS, and
-    built. Unset, a failed build is logged once and the reference runs; `cpu` raises;
-    `reference` and `triton` ask for another path (False, and nothing is built)."""
-    choice = kernel_choice()
-    if choice in ("reference", "triton"):     # asked for another path: this one is not built
-        return False
-    if _lib is not None:
-        return True
-    if _tried and choice != "cpu":
-        return False
-    try:
-        load()
-    except KernelUnavailable as exc:
-        if choice == "cpu":
-            raise
-        logger.warning("CPU attention kernel unavailable, using the torch reference: %s", exc)
-        return False
-    return True
+    """Whether the CPU path runs in this process (see kernels.cbuild.CKernel.available)."""
+    return KERNEL.available()
+
+
+__all__ = ["KernelUnavailable", "available", "build", "decode_attention", "load", "paged_attention"]
 
 
 def decode_attention(

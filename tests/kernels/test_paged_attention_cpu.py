@@ -102,8 +102,8 @@ def test_bad_arguments_are_refused_not_read_out_of_bounds():
 @pytest.fixture
 def fresh_state(monkeypatch, tmp_path):
     """No kernel loaded yet in this process, and an empty cache: the next call builds."""
-    monkeypatch.setattr(cpu, "_lib", None)
-    monkeypatch.setattr(cpu, "_tried", False)
+    monkeypatch.setattr(cpu.KERNEL, "lib", None)
+    monkeypatch.setattr(cpu.KERNEL, "tried", False)
     monkeypatch.setenv("LOCKGATE_KERNEL_CACHE", str(tmp_path / "cache"))
     return tmp_path
 
@@ -114,9 +114,9 @@ def test_no_compiler_is_a_clear_error_when_asked_for_and_a_fallback_when_not(fre
     monkeypatch.setenv("LOCKGATE_KERNELS", "cpu")
     with pytest.raises(cpu.KernelUnavailable, match="no C compiler found"):
         cpu.available()
-    monkeypatch.setattr(cpu, "_tried", False)
+    monkeypatch.setattr(cpu.KERNEL, "tried", False)
     monkeypatch.delenv("LOCKGATE_KERNELS")
-    with caplog.at_level(logging.WARNING, logger="kernels.paged_attention.cpu"):
+    with caplog.at_level(logging.WARNING, logger="kernels.cbuild"):
         assert cpu.available() is False
     assert "using the torch reference" in caplog.text
     assert implementation(torch.device("cpu"), torch.float32) == "reference"

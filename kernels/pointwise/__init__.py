@@ -1,0 +1,44 @@
+"""A decoder layer's pointwise work: the residual add with the RMSNorm after it, and the
+rotary embedding with the K/V cache write. Each call picks its path (kernels/dispatch.py;
+`LOCKGATE_KERNELS` overrides): on the CPU in float32 the C kernel (`cpu.py`, built on first
+use), else the plain-torch reference (`reference.py`; on CUDA its cache write is the Triton
+kernel's). A call that wants a gradient takes the reference."""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.dispatch import pick
+from kernels.pointwise import cpu, reference
+from kernels.pointwise.reference import rms_norm, rotate
+
+
+def _on_cpu_kernel(*tensors: torch.Tensor) -> bool:
+    if not all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors):
+        return False
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return False
+    return pick(tensors[0].device, has_cpu_kernel=cpu.available()) == "cpu"
+
+
+def add_rms_norm(x: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """residual += x in place (x None: nothing added), then HF's RMSNorm of it."""
+    tensors = (residual, weight) if x is None else (x, residual, weight)
+    if residual.dim() == 2 and _on_cpu_kernel(*tensors):
+        return cpu.add_rms_norm(None if x is None else x.contiguous(), residual, weight.contiguous(), eps) \
+            if residual.is_contiguous() else reference.add_rms_norm(x, residual, weight, eps)
+    return reference.add_rms_norm(x, residual, weight, eps)
+
+
+def rope_write_kv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, cos: torch.Tensor, sin: torch.Tensor,
+                  key_cache: torch.Tensor, value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+    """q and k rotated (cos/sin [T, 1, D]), k and v written into the caches at their slots;
+    returns q [T, num_heads, D]."""
+    if (qkv.dim() == 2 and qkv.is_contiguous() and key_cache.is_contiguous() and value_cache.is_contiguous()
+            and _on_cpu_kernel(qkv, cos, sin, key_cache, value_cache)):
+        return cpu.rope_write_kv(qkv, num_heads, num_kv_heads, cos.contiguous(), sin.contiguous(), key_cache,
+                                 value_cache, slot_mapping.contiguous())
+    return reference.rope_write_kv(qkv, num_heads, num_kv_heads, cos, sin, key_cache, value_cache, slot_mapping)
+
+
+__all__ = ["add_rms_norm", "rms_norm", "rope_write_kv", "rotate"]
