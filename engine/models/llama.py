@@ -8,11 +8,10 @@ block tables. Checkpoints load by Hugging Face's own weight names.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
@@ -21,7 +20,7 @@ from engine.models.rope import RopeAt, RotaryEmbedding
 from kernels.linear import PackedWeight
 from kernels.linear import linear as dense_linear
 from kernels.paged_attention import contiguous_first_slots, paged_attention
-from kernels.pointwise import add_rms_norm, rms_norm, rope_write_kv
+from kernels.pointwise import add_rms_norm, rms_norm, rope_write_kv, silu_mul
 
 
 @dataclass(slots=True)
@@ -33,6 +32,8 @@ class AttentionMetadata:
     # per sequence, the cache slot of its first token when its blocks are consecutive ids,
     # else -1: worked out once per forward (by the model) for every layer's attention
     first_slots: list[int] | None = None
+    # what an attention path works out from this metadata once for every layer of a forward
+    step_cache: dict = field(default_factory=dict)
 
 
 class RMSNorm(nn.Module):
@@ -73,7 +74,7 @@ class Attention(nn.Module):
                           key_cache, value_cache, meta.slot_mapping)
         o = paged_attention(
             q, key_cache, value_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-            self.scale, meta.first_slots,
+            self.scale, meta.first_slots, meta.step_cache,
         )
         return self.o_proj(o.reshape(-1, self.q_size))
 
@@ -86,8 +87,7 @@ class MLP(nn.Module):
         self.down_proj = linear(cfg.intermediate_size, [cfg.hidden_size], False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate).mul_(up))
+        return self.down_proj(silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):

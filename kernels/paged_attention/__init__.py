@@ -23,8 +23,11 @@ def paged_attention(
     query_start_loc: torch.Tensor,
     scale: float,
     first_slots: list[int] | None = None,
+    step_cache: dict | None = None,
 ) -> torch.Tensor:
-    """See reference.paged_attention: same signature, same result within float rounding."""
+    """See reference.paged_attention: same signature, same result within float rounding.
+    `step_cache`: a dict kept for the layers of one forward (the same metadata), where a
+    path may keep what it works out from the metadata once for all of them."""
     path = implementation(query.device, query.dtype)
     if path == "triton":
         from kernels.paged_attention import triton as triton_kernels
@@ -33,7 +36,7 @@ def paged_attention(
                                               query_start_loc, scale, first_slots)
     if path == "cpu":
         return cpu.paged_attention(query.contiguous(), key_cache, value_cache, block_tables,
-                                   seq_lens, query_start_loc, scale, first_slots)
+                                   seq_lens, query_start_loc, scale, first_slots, step_cache)
     return reference.paged_attention(query, key_cache, value_cache, block_tables, seq_lens,
                                      query_start_loc, scale, first_slots)
 

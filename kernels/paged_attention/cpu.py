@@ -92,6 +92,21 @@ def decode_attention(
                          f"block size {block_size}: at most 64 query heads a KV head, blocks of at most 256")
 
 
+class _DecodeSplit:
+    """A step's decoding sequences (one new token each) as the kernel takes them: the same
+    for every layer of a forward, so worked out once when the caller passes a step cache."""
+
+    __slots__ = ("ctx_lens", "num_decodes", "num_seqs", "seq_rows", "tables", "token_rows")
+
+    def __init__(self, block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor) -> None:
+        q_lens = query_start_loc[1:] - query_start_loc[:-1]
+        self.seq_rows = (q_lens == 1).nonzero().squeeze(1)
+        self.num_decodes, self.num_seqs = self.seq_rows.numel(), q_lens.numel()
+        self.tables = block_tables.contiguous()
+        self.token_rows = query_start_loc[:-1].index_select(0, self.seq_rows).contiguous()
+        self.ctx_lens = seq_lens.index_select(0, self.seq_rows).contiguous()
+
+
 def paged_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -101,23 +116,26 @@ def paged_attention(
     query_start_loc: torch.Tensor,
     scale: float,
     first_slots: list[int] | None = None,
+    step_cache: dict | None = None,
 ) -> torch.Tensor:
     """As reference.paged_attention (same signature and result within float rounding): the
-    decodes through the C kernel in one call, prefill chunks through the reference."""
-    q_lens = query_start_loc[1:] - query_start_loc[:-1]
-    decode = q_lens == 1
-    num_decodes = int(decode.sum())
+    decodes through the C kernel in one call, prefill chunks through the reference.
+    `step_cache`: a dict the caller keeps for one forward's layers (same metadata), where
+    the decodes' rows are kept after the first layer works them out."""
+    split = None if step_cache is None else step_cache.get("cpu_decode_split")
+    if split is None:
+        split = _DecodeSplit(block_tables, seq_lens, query_start_loc)
+        if step_cache is not None:
+            step_cache["cpu_decode_split"] = split
     num_kv_heads, _, block_size, _ = key_cache.shape
-    if (num_decodes == 0 or not query.is_contiguous() or block_size > MAX_BLOCK
+    if (split.num_decodes == 0 or not query.is_contiguous() or block_size > MAX_BLOCK
             or query.shape[1] > MAX_GROUP * num_kv_heads):
         return reference.paged_attention(query, key_cache, value_cache, block_tables, seq_lens,
                                          query_start_loc, scale, first_slots)
     out = torch.empty_like(query)
-    seq_rows = decode.nonzero().squeeze(1)
-    decode_attention(query, key_cache, value_cache, block_tables.contiguous(), seq_rows,
-                     query_start_loc[:-1].index_select(0, seq_rows).contiguous(),
-                     seq_lens.index_select(0, seq_rows).contiguous(), scale, out)
-    if num_decodes < q_lens.numel():
+    decode_attention(query, key_cache, value_cache, split.tables, split.seq_rows, split.token_rows,
+                     split.ctx_lens, scale, out)
+    if split.num_decodes < split.num_seqs:
         reference.prefill_attention(query, key_cache, value_cache, block_tables, seq_lens,
                                     query_start_loc, scale, first_slots, out)
     return out

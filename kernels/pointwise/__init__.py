@@ -1,5 +1,5 @@
-"""A decoder layer's pointwise work: the residual add with the RMSNorm after it, and the
-rotary embedding with the K/V cache write. Each call picks its path (kernels/dispatch.py;
+"""A decoder layer's pointwise work: the residual add with the RMSNorm after it, the rotary
+embedding with the K/V cache write, and the MLP's SiLU-and-mul. Each call picks its path (kernels/dispatch.py;
 `LOCKGATE_KERNELS` overrides): on the CPU in float32 the C kernel (`cpu.py`, built on first
 use), else the plain-torch reference (`reference.py`; on CUDA its cache write is the Triton
 kernel's). A call that wants a gradient takes the reference."""
@@ -41,4 +41,11 @@ def rope_write_kv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, cos: tor
     return reference.rope_write_kv(qkv, num_heads, num_kv_heads, cos, sin, key_cache, value_cache, slot_mapping)
 
 
-__all__ = ["add_rms_norm", "rms_norm", "rope_write_kv", "rotate"]
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of gate_up [rows, 2 * inter] (the gate/up projection's output)."""
+    if gate_up.dim() == 2 and gate_up.is_contiguous() and _on_cpu_kernel(gate_up):
+        return cpu.silu_mul(gate_up)
+    return reference.silu_mul(gate_up)
+
+
+__all__ = ["add_rms_norm", "rms_norm", "rope_write_kv", "rotate", "silu_mul"]

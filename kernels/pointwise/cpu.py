@@ -1,7 +1,7 @@
 """A decoder layer's pointwise work on the CPU in float32 through a small C kernel
 (csrc/pointwise.c, built on first use by kernels/cbuild.py): the residual add with the
-RMSNorm after it in one pass, and the rotary embedding of q and k with the K/V cache write
-in one pass, every row of a step in one call. Each replaces several torch ops, each of
+RMSNorm after it in one pass, the rotary embedding of q and k with the K/V cache write in
+one pass, and SiLU-and-mul, every row of a step in one call. Each replaces several torch ops, each of
 which reads and writes whole tensors and costs its own dispatch (5-60 us on the demo
 model's shapes)."""
 
@@ -23,6 +23,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.lg_add_rms_norm_f32.restype = None
     lib.lg_rope_write_kv_f32.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, i64, ptr, i32]
     lib.lg_rope_write_kv_f32.restype = ctypes.c_int
+    lib.lg_silu_mul_f32.argtypes = [ptr, i64, i64, i64, ptr, i32]
+    lib.lg_silu_mul_f32.restype = None
 
 
 KERNEL = CKernel(SOURCE, "CPU pointwise kernel", _declare)
@@ -75,3 +77,15 @@ def rope_write_kv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, cos: tor
     if rc:
         raise ValueError(f"rope_write_kv: a slot outside the cache's {num_slots} (nothing written)")
     return q
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """As reference.silu_mul: silu(gate) * up of gate_up [rows, 2 * inter]."""
+    _check("silu_mul", gate_up)
+    if gate_up.dim() != 2 or gate_up.shape[1] % 2:
+        raise ValueError(f"silu_mul: gate_up [rows, 2 * inter], got {tuple(gate_up.shape)}")
+    rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty(rows, inter)
+    KERNEL.load().lg_silu_mul_f32(gate_up.data_ptr(), gate_up.shape[1], rows, inter, out.data_ptr(),
+                                  torch.get_num_threads())
+    return out

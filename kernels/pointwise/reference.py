@@ -50,3 +50,9 @@ def rope_write_kv(
     k = rotate(k.view(-1, num_kv_heads, d), cos, sin)
     write_kv_cache(k, v.view(-1, num_kv_heads, d), key_cache, value_cache, slot_mapping)
     return q
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """The gated MLP's activation: silu(gate) * up of gate_up [..., 2 * inter]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate).mul_(up)

@@ -169,3 +169,20 @@ def test_a_first_block_of_minus_infinity_scores_is_weighed_as_nothing():
     want = reference.paged_attention(q, kc, vc, tables, lens, starts, 0.5)
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_step_cache_serves_every_layer_of_a_forward_the_same():
+    """The decodes' rows are worked out once per forward and kept in the step cache; each
+    layer (another cache, another query) still gets its own right answer."""
+    seqs = [(1, 1), (40, 9), (100, 1), (33, 1)]
+    step_cache: dict = {}
+    q0, kc0, vc0, bt, lens, starts = _case(seqs, 16, (4, 2), 64, 40, seed=1)
+    g = torch.Generator().manual_seed(2)
+    for layer in range(3):     # the same metadata, each layer its own cache and queries
+        q = q0 + layer * torch.randn(q0.shape, generator=g)
+        kc = kc0 + layer * torch.randn(kc0.shape, generator=g)
+        vc = vc0 * (1 + layer)
+        want = reference.paged_attention(q, kc, vc, bt, lens, starts, 0.125)
+        got = cpu.paged_attention(q, kc, vc, bt, lens, starts, 0.125, None, step_cache)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert "cpu_decode_split" in step_cache

@@ -85,3 +85,20 @@ def test_dispatch_takes_the_kernel_only_where_it_serves(monkeypatch):
     monkeypatch.setenv("LOCKGATE_KERNELS", "reference")
     pointwise.add_rms_norm(None, torch.randn(2, 8), w, 1e-5)
     assert calls == ["cpu"]
+
+
+@pytest.mark.parametrize("rows", [1, 9, 64, 300])
+@pytest.mark.parametrize("inter", [5, 704, 1031])
+def test_silu_mul_matches_the_reference(rows, inter):
+    g = torch.Generator().manual_seed(rows + inter)
+    gate_up = torch.randn(rows, 2 * inter, generator=g) * 4
+    gate_up[0, :5] = torch.tensor([-100.0, -87.5, 0.0, 30.0, 95.0])[:min(5, inter)]
+    want = reference.silu_mul(gate_up)
+    got = cpu.silu_mul(gate_up)
+    assert got.shape == (rows, inter)
+    torch.testing.assert_close(got, want, rtol=3e-6, atol=1e-30)    # e^-x within 2 ulp of expf
+
+
+def test_silu_mul_refuses_an_odd_width():
+    with pytest.raises(ValueError, match="2 \\* inter"):
+        cpu.silu_mul(torch.randn(3, 7))
