@@ -36,20 +36,17 @@ from __future__ import annotations
 import torch
 
 
-def lora_shrink_expand(
-    x: torch.Tensor,               # [T, in]
-    out: torch.Tensor,             # [T, out_total], added to in place
-    lora_a: torch.Tensor,          # [num_slots, r_max, in]
-    lora_b: torch.Tensor,          # [num_slots, hi - lo, r_max]
-    slot_per_token: torch.Tensor,  # [T] int64, -1 = no adapter
-    scaling: torch.Tensor,         # [num_slots] float
-    out_slice: tuple[int, int] | None = None,
-) -> torch.Tensor:
-    """Add each token's LoRA delta, scaling[s] * x[t] A_s^T B_s^T, into out[t, lo:hi] in place
-    (see the module docstring); tokens with slot -1 are skipped. Returns `out`.
-
-    The delta is computed in x's dtype and added in out's dtype. `out_slice` defaults to the
-    whole row, (0, out.shape[1])."""
+def check_shrink_expand_args(
+    x: torch.Tensor,
+    out: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    slot_per_token: torch.Tensor,
+    scaling: torch.Tensor,
+    out_slice: tuple[int, int] | None,
+) -> tuple[int, int]:
+    """The shapes `lora_shrink_expand` takes (here and in the Triton wrapper): ValueError on
+    any mismatch; returns the target columns (lo, hi), `out_slice` or the whole row."""
     num_tokens = x.shape[0]
     if x.dim() != 2 or out.dim() != 2 or out.shape[0] != num_tokens:
         raise ValueError(f"x must be [T, in] and out [T, out_total], got {tuple(x.shape)} and {tuple(out.shape)}")
@@ -67,6 +64,25 @@ def lora_shrink_expand(
         raise ValueError(f"slot_per_token must be [{num_tokens}], got {tuple(slot_per_token.shape)}")
     if tuple(scaling.shape) != (num_slots,):
         raise ValueError(f"scaling must be [{num_slots}], got {tuple(scaling.shape)}")
+    return lo, hi
+
+
+def lora_shrink_expand(
+    x: torch.Tensor,               # [T, in]
+    out: torch.Tensor,             # [T, out_total], added to in place
+    lora_a: torch.Tensor,          # [num_slots, r_max, in]
+    lora_b: torch.Tensor,          # [num_slots, hi - lo, r_max]
+    slot_per_token: torch.Tensor,  # [T] int64, -1 = no adapter
+    scaling: torch.Tensor,         # [num_slots] float
+    out_slice: tuple[int, int] | None = None,
+) -> torch.Tensor:
+    """Add each token's LoRA delta, scaling[s] * x[t] A_s^T B_s^T, into out[t, lo:hi] in place
+    (see the module docstring); tokens with slot -1 are skipped. Returns `out`.
+
+    The delta is computed in x's dtype and added in out's dtype. `out_slice` defaults to the
+    whole row, (0, out.shape[1])."""
+    lo, hi = check_shrink_expand_args(x, out, lora_a, lora_b, slot_per_token, scaling, out_slice)
+    num_tokens, num_slots = x.shape[0], lora_a.shape[0]
     if num_tokens == 0 or hi == lo:
         return out
 

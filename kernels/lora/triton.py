@@ -52,6 +52,7 @@ import triton
 import triton.language as tl
 
 from kernels.dispatch import interpreting, on_device
+from kernels.lora.reference import check_shrink_expand_args
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # programs a launch should reach on a GPU before the shrink stops splitting its reduction
@@ -125,6 +126,17 @@ def _bgmv_expand_kernel(
 
 
 @triton.jit
+def _sgmv_tile(tile_ptr, tile, BLOCK_M: tl.constexpr):
+    """Tile `tile` of an SGMV launch: its BLOCK_M row offsets, which of them are its rows, and
+    its slot (tile i is rows tiles[i, 0]:tiles[i, 1], all of slot tiles[i, 2])."""
+    row0 = tl.load(tile_ptr + tile * 3).to(tl.int64)
+    row1 = tl.load(tile_ptr + tile * 3 + 1).to(tl.int64)
+    slot = tl.load(tile_ptr + tile * 3 + 2).to(tl.int64)
+    m_offs = row0 + tl.arange(0, BLOCK_M)
+    return m_offs, m_offs < row1, slot
+
+
+@triton.jit
 def _sgmv_shrink_kernel(
     x_ptr, a_ptr, tile_ptr, part_ptr,
     K, R, k_per_split,
@@ -135,14 +147,9 @@ def _sgmv_shrink_kernel(
 ):
     """part[split, rows of the tile, r block] = x[rows, this split's k] @ A[slot, r block, k]^T;
     tile i is rows tiles[i, 0]:tiles[i, 1], all of slot tiles[i, 2]."""
-    tile = tl.program_id(0)
+    m_offs, m_mask, slot = _sgmv_tile(tile_ptr, tl.program_id(0), BLOCK_M)
     rb = tl.program_id(1)
     split = tl.program_id(2)
-    row0 = tl.load(tile_ptr + tile * 3).to(tl.int64)
-    row1 = tl.load(tile_ptr + tile * 3 + 1).to(tl.int64)
-    slot = tl.load(tile_ptr + tile * 3 + 2).to(tl.int64)
-    m_offs = row0 + tl.arange(0, BLOCK_M)
-    m_mask = m_offs < row1
     r_offs = rb * BLOCK_R + tl.arange(0, BLOCK_R)
     r_mask = r_offs < R
     acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
@@ -173,13 +180,8 @@ def _sgmv_expand_kernel(
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr,
 ):
     """out[rows of the tile, n block] += scale[slot] * shrunk[rows] @ Bt[slot, :, n block]."""
-    tile = tl.program_id(0)
+    m_offs, m_mask, slot = _sgmv_tile(tile_ptr, tl.program_id(0), BLOCK_M)
     nb = tl.program_id(1)
-    row0 = tl.load(tile_ptr + tile * 3).to(tl.int64)
-    row1 = tl.load(tile_ptr + tile * 3 + 1).to(tl.int64)
-    slot = tl.load(tile_ptr + tile * 3 + 2).to(tl.int64)
-    m_offs = row0 + tl.arange(0, BLOCK_M)
-    m_mask = m_offs < row1
     n_offs = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n_offs < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -453,23 +455,8 @@ def lora_shrink_expand(
 ) -> torch.Tensor:
     """reference.lora_shrink_expand by BGMV: one shrink and one expand launch, no sort and no
     host sync (save the range check of host-side slots). Returns `out`."""
-    num_tokens = x.shape[0]
-    if x.dim() != 2 or out.dim() != 2 or out.shape[0] != num_tokens:
-        raise ValueError(f"x must be [T, in] and out [T, out_total], got {tuple(x.shape)} and {tuple(out.shape)}")
-    if lora_a.dim() != 3 or lora_b.dim() != 3:
-        raise ValueError("lora_a must be [num_slots, r_max, in] and lora_b [num_slots, out, r_max]")
-    num_slots, r_max, in_features = lora_a.shape
-    lo, hi = out_slice if out_slice is not None else (0, out.shape[1])
-    if not 0 <= lo <= hi <= out.shape[1]:
-        raise ValueError(f"out_slice {(lo, hi)} is outside out's {out.shape[1]} columns")
-    if in_features != x.shape[1]:
-        raise ValueError(f"lora_a takes {in_features} inputs, x has {x.shape[1]}")
-    if tuple(lora_b.shape) != (num_slots, hi - lo, r_max):
-        raise ValueError(f"lora_b must be {(num_slots, hi - lo, r_max)}, got {tuple(lora_b.shape)}")
-    if slot_per_token.shape != (num_tokens,):
-        raise ValueError(f"slot_per_token must be [{num_tokens}], got {tuple(slot_per_token.shape)}")
-    if tuple(scaling.shape) != (num_slots,):
-        raise ValueError(f"scaling must be [{num_slots}], got {tuple(scaling.shape)}")
+    lo, hi = check_shrink_expand_args(x, out, lora_a, lora_b, slot_per_token, scaling, out_slice)
+    num_tokens, num_slots = x.shape[0], lora_a.shape[0]
     _check_dtypes(x, lora_a, lora_b)
     slots = _slots_on(slot_per_token, num_slots, x.device)
     if num_tokens == 0 or hi == lo:

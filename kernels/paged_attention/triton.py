@@ -209,7 +209,9 @@ INTERPRETED = type(_attention_kernel).__name__ == "InterpretedFunction"   # TRIT
 # -- launchers ----------------------------------------------------------------------------
 
 def _on(device: torch.device) -> contextlib.AbstractContextManager[Any]:
-    """Launches go to the tensors' CUDA device; CPU tensors need the interpreter."""
+    """Launches go to the tensors' CUDA device; CPU tensors need the interpreter. Not
+    kernels.dispatch.on_device, which reads TRITON_INTERPRET at call time: this module's
+    kernels were made interpreted or compiled when triton was imported (INTERPRETED)."""
     if device.type == "cuda":
         return torch.cuda.device(device)
     if not INTERPRETED:
