@@ -17,6 +17,7 @@ import torch
 
 from engine.grammar import grammar_bitmask, mask_logits
 from engine.sampling_params import SamplingParams
+from kernels.pointwise import argmax_rows
 
 if TYPE_CHECKING:
     from llguidance import LLMatcher
@@ -71,7 +72,7 @@ class Sampler:
         sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
         if greedy:
             idx = torch.tensor(greedy, device=logits.device) if len(greedy) < num_rows else None
-            chosen_g = (logits if idx is None else logits[idx]).argmax(dim=-1)
+            chosen_g = argmax_rows(logits if idx is None else logits[idx])
             if idx is None:
                 chosen = chosen_g
             else:
@@ -80,7 +81,7 @@ class Sampler:
             idx = torch.tensor(sampled, device=logits.device)
             probs = self._filtered_probs(logits[idx], [rows[i] for i in sampled])
             noise = self._noise(probs, [rows[i] for i in sampled])
-            chosen[idx] = (probs / noise).argmax(dim=-1)
+            chosen[idx] = argmax_rows(probs / noise)
         token_ids = chosen.tolist()
         out_logprobs: list = [None] * num_rows
         if raw_logprobs is not None:

@@ -1,5 +1,6 @@
 """A decoder layer's pointwise work: the residual add with the RMSNorm after it, the rotary
-embedding with the K/V cache write, and the MLP's SiLU-and-mul. Each call picks its path (kernels/dispatch.py;
+embedding with the K/V cache write, and the MLP's SiLU-and-mul; and the sampler's argmax
+over rows of logits. Each call picks its path (kernels/dispatch.py;
 `LOCKGATE_KERNELS` overrides): on the CPU in float32 the C kernel (`cpu.py`, built on first
 use), else the plain-torch reference (`reference.py`; on CUDA its cache write is the Triton
 kernel's). A call that wants a gradient takes the reference."""
@@ -48,4 +49,11 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return reference.silu_mul(gate_up)
 
 
-__all__ = ["add_rms_norm", "rms_norm", "rope_write_kv", "rotate", "silu_mul"]
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """x.argmax(dim=-1) of x [rows, cols]: the sampler's greedy choice (and its race's)."""
+    if x.dim() == 2 and x.shape[1] > 0 and x.is_contiguous() and _on_cpu_kernel(x):
+        return cpu.argmax_rows(x)
+    return x.argmax(dim=-1)
+
+
+__all__ = ["add_rms_norm", "argmax_rows", "rms_norm", "rope_write_kv", "rotate", "silu_mul"]

@@ -102,3 +102,36 @@ def test_silu_mul_matches_the_reference(rows, inter):
 def test_silu_mul_refuses_an_odd_width():
     with pytest.raises(ValueError, match="2 \\* inter"):
         cpu.silu_mul(torch.randn(3, 7))
+
+
+@pytest.mark.parametrize(("rows", "cols"), [(1, 1), (3, 7), (64, 8192), (5, 100_003)])
+def test_argmax_rows_is_torchs_argmax(rows, cols):
+    g = torch.Generator().manual_seed(cols)
+    x = torch.randn(rows, cols, generator=g)
+    assert torch.equal(cpu.argmax_rows(x), x.argmax(dim=-1))
+
+
+def test_argmax_rows_ties_infinities_and_nans_as_torch():
+    x = torch.tensor([
+        [1.0, 3.0, 3.0, 2.0],                                  # a tie: the first
+        [float("-inf")] * 4,                                   # all -inf: index 0
+        [0.0, float("inf"), 5.0, float("inf")],                # +inf, twice
+        [1.0, float("nan"), 9.0, float("nan")],                # a NaN wins, the first
+        [-2.0, -1.0, -1.0, -3.0],
+    ])
+    assert torch.equal(cpu.argmax_rows(x), x.argmax(dim=-1))
+    with pytest.raises(ValueError, match="cols >= 1"):
+        cpu.argmax_rows(torch.empty(2, 0))
+
+
+@pytest.mark.parametrize("cols", [1, 15, 16, 17, 33, 100, 8192])
+def test_argmax_rows_with_many_ties_picks_the_first(cols):
+    """Values from a handful of integers: the max recurs across vector lanes and in the tail,
+    and the first index must win wherever it lies."""
+    g = torch.Generator().manual_seed(cols)
+    x = torch.randint(0, 4, (50, cols), generator=g).float()
+    x[0, -1] = 9.0                   # the max only in the tail
+    if cols > 20:
+        x[1, :] = 0.0
+        x[1, 20] = x[1, 35 % cols] = 5.0   # lanes 4 and 3: the lower index wins, not the lower lane
+    assert torch.equal(cpu.argmax_rows(x), x.argmax(dim=-1))

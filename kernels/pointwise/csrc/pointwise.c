@@ -101,3 +101,50 @@ void lg_silu_mul_f32(const float *gate_up, int64_t stride, int64_t rows, int64_t
         for (int64_t i = 0; i < inter; i++) o[i] = g[i] / (1.0f + exp_f(-g[i])) * u[i];
     }
 }
+
+/* out[r] = the index of row r's largest value, the first where several are equal; the first
+ * NaN where the row has one (torch.argmax's answer). One vector pass keeps each lane's max
+ * and where it was first seen (a strict > keeps the first), the lanes are then reduced to
+ * the smallest index holding the row's max; a NaN (no comparison is true of one) is looked
+ * for in a pass of its own and, when found, searched for alone. */
+typedef float v16f __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef float v16fu __attribute__((vector_size(64), aligned(4)));
+
+static int64_t argmax_row(const float *v, int64_t cols) {
+    int nan = 0;
+    #pragma omp simd reduction(|:nan)
+    for (int64_t i = 0; i < cols; i++) nan |= v[i] != v[i];
+    if (nan) {
+        for (int64_t i = 0; i < cols; i++)
+            if (v[i] != v[i]) return i;
+    }
+    float best = -INFINITY;
+    int64_t at = 0, i = 0;
+    if (cols >= 16 && cols < ((int64_t)1 << 31)) {
+        v16f mx = *(const v16fu *)v;
+        v16i ix = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+        v16i cur = ix;
+        const v16i step = {16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16};
+        for (i = 16; i + 16 <= cols; i += 16) {
+            cur += step;
+            const v16f x = *(const v16fu *)(v + i);
+            const v16i gt = x > mx;
+            mx = (v16f)(((v16i)x & gt) | ((v16i)mx & ~gt));
+            ix = (cur & gt) | (ix & ~gt);
+        }
+        best = mx[0];
+        at = ix[0];
+        for (int l = 1; l < 16; l++)
+            if (mx[l] > best || (mx[l] == best && ix[l] < at)) { best = mx[l]; at = ix[l]; }
+    }
+    for (; i < cols; i++)
+        if (v[i] > best || (i == 0 && cols < 16)) { best = v[i]; at = i; }
+    return at;
+}
+
+void lg_argmax_rows_f32(const float *x, int64_t rows, int64_t cols, int64_t *out, int num_threads)
+{
+    #pragma omp parallel for num_threads(num_threads) schedule(static) if (rows * cols >= 65536)
+    for (int64_t r = 0; r < rows; r++) out[r] = argmax_row(x + r * cols, cols);
+}
