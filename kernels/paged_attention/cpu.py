@@ -56,9 +56,6 @@ def available() -> bool:
     return KERNEL.available()
 
 
-__all__ = ["KernelUnavailable", "available", "build", "decode_attention", "load", "paged_attention"]
-
-
 def decode_attention(
     query: torch.Tensor,          # [num_tokens, num_heads, head_dim] float32, contiguous
     key_cache: torch.Tensor,      # [num_kv_heads, num_blocks, block_size, head_dim]
@@ -139,3 +136,6 @@ def paged_attention(
         reference.prefill_attention(query, key_cache, value_cache, block_tables, seq_lens,
                                     query_start_loc, scale, first_slots, out)
     return out
+
+
+__all__ = ["KernelUnavailable", "available", "build", "decode_attention", "load", "paged_attention"]

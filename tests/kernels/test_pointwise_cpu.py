@@ -135,3 +135,20 @@ def test_argmax_rows_with_many_ties_picks_the_first(cols):
         x[1, :] = 0.0
         x[1, 20] = x[1, 35 % cols] = 5.0   # lanes 4 and 3: the lower index wins, not the lower lane
     assert torch.equal(cpu.argmax_rows(x), x.argmax(dim=-1))
+
+
+def test_without_a_compiler_the_model_ops_run_the_reference(monkeypatch, tmp_path, caplog):
+    """A machine with no C compiler still serves: each op answers through the reference."""
+    import logging
+
+    monkeypatch.setattr(cpu.KERNEL, "lib", None)
+    monkeypatch.setattr(cpu.KERNEL, "tried", False)
+    monkeypatch.setenv("LOCKGATE_KERNEL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    res, x, w = torch.randn(3, 8), torch.randn(3, 8), torch.randn(8)
+    want = reference.add_rms_norm(x, res.clone(), w, 1e-5)
+    with caplog.at_level(logging.WARNING, logger="kernels.cbuild"):
+        got = pointwise.add_rms_norm(x, res, w, 1e-5)
+    assert torch.equal(got, want) and "no C compiler found" in caplog.text
+    assert torch.equal(pointwise.argmax_rows(x), x.argmax(dim=-1))
