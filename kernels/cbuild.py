@@ -1,7 +1,8 @@
 """Small C kernels for the CPU: compiled on first use with the machine's C compiler (`CC`,
 else cc/gcc; `-O3 -march=native -fopenmp`, ISO C so no FMA is contracted behind the
 source's back) into a cache directory (`LOCKGATE_KERNEL_CACHE`, default
-`~/.cache/lockgate/kernels`), keyed by the source, the flags, the compiler and the CPU, and
+`~/.cache/lockgate/kernels`), keyed by the source and the shared headers of `csrc/`, the
+flags, the compiler and the CPU, and
 loaded with ctypes; a compile is bounded in time. OpenMP is torch's own runtime (libgomp
 is already loaded by torch when a kernel is).
 
@@ -29,6 +30,7 @@ from kernels.dispatch import KernelUnavailable, kernel_choice
 logger = logging.getLogger(__name__)
 
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+INCLUDE = Path(__file__).with_name("csrc")   # headers the sources share (lg_exp.h)
 COMPILE_TIMEOUT_S = 120.0
 
 
@@ -72,7 +74,8 @@ def build(source: Path, directory: Path | None = None) -> Path:
     if cc is None:
         raise KernelUnavailable(f"no C compiler found (set CC, or install gcc): {source.name} cannot be "
                                 "built; LOCKGATE_KERNELS=reference runs without it")
-    text = source.read_bytes()
+    # the shared headers are part of what is compiled, so of the key too
+    text = b"\0".join([source.read_bytes(), *(h.read_bytes() for h in sorted(INCLUDE.glob("*.h")))])
     key = hashlib.sha256(b"\0".join([text, " ".join(FLAGS).encode(), _compiler_version(cc).encode(),
                                      _cpu_id().encode(), platform.machine().encode()])).hexdigest()[:16]
     directory = directory or cache_dir()
@@ -83,7 +86,7 @@ def build(source: Path, directory: Path | None = None) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=directory)
     os.close(fd)
     try:
-        done = subprocess.run([cc, *FLAGS, str(source), "-o", tmp, "-lm"],  # noqa: S603
+        done = subprocess.run([cc, *FLAGS, f"-I{INCLUDE}", str(source), "-o", tmp, "-lm"],  # noqa: S603
                               capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S, check=False)
         if done.returncode != 0:
             raise KernelUnavailable(f"{cc} could not compile {source.name} "
@@ -146,8 +149,3 @@ class CKernel:
             logger.warning("%s unavailable, using the torch reference: %s", self.what, exc)
             return False
         return True
-
-    def reset(self) -> None:
-        """Forget the loaded library (tests: the next use builds again)."""
-        with self._lock:
-            self.lib, self.tried = None, False

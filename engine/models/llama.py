@@ -82,7 +82,6 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, linear: LinearFactory) -> None:
         super().__init__()
-        self.intermediate = cfg.intermediate_size
         self.gate_up_proj = linear(cfg.hidden_size, [cfg.intermediate_size] * 2, False)
         self.down_proj = linear(cfg.intermediate_size, [cfg.hidden_size], False)
 

@@ -25,9 +25,8 @@ def _on_cpu_kernel(*tensors: torch.Tensor) -> bool:
 def add_rms_norm(x: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """residual += x in place (x None: nothing added), then HF's RMSNorm of it."""
     tensors = (residual, weight) if x is None else (x, residual, weight)
-    if residual.dim() == 2 and _on_cpu_kernel(*tensors):
-        return cpu.add_rms_norm(None if x is None else x.contiguous(), residual, weight.contiguous(), eps) \
-            if residual.is_contiguous() else reference.add_rms_norm(x, residual, weight, eps)
+    if residual.dim() == 2 and residual.is_contiguous() and _on_cpu_kernel(*tensors):
+        return cpu.add_rms_norm(None if x is None else x.contiguous(), residual, weight.contiguous(), eps)
     return reference.add_rms_norm(x, residual, weight, eps)
 
 

@@ -186,3 +186,19 @@ def test_a_step_cache_serves_every_layer_of_a_forward_the_same():
         got = cpu.paged_attention(q, kc, vc, bt, lens, starts, 0.125, None, step_cache)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         assert "cpu_decode_split" in step_cache
+
+
+def test_a_change_to_a_shared_header_builds_anew(fresh_state, monkeypatch):
+    """The sources include kernels/csrc/*.h: an edited header is another library, not the
+    cached one built before it."""
+    from kernels import cbuild
+
+    include = fresh_state / "include"
+    include.mkdir()
+    header = include / "lg_exp.h"
+    header.write_bytes((cbuild.INCLUDE / "lg_exp.h").read_bytes())
+    monkeypatch.setattr(cbuild, "INCLUDE", include)
+    first = cpu.build()
+    header.write_bytes(header.read_bytes() + b"\n/* edited */\n")
+    second = cpu.build()
+    assert second != first and first.exists() and second.exists()

@@ -24,6 +24,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "lg_exp.h"
+
 #define MAX_GROUP 64
 #define MAX_BLOCK 256
 
@@ -35,25 +37,6 @@ static inline float dot(const float *a, const float *b, int64_t d) {
     float s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
     for (; i < d; i++) s += a[i] * b[i];
     return s;
-}
-
-/* e^x for x <= 0 (about 1e-38 at and below -87.3): x = n ln2 + r, |r| <= ln2 / 2, e^r by a degree-6
- * polynomial (Horner), 2^n put into the exponent bits. Branch-free, so loops of it vectorize. */
-static inline float exp_neg(float x) {
-    x = x < -87.3f ? -87.3f : x;
-    const float n = __builtin_rintf(x * 1.44269504088896341f);   /* nearest, ties to even */
-    float r = x - n * 0.693359375f;             /* ln2, split in two for an exact product */
-    r = r - n * -2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    union { float f; int32_t i; } scale;
-    scale.i = ((int32_t)n + 127) << 23;
-    return p * scale.f;
 }
 
 /* 8 floats as one vector (GCC's vector extension: AVX on x86-64, NEON pairs on Arm) */
@@ -189,11 +172,11 @@ static inline int softmax_step(float *s, int64_t m, float bmax, float *mx, float
     float psum = 0.f;
     #pragma omp simd reduction(+:psum)
     for (int64_t t = 0; t < m; t++) {
-        s[t] = exp_neg(s[t] - new_max);
+        s[t] = lg_exp(s[t] - new_max);
         psum += s[t];
     }
     if (new_max > *mx && *mx != -INFINITY) {
-        const float alpha = exp_neg(*mx - new_max);
+        const float alpha = lg_exp(*mx - new_max);
         *sum *= alpha;
         for (int64_t d = 0; d < D; d++) a[d] *= alpha;
     }

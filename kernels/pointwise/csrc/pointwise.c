@@ -9,6 +9,8 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "lg_exp.h"
+
 /* residual[r] += x[r]; out[r] = weight * (residual[r] * (1 / sqrt(mean(residual[r]^2) + eps)))
  * (HF's LlamaRMSNorm in float32, after the residual add). x NULL: no add (the first layer). */
 void lg_add_rms_norm_f32(const float *x, float *residual, const float *weight, float eps,
@@ -68,26 +70,6 @@ int lg_rope_write_kv_f32(const float *qkv, int64_t stride, int64_t rows, int64_t
     return 0;
 }
 
-/* e^x for x in [-87.3, 88] (clamped there): x = n ln2 + r, |r| <= ln2 / 2, e^r by a degree-6
- * polynomial, 2^n put into the exponent bits; within 2 ulp of expf. Branch-free, so loops
- * of it vectorize (rint is an instruction where roundf is a libm call). */
-static inline float exp_f(float x) {
-    x = x < -87.3f ? -87.3f : (x > 88.0f ? 88.0f : x);
-    const float n = __builtin_rintf(x * 1.44269504088896341f);
-    float r = x - n * 0.693359375f;
-    r = r - n * -2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    union { float f; int32_t i; } scale;
-    scale.i = ((int32_t)n + 127) << 23;
-    return p * scale.f;
-}
-
 /* out[r] = silu(gate) * up for rows [gate | up] of gate_up [rows, 2 * inter] (row stride
  * `stride`): SiLU-and-mul, silu(x) = x / (1 + e^-x) as torch computes it, e^-x within 2 ulp */
 void lg_silu_mul_f32(const float *gate_up, int64_t stride, int64_t rows, int64_t inter, float *out,
@@ -98,7 +80,7 @@ void lg_silu_mul_f32(const float *gate_up, int64_t stride, int64_t rows, int64_t
         const float *g = gate_up + r * stride, *u = g + inter;
         float *o = out + r * inter;
         #pragma omp simd
-        for (int64_t i = 0; i < inter; i++) o[i] = g[i] / (1.0f + exp_f(-g[i])) * u[i];
+        for (int64_t i = 0; i < inter; i++) o[i] = g[i] / (1.0f + lg_exp(-g[i])) * u[i];
     }
 }
 
