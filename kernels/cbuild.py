@@ -117,6 +117,9 @@ class CKernel:
 
     def load(self) -> ctypes.CDLL:
         """The library (KernelUnavailable if it cannot be had)."""
+        lib = self.lib
+        if lib is not None:      # loaded: no lock (every kernel call comes here)
+            return lib
         with self._lock:
             if self.lib is not None:
                 return self.lib

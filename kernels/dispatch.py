@@ -12,10 +12,13 @@ CPU kernel runs that op's reference (the reference is its CPU path).
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 import functools
 import os
 
 import torch
+
+_CPU = torch.device("cpu")
 
 CHOICES = ("reference", "cpu", "triton")
 
@@ -25,13 +28,30 @@ class KernelUnavailable(RuntimeError):
 
 
 def kernel_choice() -> str | None:
-    """`LOCKGATE_KERNELS` (reference, cpu or triton), or None when unset."""
-    value = os.environ.get("LOCKGATE_KERNELS", "").strip().lower()
+    """`LOCKGATE_KERNELS` (reference, cpu or triton), or None when unset. Read on every call
+    (a kernel call asks): the variable may change while the process runs."""
+    return _parse_choice(os.environ.get("LOCKGATE_KERNELS", ""))
+
+
+@functools.lru_cache(maxsize=16)
+def _parse_choice(raw: str) -> str | None:
+    value = raw.strip().lower()
     if not value:
         return None
     if value not in CHOICES:
         raise ValueError(f"LOCKGATE_KERNELS: must be one of {', '.join(CHOICES)}, got {value!r}")
     return value
+
+
+def cpu_kernel_runs(available: Callable[[], bool]) -> bool:
+    """For CPU tensors the caller has checked (dtype and all) for an op with a CPU kernel:
+    whether the kernel runs, as `pick(cpu, has_cpu_kernel=available()) == "cpu"` answers
+    (KernelUnavailable where LOCKGATE_KERNELS=triton cannot be honoured), in the unset and
+    `cpu` cases without pick's other work: the per-call path of every CPU kernel."""
+    choice = kernel_choice()
+    if choice is None or choice == "cpu":
+        return available()
+    return pick(_CPU, has_cpu_kernel=available()) == "cpu"
 
 
 def interpreting() -> bool:
@@ -93,4 +113,5 @@ def pick(device: torch.device, has_cpu_kernel: bool = False) -> str:
     return "reference"
 
 
-__all__ = ["CHOICES", "KernelUnavailable", "interpreting", "kernel_choice", "on_device", "pick", "triton_runs_on"]
+__all__ = ["CHOICES", "KernelUnavailable", "cpu_kernel_runs", "interpreting", "kernel_choice", "on_device", "pick",
+           "triton_runs_on"]

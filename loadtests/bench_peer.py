@@ -134,19 +134,20 @@ def near_ties(model_dir: str, num_requests: int, seed: int, got: dict[str, list[
 # -- the machine's roofline -------------------------------------------------------------------
 def measure_peaks(repeats: int = 5) -> dict[str, float]:
     """sgemm FLOP/s (a 2048^3 fp32 matmul, the faster of torch.mm (MKL) and oneDNN with a
-    packed weight, which may use wider vectors than MKL does on a given CPU) and memory
-    bandwidth (a 256 MiB copy: read + write), best of `repeats`, torch's default threads."""
-    from kernels.linear import cpu as cpu_linear
-
+    packed weight, which may use wider vectors than MKL does on a given CPU: the machine's
+    best, not Lockgate's own kernel) and memory bandwidth (a 256 MiB copy: read + write),
+    best of `repeats`, torch's default threads."""
     n = 2048
     a, b = torch.randn(n, n), torch.randn(n, n)
     c = torch.empty(n, n)
     torch.mm(a, b, out=c)
     best_mm = min(_timed(lambda: torch.mm(a, b, out=c)) for _ in range(repeats))
-    if cpu_linear.available():
-        packed = cpu_linear.pack(b)
-        cpu_linear.linear(a, packed, None)
-        best_mm = min(best_mm, *(_timed(lambda: cpu_linear.linear(a, packed, None)) for _ in range(repeats)))
+    ops = torch.ops.mkldnn
+    if torch.backends.mkldnn.is_available() and hasattr(ops, "_linear_pointwise"):
+        packed = ops._reorder_linear_weight(b)
+        ops._linear_pointwise(a, packed, None, "none", [], "")
+        best_mm = min(best_mm, *(_timed(lambda: ops._linear_pointwise(a, packed, None, "none", [], ""))
+                                 for _ in range(repeats)))
     src = torch.ones(64 * 1024 * 1024)     # 256 MiB of fp32
     dst = torch.empty_like(src)
     dst.copy_(src)

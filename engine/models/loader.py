@@ -16,6 +16,7 @@ from engine.models.llama import LlamaForCausalLM
 from engine.models.rope import RotaryEmbedding
 from engine.quant import linear_factory
 from kernels.linear import packs
+from kernels.linear.cpu import packed_numel
 
 logger = logging.getLogger(__name__)
 
@@ -70,10 +71,11 @@ def packed_weight_bytes(model: torch.nn.Module, device: torch.device, dtype: tor
     vocabulary head (kernels/linear), where it runs: memory beside the weights."""
     if not packs(device, dtype):
         return 0
-    total = sum(m.weight.numel() for m in model.modules() if isinstance(m, DenseLinear))
+    weights = [m.weight for m in model.modules() if isinstance(m, DenseLinear)]
     head = model.get_submodule("lm_head") if getattr(model, "lm_head", None) is not None \
         else model.get_submodule("embed_tokens")
-    total += sum(p.numel() for name, p in head.named_parameters() if name == "weight")
+    weights += [p for name, p in head.named_parameters() if name == "weight"]
+    total = sum(packed_numel(*w.shape) for w in weights)
     return total * torch.tensor([], dtype=dtype).element_size()
 
 

@@ -1,7 +1,8 @@
 """Dense projections, y = x W^T (+ b). `linear` picks per call with kernels.dispatch.pick:
-on the CPU in float32 oneDNN with the weight packed once (`cpu.py`; about 2x MKL's sgemm
-on machines where MKL keeps to AVX2 and oneDNN uses AVX-512), else `F.linear` (the
-reference, which every device runs). `LOCKGATE_KERNELS=reference` keeps `F.linear`."""
+on the CPU in float32 a C kernel with the weight packed once (`cpu.py`; faster than MKL's
+sgemm and oneDNN's packed linear on a decode step's small shapes, and about even with
+oneDNN on a prefill's), else `F.linear` (the reference, which every device runs).
+`LOCKGATE_KERNELS=reference` keeps `F.linear`."""
 
 from __future__ import annotations
 
@@ -10,12 +11,12 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from kernels.dispatch import pick
+from kernels.dispatch import cpu_kernel_runs, pick
 from kernels.linear import cpu
 
 
 class PackedWeight:
-    """A projection's weight as oneDNN wants it, packed on first use and again whenever the
+    """A projection's weight as the CPU kernel wants it, packed on first use and again whenever the
     weight is replaced (another tensor, or another storage) or changed in place (its version
     moves).
 
@@ -50,25 +51,23 @@ def packs(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def implementation(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> str:
-    """"cpu" (oneDNN, packed weight) or "reference" (F.linear) for this call."""
-    fits = (x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32
-            and weight.dim() == 2 and x.dim() == 2 and not weight.is_inference()
-            and (bias is None or (bias.dtype == torch.float32 and bias.device.type == "cpu"))
-            # oneDNN's op has no backward: where a gradient is wanted, F.linear
+    """"cpu" (the C kernel, packed weight) or "reference" (F.linear) for this call."""
+    f32 = torch.float32     # attribute checks only: this runs on every projection
+    fits = (x.dtype is f32 and weight.dtype is f32 and x.is_cpu and weight.is_cpu
+            and weight.dim() == 2 and x.dim() == 2 and x.shape[0] > 0 and not weight.is_inference()
+            and (bias is None or (bias.dtype is f32 and bias.is_cpu))
+            # the kernel has no backward: where a gradient is wanted, F.linear
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                                   or (bias is not None and bias.requires_grad))))
-    if not fits or pick(x.device, has_cpu_kernel=cpu.available()) != "cpu":
-        return "reference"
-    # oneDNN's fixed cost (~10 us) loses to MKL's gemv on one or a few rows of a small
-    # weight; from 8 rows, or on a large weight (a vocabulary head), it wins
-    return "cpu" if x.shape[0] >= cpu.MIN_ROWS or weight.numel() >= cpu.MIN_WEIGHT_NUMEL else "reference"
+    return "cpu" if fits and cpu_kernel_runs(cpu.available) else "reference"
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: PackedWeight) -> torch.Tensor:
-    """F.linear(x, weight, bias), through oneDNN on the CPU in float32 (same result within
-    float32 rounding: the sums run in another order)."""
+    """F.linear(x, weight, bias), through the C kernel on the CPU in float32 (same result
+    within float32 rounding: the sums run in another order)."""
     if implementation(x, weight, bias) == "cpu":
-        return cpu.linear(x.contiguous(), packed.get(weight), None if bias is None else bias.contiguous())
+        return cpu.linear(x.contiguous(), packed.get(weight), None if bias is None else bias.contiguous(),
+                          weight.shape[0])
     return F.linear(x, weight, bias)
 
 

@@ -70,7 +70,7 @@ def decode_attention(
     """One query token per sequence over its paged context, all in one call."""
     lib = load()
     tensors = (query, key_cache, value_cache, block_tables, seq_rows, token_rows, ctx_lens, out)
-    if not all(t.is_contiguous() and t.device.type == "cpu" for t in tensors):
+    if not all(t.is_contiguous() and t.is_cpu for t in tensors):
         raise ValueError("decode_attention: CPU tensors, contiguous")
     if query.dtype != torch.float32 or key_cache.dtype != torch.float32 or out.dtype != torch.float32:
         raise ValueError("decode_attention: float32 only")

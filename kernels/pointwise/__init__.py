@@ -9,17 +9,20 @@ from __future__ import annotations
 
 import torch
 
-from kernels.dispatch import pick
+from kernels.dispatch import cpu_kernel_runs
 from kernels.pointwise import cpu, reference
 from kernels.pointwise.reference import rms_norm, rotate
 
 
 def _on_cpu_kernel(*tensors: torch.Tensor) -> bool:
-    if not all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors):
-        return False
+    # attribute checks only (t.device builds an object per call): this runs on every op
+    f32 = torch.float32
+    for t in tensors:
+        if not t.is_cpu or t.dtype is not f32:
+            return False
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return False
-    return pick(tensors[0].device, has_cpu_kernel=cpu.available()) == "cpu"
+    return cpu_kernel_runs(cpu.available)
 
 
 def add_rms_norm(x: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -39,7 +39,7 @@ def available() -> bool:
 
 def _check(name: str, *tensors: torch.Tensor) -> None:
     for t in tensors:
-        if t.device.type != "cpu" or not t.is_contiguous():
+        if not t.is_cpu or not t.is_contiguous():
             raise ValueError(f"{name}: CPU tensors, contiguous")
         if t.dtype != torch.float32:
             raise ValueError(f"{name}: float32 only, got {t.dtype}")

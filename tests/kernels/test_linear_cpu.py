@@ -1,6 +1,7 @@
-"""The CPU linear kernel (kernels/linear: oneDNN with the weight packed once) against
-F.linear, its packing kept in step with the weight, the cases it leaves to F.linear, and the
-engine's greedy output equal to HF's on both paths."""
+"""The CPU linear kernel (kernels/linear: a C kernel with the weight packed once in panels
+of 32 columns) against F.linear, its packing kept in step with the weight, the cases it
+leaves to F.linear, a machine without a compiler, and the engine's greedy output equal to
+HF's on both paths."""
 
 from __future__ import annotations
 
@@ -16,12 +17,13 @@ from kernels import linear as lin
 from kernels.linear import PackedWeight, cpu, implementation, linear
 from tests.support.helpers import demo_model, hf_greedy, random_prompts
 
-needs_kernel = pytest.mark.skipif(not cpu.available(), reason="this torch has no oneDNN packed linear")
+needs_kernel = pytest.mark.skipif(not cpu.available(), reason="no C compiler: the CPU linear kernel does not build")
 
 
 @needs_kernel
 @pytest.mark.parametrize("rows", [1, 7, 8, 33, 300])
-@pytest.mark.parametrize(("n_in", "n_out"), [(24, 40), (256, 1408), (704, 256), (256, 8192)])
+# panels of 32 outputs with a partial last one (40, 70), K past one block of 512 (704, 1030)
+@pytest.mark.parametrize(("n_in", "n_out"), [(24, 40), (256, 1408), (704, 256), (256, 8192), (1030, 70)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_matches_f_linear(rows, n_in, n_out, bias):
     g = torch.Generator().manual_seed(rows * 7 + n_in)
@@ -29,7 +31,21 @@ def test_matches_f_linear(rows, n_in, n_out, bias):
     b = torch.randn(n_out, generator=g) if bias else None
     got = linear(x, w, b, PackedWeight())
     torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(cpu.linear(x, cpu.pack(w), b), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(cpu.linear(x, cpu.pack(w), b, n_out), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_the_packed_layout_and_its_checks():
+    w = torch.arange(70 * 3, dtype=torch.float32).view(70, 3)
+    packed = cpu.pack(w)
+    assert packed.shape == (3, 3, cpu.PANEL) and packed.numel() == cpu.packed_numel(70, 3)
+    assert torch.equal(packed[1, 2, :5], w[32:37, 2]) and torch.equal(packed[2, :, 6:], torch.zeros(3, 26))
+    with pytest.raises(ValueError, match="does not fit"):
+        cpu.linear(torch.randn(2, 4), packed, None, 70)          # K differs
+    with pytest.raises(ValueError, match="does not fit"):
+        cpu.linear(torch.randn(2, 3), packed, None, 100)         # more outputs than panels
+    with pytest.raises(ValueError, match="float32 CPU weight"):
+        cpu.pack(w.double())
 
 
 @needs_kernel
@@ -54,8 +70,9 @@ def test_the_packed_weight_follows_the_weight():
 def test_which_calls_take_the_kernel(monkeypatch):
     small, head = torch.randn(256, 256), torch.randn(8192, 256)
     assert implementation(torch.randn(8, 256), small) == "cpu"
-    assert implementation(torch.randn(7, 256), small) == "reference"          # gemv wins on a few rows
-    assert implementation(torch.randn(1, 256), head) == "cpu"                 # ...but not on a large weight
+    assert implementation(torch.randn(1, 256), small) == "cpu"                # no fixed cost to amortize
+    assert implementation(torch.randn(1, 256), head) == "cpu"
+    assert implementation(torch.randn(0, 256), small) == "reference"          # nothing to do
     assert implementation(torch.randn(64, 256, dtype=torch.bfloat16), small.bfloat16()) == "reference"
     assert implementation(torch.randn(2, 32, 256), small) == "reference"      # 2-D inputs only
     monkeypatch.setenv("LOCKGATE_KERNELS", "reference")
@@ -64,7 +81,7 @@ def test_which_calls_take_the_kernel(monkeypatch):
 
 
 def test_without_the_kernel_every_call_is_f_linear(monkeypatch):
-    """A torch without oneDNN (or one whose packed linear fails its check) still serves."""
+    """A machine where the kernel does not build (no compiler) still serves."""
     monkeypatch.setattr(cpu, "available", lambda: False)
     x, w = torch.randn(64, 256), torch.randn(512, 256)
     assert implementation(x, w) == "reference"
@@ -99,7 +116,7 @@ def test_engine_greedy_equals_hf_on_both_paths(kernels, monkeypatch):
 @needs_kernel
 def test_calls_the_kernel_cannot_serve_exactly_take_f_linear():
     w, x = torch.randn(256, 256), torch.randn(64, 256)
-    # a gradient wanted: oneDNN's op has no backward
+    # a gradient wanted: the kernel has no backward
     wg = torch.randn(256, 256, requires_grad=True)
     assert implementation(x, wg) == "reference"
     y = linear(x, wg, None, PackedWeight())
