@@ -12,9 +12,9 @@ CPU kernel runs that op's reference (the reference is its CPU path).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
 import functools
 import os
+from collections.abc import Callable
 
 import torch
 

@@ -54,7 +54,8 @@ def implementation(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     """"cpu" (the C kernel, packed weight) or "reference" (F.linear) for this call."""
     f32 = torch.float32     # attribute checks only: this runs on every projection
     fits = (x.dtype is f32 and weight.dtype is f32 and x.is_cpu and weight.is_cpu
-            and weight.dim() == 2 and x.dim() == 2 and x.shape[0] > 0 and not weight.is_inference()
+            and weight.dim() == 2 and x.dim() == 2 and x.shape[0] > 0 and x.shape[1] > 0
+            and not weight.is_inference()
             and (bias is None or (bias.dtype is f32 and bias.is_cpu))
             # the kernel has no backward: where a gradient is wanted, F.linear
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad

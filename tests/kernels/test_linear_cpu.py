@@ -73,6 +73,7 @@ def test_which_calls_take_the_kernel(monkeypatch):
     assert implementation(torch.randn(1, 256), small) == "cpu"                # no fixed cost to amortize
     assert implementation(torch.randn(1, 256), head) == "cpu"
     assert implementation(torch.randn(0, 256), small) == "reference"          # nothing to do
+    assert implementation(torch.randn(4, 0), torch.randn(8, 0)) == "reference"  # F.linear's zeros
     assert implementation(torch.randn(64, 256, dtype=torch.bfloat16), small.bfloat16()) == "reference"
     assert implementation(torch.randn(2, 32, 256), small) == "reference"      # 2-D inputs only
     monkeypatch.setenv("LOCKGATE_KERNELS", "reference")
