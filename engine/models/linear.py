@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from kernels.linear import PackedWeight
+from kernels.linear import PackedWeight, gate_up_silu_mul
 from kernels.linear import linear as dense_linear
 from kernels.lora import implementation as lora_implementation
 from kernels.lora import lora_masked, sgmv, slot_mask
@@ -97,11 +97,21 @@ class LinearBase(nn.Module):
         """The full-precision weight [out, in] (dequantized where quantized), for checks."""
         raise NotImplementedError
 
+    def fused_silu_mul(self, x: torch.Tensor) -> torch.Tensor | None:
+        """A gated MLP's [gate; up] projection: silu(gate) * up in one kernel pass where one
+        serves, else None (the caller projects and applies the activation)."""
+        return None
+
     # -- shared -------------------------------------------------------------------------
+    def adapted(self) -> bool:
+        """Whether the step's adapters add anything to this projection."""
+        lora = self.lora
+        return lora is not None and lora.batch.active and not lora.targeted.isdisjoint(lora.batch.slots)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base_forward(x)
         lora = self.lora
-        if lora is not None and lora.batch.active and not lora.targeted.isdisjoint(lora.batch.slots):
+        if lora is not None and self.adapted():
             batch = lora.batch
             # the Triton SGMV serves every segment in one launch, so the masked form (which
             # pays off only against a call per segment) is for the reference alone
@@ -122,8 +132,18 @@ class DenseLinear(LinearBase):
         self.bias = nn.Parameter(torch.empty(self.out_features)) if bias else None
         self.packed = PackedWeight()    # the weight as the CPU kernel wants it, made on first use
 
+    def as_gate_up(self) -> None:
+        """Marks a gated MLP's [gate; up] projection (two equal parts, no bias): its packed
+        copy is made in pairs, which serves both `forward` and `fused_silu_mul`."""
+        if len(self.out_sizes) == 2 and self.out_sizes[0] == self.out_sizes[1] and not self.has_bias:
+            self.packed = PackedWeight(pairs_of=self.out_sizes[0])
+
     def base_forward(self, x: torch.Tensor) -> torch.Tensor:
         return dense_linear(x, self.weight, self.bias, self.packed)
+
+    def fused_silu_mul(self, x: torch.Tensor) -> torch.Tensor | None:
+        # an adapter's delta lands between the projection and the activation: not fused then
+        return None if self.adapted() else gate_up_silu_mul(x, self.weight, self.packed)
 
     def load_part(self, part: int, name: str, tensor: torch.Tensor) -> None:
         param = self.weight if name == "weight" else self.bias if name == "bias" else None

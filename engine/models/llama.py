@@ -84,9 +84,13 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = linear(cfg.hidden_size, [cfg.intermediate_size] * 2, False)
         self.down_proj = linear(cfg.intermediate_size, [cfg.hidden_size], False)
+        if isinstance(self.gate_up_proj, DenseLinear):
+            self.gate_up_proj.as_gate_up()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_mul(self.gate_up_proj(x)))
+        # on the CPU in float32 the activation comes from the projection's own registers
+        h = self.gate_up_proj.fused_silu_mul(x)
+        return self.down_proj(silu_mul(self.gate_up_proj(x)) if h is None else h)
 
 
 class DecoderLayer(nn.Module):

@@ -71,11 +71,11 @@ def packed_weight_bytes(model: torch.nn.Module, device: torch.device, dtype: tor
     vocabulary head (kernels/linear), where it runs: memory beside the weights."""
     if not packs(device, dtype):
         return 0
-    weights = [m.weight for m in model.modules() if isinstance(m, DenseLinear)]
+    total = sum(packed_numel(m.out_features, m.in_features, m.packed.pairs_of) for m in model.modules()
+                if isinstance(m, DenseLinear))
     head = model.get_submodule("lm_head") if getattr(model, "lm_head", None) is not None \
         else model.get_submodule("embed_tokens")
-    weights += [p for name, p in head.named_parameters() if name == "weight"]
-    total = sum(packed_numel(*w.shape) for w in weights)
+    total += sum(packed_numel(p.shape[0], p.shape[1]) for name, p in head.named_parameters() if name == "weight")
     return total * torch.tensor([], dtype=dtype).element_size()
 
 

@@ -22,19 +22,21 @@ class PackedWeight:
 
     Used from one thread at a time (the engine's step loop; each model owns its modules).
     `implementation` never packs an inference tensor, whose in-place changes have no version
-    to show them."""
+    to show them. `pairs_of` = inter: a gated MLP's [gate; up] weight, packed in pairs so that
+    `gate_up_silu_mul` can take it too (cpu.pack)."""
 
-    __slots__ = ("_key", "_source", "packed")
+    __slots__ = ("_key", "_source", "packed", "pairs_of")
 
-    def __init__(self) -> None:
+    def __init__(self, pairs_of: int = 0) -> None:
         self._key: tuple[int, int, tuple[int, ...]] | None = None
         self._source: weakref.ref[torch.Tensor] | None = None   # the very tensor packed
         self.packed: torch.Tensor | None = None
+        self.pairs_of = pairs_of
 
     def get(self, weight: torch.Tensor) -> torch.Tensor:
         key = (weight.data_ptr(), weight._version, tuple(weight.shape))
         if key != self._key or self.packed is None or self._source is None or self._source() is not weight:
-            packed = cpu.pack(weight)
+            packed = cpu.pack(weight, self.pairs_of)
             self._key, self._source, self.packed = key, weakref.ref(weight), packed
             return packed
         return self.packed
@@ -68,8 +70,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pac
     within float32 rounding: the sums run in another order)."""
     if implementation(x, weight, bias) == "cpu":
         return cpu.linear(x.contiguous(), packed.get(weight), None if bias is None else bias.contiguous(),
-                          weight.shape[0])
+                          weight.shape[0], packed.pairs_of)
     return F.linear(x, weight, bias)
 
 
-__all__ = ["PackedWeight", "implementation", "linear", "packs"]
+def gate_up_silu_mul(x: torch.Tensor, weight: torch.Tensor, packed: PackedWeight) -> torch.Tensor | None:
+    """silu(gate) * up of x's [gate; up] projection (weight [2 x inter, in], no bias) in one
+    pass of the C kernel, where `linear` would take it and `packed` is in pairs of inter;
+    None otherwise (the caller projects, then applies the activation)."""
+    if not packed.pairs_of or implementation(x, weight) != "cpu":
+        return None
+    return cpu.linear_silu_mul(x.contiguous(), packed.get(weight), packed.pairs_of)
+
+
+__all__ = ["PackedWeight", "gate_up_silu_mul", "implementation", "linear", "packs"]

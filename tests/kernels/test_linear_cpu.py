@@ -145,3 +145,38 @@ def test_a_new_tensor_at_the_same_address_is_packed_again():
     with torch.no_grad():
         storage.copy_(torch.randn(64, 32))
     torch.testing.assert_close(linear(x, b, None, packed), F.linear(x, b), rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 3, 4, 9, 70])
+@pytest.mark.parametrize(("n_in", "inter"), [(256, 704), (40, 24), (600, 50)])
+def test_gate_up_in_pairs_serves_the_product_and_the_fused_activation(rows, n_in, inter):
+    """A [gate; up] weight packed in pairs (each half padded to whole panels when inter is
+    not a multiple of 32; K past one block of 512): `linear` gives F.linear's product, and
+    the fused op the SiLU-and-mul of it."""
+    from kernels.linear import gate_up_silu_mul
+    from kernels.pointwise.reference import silu_mul
+
+    g = torch.Generator().manual_seed(rows + inter)
+    x, w = torch.randn(rows, n_in, generator=g), torch.randn(2 * inter, n_in, generator=g) / n_in**0.5
+    packed = PackedWeight(pairs_of=inter)
+    torch.testing.assert_close(linear(x, w, None, packed), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    assert packed.packed.numel() == cpu.packed_numel(2 * inter, n_in, inter)
+    fused = gate_up_silu_mul(x, w, packed)
+    torch.testing.assert_close(fused, silu_mul(F.linear(x, w)), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="does not fit"):
+        cpu.linear_silu_mul(x, packed.packed, inter + 32)
+    with pytest.raises(ValueError, match="2 x"):
+        cpu.pack(w[1:], pairs_of=inter)
+
+
+def test_the_fused_activation_steps_aside_where_the_kernel_does_not_run(monkeypatch):
+    """Not packed in pairs, a gradient wanted, or LOCKGATE_KERNELS=reference: None, and the
+    model projects and applies the activation itself."""
+    from kernels.linear import gate_up_silu_mul
+
+    x, w = torch.randn(8, 32), torch.randn(64, 32)
+    assert gate_up_silu_mul(x, w, PackedWeight()) is None
+    assert gate_up_silu_mul(x, torch.randn(64, 32, requires_grad=True), PackedWeight(pairs_of=32)) is None
+    monkeypatch.setenv("LOCKGATE_KERNELS", "reference")
+    assert gate_up_silu_mul(x, w, PackedWeight(pairs_of=32)) is None
