@@ -106,7 +106,7 @@ def _attend(query, key_cache, value_cache, block_tables, seq_lens, query_start_l
         elif end - start == 1:
             decodes.append(b)
         elif end > start:
-            _prefill_one(query, key_cache, value_cache, block_tables[b], ctx_len,
+            prefill_one(query, key_cache, value_cache, block_tables[b], ctx_len,
                          start, end, scale, out)
     if decodes:
         for group in _decode_groups(decodes, lens):
@@ -154,7 +154,8 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx_len: int, scale
     out.copy_(o[0].transpose(0, 1))
 
 
-def _prefill_one(query, key_cache, value_cache, table, ctx_len, start, end, scale, out) -> None:
+def prefill_one(query, key_cache, value_cache, table, ctx_len, start, end, scale, out) -> None:
+    """One prefill chunk (query rows start..end) over its context gathered through its block table."""
     block_size = key_cache.shape[2]
     blocks = table[: -(-ctx_len // block_size)]
     # gathers only this sequence's real context: no padding to the batch's longest

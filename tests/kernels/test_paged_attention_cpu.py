@@ -202,3 +202,46 @@ def test_a_change_to_a_shared_header_builds_anew(fresh_state, monkeypatch):
     header.write_bytes(header.read_bytes() + b"\n/* edited */\n")
     second = cpu.build()
     assert second != first and first.exists() and second.exists()
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("heads", [(4, 2), (8, 1), (2, 2), (6, 2)])
+@pytest.mark.parametrize("with_decodes", [True, False])
+def test_prefill_chunks_in_consecutive_slots_take_the_prefill_kernel(head_dim, heads, with_decodes):
+    """Whole prompts and later chunks (a query sees keys up to its own position), contexts
+    over several blocks of 64 keys and query blocks of 16, 1-8 query heads a KV head; a step
+    of prefills alone and one with decodes; against the reference (SDPA)."""
+    seqs = [(300, 300), (50, 17), (33, 33), (200, 64), (16, 16), (5, 2)]
+    if with_decodes:
+        seqs += [(40, 1), (129, 1)]
+    q, kc, vc, bt, lens, starts = _case(seqs, 16, heads, head_dim, 90, seed=7, scattered=False)
+    scale = head_dim ** -0.5
+    want = reference.paged_attention(q, kc, vc, bt, lens, starts, scale)
+    got = cpu.paged_attention(q, kc, vc, bt, lens, starts, scale, step_cache={})
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_prefill_chunk_in_scattered_blocks_takes_the_reference_beside_the_kernel(monkeypatch):
+    q, kc, vc, bt, lens, starts = _case([(100, 100), (70, 30), (9, 1)], 16, (4, 2), 64, 40, seed=3, scattered=False)
+    bt[1, :2] = bt[1, :2].flip(0).clone()     # the second sequence's first two blocks swapped...
+    kc[:, bt[1, :2]] = kc[:, bt[1, :2].flip(0)].clone()   # ...its keys and values with them
+    vc[:, bt[1, :2]] = vc[:, bt[1, :2].flip(0)].clone()
+    first = reference.contiguous_first_slots(bt, lens, 16)
+    assert first[0] >= 0 and first[1] == -1
+    seen = []
+    real = cpu.prefill_attention
+    monkeypatch.setattr(cpu, "prefill_attention", lambda *a: (seen.append(a[4].tolist()), real(*a)))
+    want = reference.paged_attention(q, kc, vc, bt, lens, starts, 0.125)
+    torch.testing.assert_close(cpu.paged_attention(q, kc, vc, bt, lens, starts, 0.125), want, rtol=1e-5, atol=1e-5)
+    assert seen == [[100]]        # the kernel took the first sequence only
+    monkeypatch.setattr(cpu, "prefill_available", lambda: False)   # no prefill kernel: all the reference's
+    torch.testing.assert_close(cpu.paged_attention(q, kc, vc, bt, lens, starts, 0.125), want, rtol=1e-5, atol=1e-5)
+
+
+def test_the_prefill_kernel_refuses_what_it_does_not_take():
+    q, kc, vc, *_ = _case([(20, 20)], 16, (4, 2), 80, 4, scattered=False)
+    i64 = torch.tensor([0]), torch.tensor([20]), torch.tensor([20]), torch.tensor([0])
+    with pytest.raises(ValueError, match="head sizes 64 or 128"):
+        cpu.prefill_attention(q, kc, vc, *i64, 0.1, torch.empty_like(q))
+    with pytest.raises(ValueError, match="int64"):
+        cpu.prefill_attention(q, kc, vc, *(t.int() for t in i64), 0.1, torch.empty_like(q))
