@@ -51,7 +51,7 @@ PREFILL_MAX_GROUP = 8    # query heads a KV head (csrc/prefill_attention.c's MAX
 def _declare_prefill(lib: ctypes.CDLL) -> None:
     fn = lib.lg_prefill_attention_f32
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-    fn.argtypes = [ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, ctypes.c_float, ptr, ctypes.c_int]
+    fn.argtypes = [ptr, i64, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, ctypes.c_float, ptr, ctypes.c_int]
     fn.restype = ctypes.c_int
 
 
@@ -161,13 +161,22 @@ def prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
         raise ValueError("prefill_attention: float32 only")
     if any(t.dtype != torch.int64 for t in index):
         raise ValueError("prefill_attention: int64 index tensors")
+    if (out.shape != query.shape or value_cache.shape != key_cache.shape or value_cache.dtype != torch.float32
+            or query.dim() != 3 or key_cache.dim() != 4 or query.shape[2] != key_cache.shape[3]
+            or len({t.numel() for t in index}) != 1):
+        raise ValueError(f"prefill_attention: query/out [T, heads, D] over caches [kv_heads, blocks, block, D] "
+                         f"and one index entry per sequence; got {tuple(query.shape)}, {tuple(out.shape)}, "
+                         f"{tuple(key_cache.shape)}, {tuple(value_cache.shape)}")
     num_kv_heads, num_blocks, block_size, head_dim = key_cache.shape
     rc = lib.lg_prefill_attention_f32(
-        query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), num_blocks * block_size,
+        query.data_ptr(), query.shape[0], key_cache.data_ptr(), value_cache.data_ptr(), num_blocks * block_size,
         q_starts.data_ptr(), q_lens.data_ptr(), ctx_lens.data_ptr(), first_slots.data_ptr(), q_starts.numel(),
         query.shape[1], num_kv_heads, head_dim, float(scale), out.data_ptr(), torch.get_num_threads())
     if rc == 1:
         raise MemoryError("prefill_attention: no scratch memory")
+    if rc == 3:
+        raise ValueError("prefill_attention: a sequence's query rows or cache slots fall outside the query or the "
+                         "cache (nothing read or written)")
     if rc:
         raise ValueError(f"prefill_attention: head size {head_dim} with {query.shape[1]} query heads over "
                          f"{num_kv_heads} KV heads: head sizes 64 or 128, at most 8 query heads a KV head")

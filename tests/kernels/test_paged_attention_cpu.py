@@ -245,3 +245,15 @@ def test_the_prefill_kernel_refuses_what_it_does_not_take():
         cpu.prefill_attention(q, kc, vc, *i64, 0.1, torch.empty_like(q))
     with pytest.raises(ValueError, match="int64"):
         cpu.prefill_attention(q, kc, vc, *(t.int() for t in i64), 0.1, torch.empty_like(q))
+    q, kc, vc, *_ = _case([(20, 20)], 16, (4, 2), 64, 4, scattered=False)     # 64 slots
+    out = torch.full_like(q, 7.0)
+    for bad in ([[0], [20], [20], [50]],     # context past the cache's last slot
+                [[5], [20], [20], [0]],      # query rows past the step's
+                [[0], [21], [20], [0]],      # more new tokens than context
+                [[0], [20], [20], [-1]]):    # a context that is not in consecutive slots
+        with pytest.raises(ValueError, match="fall outside"):
+            cpu.prefill_attention(q, kc, vc, *(torch.tensor(v) for v in bad), 0.1, out)
+    assert (out == 7.0).all()
+    with pytest.raises(ValueError, match="one index entry per sequence"):
+        cpu.prefill_attention(q, kc, vc, torch.tensor([0, 1]), torch.tensor([20]), torch.tensor([20]),
+                              torch.tensor([0]), 0.1, out)

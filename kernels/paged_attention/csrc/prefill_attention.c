@@ -120,9 +120,10 @@ static inline __attribute__((always_inline)) void attend_block(
 /* query [T, num_heads, D]; key/value caches [num_kv_heads, num_slots, D] (blocks flattened);
  * per sequence n < num_seqs: its first query row, number of new tokens, context length (new
  * tokens included) and first cache slot. out [T, num_heads, D], the sequences' rows written.
- * Returns 0, or 2 for a shape it does not take (head size, group). */
-int lg_prefill_attention_f32(const float *query, const float *key_cache, const float *value_cache,
-                             int64_t num_slots, const int64_t *q_starts, const int64_t *q_lens,
+ * Returns 0; 1 when out of memory; 2 for a shape it does not take (head size, group); 3 for a
+ * sequence whose rows or slots fall outside query or cache (nothing is read or written). */
+int lg_prefill_attention_f32(const float *query, int64_t num_tokens, const float *key_cache,
+                             const float *value_cache, int64_t num_slots, const int64_t *q_starts, const int64_t *q_lens,
                              const int64_t *ctx_lens, const int64_t *first_slots, int64_t num_seqs,
                              int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float scale,
                              float *out, int num_threads)
@@ -130,6 +131,10 @@ int lg_prefill_attention_f32(const float *query, const float *key_cache, const f
     const int64_t group = num_heads / num_kv_heads;
     if ((head_dim != 64 && head_dim != 128) || group < 1 || group > MAX_GROUP || group * num_kv_heads != num_heads)
         return 2;
+    for (int64_t n = 0; n < num_seqs; n++)
+        if (q_lens[n] < 1 || q_lens[n] > ctx_lens[n] || q_starts[n] < 0 || q_starts[n] + q_lens[n] > num_tokens
+                || first_slots[n] < 0 || first_slots[n] + ctx_lens[n] > num_slots)
+            return 3;
     /* work items: (sequence, query block, KV head), the blocks furthest down a context first */
     int64_t items = 0;
     for (int64_t n = 0; n < num_seqs; n++) items += (q_lens[n] + QB - 1) / QB * num_kv_heads;
