@@ -180,3 +180,24 @@ def test_the_fused_activation_steps_aside_where_the_kernel_does_not_run(monkeypa
     assert gate_up_silu_mul(x, torch.randn(64, 32, requires_grad=True), PackedWeight(pairs_of=32)) is None
     monkeypatch.setenv("LOCKGATE_KERNELS", "reference")
     assert gate_up_silu_mul(x, w, PackedWeight(pairs_of=32)) is None
+
+
+def test_without_a_compiler_the_projections_run_f_linear(monkeypatch, tmp_path, caplog):
+    """A machine with no C compiler still serves: the projections answer through F.linear, the
+    fused gate/up steps aside (the model applies SiLU-and-mul itself), the budget counts no
+    packed copies."""
+    import logging
+
+    from kernels.linear import gate_up_silu_mul
+
+    monkeypatch.setattr(cpu.KERNEL, "lib", None)
+    monkeypatch.setattr(cpu.KERNEL, "tried", False)
+    monkeypatch.setenv("LOCKGATE_KERNEL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    x, w = torch.randn(5, 32), torch.randn(64, 32)
+    with caplog.at_level(logging.WARNING, logger="kernels.cbuild"):
+        assert torch.equal(linear(x, w, None, PackedWeight()), F.linear(x, w))
+    assert "no C compiler found" in caplog.text
+    assert gate_up_silu_mul(x, w, PackedWeight(pairs_of=32)) is None
+    assert not lin.packs(torch.device("cpu"), torch.float32)
