@@ -135,10 +135,14 @@ class _PrefillSplit:
     def __init__(self, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, first_slots: list[int]) -> None:
         starts, lens = query_start_loc.tolist(), seq_lens.tolist()
         picked: list[int] = []
-        self.others: list[int] = []
+        # the reference's chunks: (sequence, first query row, end row, context length)
+        self.others: list[tuple[int, int, int, int]] = []
         for b in range(len(lens)):
             if starts[b + 1] - starts[b] > 1:
-                (picked if first_slots[b] >= 0 else self.others).append(b)
+                if first_slots[b] >= 0:
+                    picked.append(b)
+                else:
+                    self.others.append((b, starts[b], starts[b + 1], lens[b]))
         self.num_kernel = len(picked)
         self.q_starts = torch.tensor([starts[b] for b in picked], dtype=torch.int64)
         self.q_lens = torch.tensor([starts[b + 1] - starts[b] for b in picked], dtype=torch.int64)
@@ -234,11 +238,8 @@ def paged_attention(
     if pre.num_kernel:
         prefill_attention(query, key_cache, value_cache, pre.q_starts, pre.q_lens, pre.ctx_lens,
                           pre.first_slots, scale, out)
-    if pre.others:
-        starts, lens = query_start_loc.tolist(), seq_lens.tolist()
-        for b in pre.others:
-            reference.prefill_one(query, key_cache, value_cache, block_tables[b], lens[b], starts[b],
-                                  starts[b + 1], scale, out)
+    for b, start, end, ctx_len in pre.others:
+        reference.prefill_one(query, key_cache, value_cache, block_tables[b], ctx_len, start, end, scale, out)
     return out
 
 
