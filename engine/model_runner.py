@@ -4,6 +4,7 @@ over the flattened batch, logits of the last position of each sequence that samp
 from __future__ import annotations
 
 import time
+from array import array
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -177,10 +178,10 @@ class ModelRunner:
             tables.append(table)
             seq_lens.append(end)
             starts.append(starts[-1] + num_new)
-            if end == seq.num_tokens:        # the chunk reaches the end: sample a token
+            if end == len(seq.token_ids):    # the chunk reaches the end: sample a token
                 logits_indices.append(starts[-1] - 1)
                 sample_seqs.append(seq)
-                p = seq.params
+                p = seq.state.req.sampling
                 hist = p.needs_penalties
                 rows.append(SampleRow(
                     p,
@@ -191,19 +192,23 @@ class ModelRunner:
                     seq.grammar,
                 ))
         width = max(len(t) for t in tables)
-        padded = [t + [0] * (width - len(t)) for t in tables]
+        flat: list[int] = []            # the block tables, each padded to the widest
+        pad = [0] * width
+        for t in tables:
+            flat += t
+            flat += pad[len(t):]
         dev = self.device
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            block_tables=torch.tensor(padded, dtype=torch.long, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.long, device=dev),
-            query_start_loc=torch.tensor(starts, dtype=torch.long, device=dev),
+            slot_mapping=_i64(slots, dev),
+            block_tables=_i64(flat, dev).view(len(tables), width),
+            seq_lens=_i64(seq_lens, dev),
+            query_start_loc=_i64(starts, dev),
         )
         return ModelInput(
-            input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev),
-            positions=torch.tensor(positions, dtype=torch.long, device=dev),
+            input_ids=_i64(input_ids, dev),
+            positions=_i64(positions, dev),
             meta=meta,
-            logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=dev),
+            logits_indices=_i64(logits_indices, dev),
             sample_seqs=sample_seqs,
             sample_rows=rows,
         )
@@ -251,3 +256,12 @@ class ModelRunner:
         timings.forward += t2 - t1
         timings.sample += t3 - t2
         return inp.sample_seqs, out
+
+
+def _i64(values: list[int], device: torch.device) -> torch.Tensor:
+    """torch.tensor(values, dtype=torch.long, device=device), through an array('q') on the
+    CPU: 2-3x faster than torch.tensor reading a list element by element (a step's inputs
+    are thousands of ints)."""
+    if not values or device.type != "cpu":
+        return torch.tensor(values, dtype=torch.long, device=device)
+    return torch.frombuffer(array("q", values), dtype=torch.long)

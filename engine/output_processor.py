@@ -62,28 +62,30 @@ class OutputProcessor:
     def _check_stop(self, seq: Sequence, token: int) -> None:
         if seq.grammar is not None and self._grammar_ends(seq, token):
             return
-        p = seq.params
-        may_stop = seq.num_output_tokens > p.min_tokens
+        p = seq.state.req.sampling
+        num_out = len(seq.token_ids) - seq.num_prompt_tokens   # runs per token: no properties
+        may_stop = num_out > p.min_tokens
         if may_stop and not p.ignore_eos and token in self.eos_token_ids:
-            self._flush_text(seq, seq.num_output_tokens - 1)
+            self._flush_text(seq, num_out - 1)
             self.scheduler.finish(seq, "stop")
             return
         if may_stop and p.stop_token_ids and token in p.stop_token_ids:
-            self._flush_text(seq, seq.num_output_tokens - 1)
+            self._flush_text(seq, num_out - 1)
             self.scheduler.finish(seq, "stop", token)
             return
-        if seq.decode_stream is None:
+        stream = seq.decode_stream
+        if stream is None:
             raise RuntimeError(f"{seq.seq_id}: no detokenizer, the sequence was never started")
-        delta = self.tokenizer.step_stream(seq.decode_stream, token)
+        delta = self.tokenizer.step_stream(stream, token)
         if delta:
             seq.text += delta
-            seq.num_text_tokens = seq.num_output_tokens
+            seq.num_text_tokens = num_out
             if p.stop_strings and may_stop and self._check_stop_strings(seq, len(delta)):
                 return
-        if (p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens) or (
-            seq.num_tokens >= self.max_seq_len_by_rank[seq.state.class_rank]
+        if (p.max_tokens is not None and num_out >= p.max_tokens) or (
+            len(seq.token_ids) >= self.max_seq_len_by_rank[seq.state.class_rank]
         ):
-            self._flush_text(seq, seq.num_output_tokens)
+            self._flush_text(seq, num_out)
             self.scheduler.finish(seq, "length")
 
     def _grammar_ends(self, seq: Sequence, token: int) -> bool:

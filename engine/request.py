@@ -125,7 +125,10 @@ class Sequence:
 
     @property
     def is_decode(self) -> bool:
-        return self.num_output_tokens > 0 and self.num_pending_tokens == 1
+        # num_output_tokens > 0 and num_pending_tokens == 1, spelled out: the scheduler asks
+        # this of every running sequence several times a step
+        n = len(self.token_ids)
+        return n > self.num_prompt_tokens and n - self.num_computed_tokens == 1
 
     @property
     def fcfs_key(self) -> tuple[int, int]:

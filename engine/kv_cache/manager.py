@@ -114,7 +114,12 @@ class KVCacheManager:
         adopts first; its `num_computed_tokens` must already count them. `reserve` blocks
         must stay free afterwards (kept for more urgent classes). All or nothing.
         """
-        shared = shared or []
+        if not shared:
+            # the common case, a decode within its last block: nothing to allocate
+            held = self.tables.get(id(seq))
+            if held and len(held) * self.block_size >= seq.num_computed_tokens + num_new_tokens:
+                return reserve == 0 or self.pool.num_free_blocks >= reserve
+            shared = []
         num_new_blocks = self.num_blocks_needed(seq, num_new_tokens, len(shared))
         num_revived = sum(1 for b in shared if b.ref_cnt == 0)  # free blocks a hit takes back
         if num_new_blocks + num_revived + reserve > self.pool.num_free_blocks:

@@ -184,3 +184,22 @@ def test_once_every_free_block_holds_a_cached_prefix_runs_start_at_the_eviction_
     kv.check_integrity()
     kv.free(new)
     kv.check_integrity()
+
+
+def test_a_token_within_the_last_block_takes_no_block_yet_honours_the_reserve():
+    """The decode fast path: a token that fits the sequence's last block allocates nothing,
+    and is still refused (nothing changed) while fewer than `reserve` blocks are free."""
+    kv = KVCacheManager(4, 4)
+    a = seq_of(list(range(6)))
+    assert kv.try_allocate(a, 6) and len(kv.blocks_of(a)) == 2
+    a.num_computed_tokens = 6
+    free = kv.num_free_blocks
+    assert kv.try_allocate(a, 1) and kv.try_allocate(a, 2)          # 7, 8 tokens: still 2 blocks
+    assert len(kv.blocks_of(a)) == 2 and kv.num_free_blocks == free
+    assert not kv.try_allocate(a, 1, reserve=free + 1)              # the reserve is not there
+    assert kv.try_allocate(a, 1, reserve=free)
+    assert len(kv.blocks_of(a)) == 2 and kv.num_free_blocks == free
+    assert kv.try_allocate(a, 3) and len(kv.blocks_of(a)) == 3      # 9 tokens: a third block
+    kv.free(a)
+    kv.check_integrity()
+    assert kv.num_free_blocks == 4

@@ -67,3 +67,27 @@ def test_rope_frequencies_match_transformers(scaling):
     else:
         want, _ = ROPE_INIT_FUNCTIONS[kind](cfg, "cpu")
     torch.testing.assert_close(inv_frequencies(64, 10000.0, scaling), want)
+
+
+def test_step_inputs_built_through_an_array_equal_torch_tensor():
+    """The runner builds a step's int64 inputs through array('q') (faster than
+    torch.tensor on a list): the same values, its own memory, and empty lists work."""
+    from engine.model_runner import _i64
+
+    cpu = torch.device("cpu")
+    for values in ([], [0], [3, -1, 2**40, 7], list(range(5000))):
+        got = _i64(values, cpu)
+        assert got.dtype == torch.long and torch.equal(got, torch.tensor(values, dtype=torch.long))
+    a, b = _i64([1, 2], cpu), _i64([1, 2], cpu)
+    a[0] = 9
+    assert b.tolist() == [1, 2]
+
+
+def test_rope_rows_are_the_tables_rows_at_each_position():
+    from engine.models.rope import RotaryEmbedding
+
+    rope = RotaryEmbedding(8, 64, 10000.0, None, torch.float32, torch.device("cpu"))
+    pos = torch.tensor([5, 0, 63, 5])
+    at = rope.at(pos)
+    assert at.cos.shape == (4, 1, 8) and torch.equal(at.cos[:, 0], rope.cos[pos])
+    assert torch.equal(at.sin[:, 0], rope.sin[pos])
