@@ -114,15 +114,13 @@ class KVCacheManager:
         adopts first; its `num_computed_tokens` must already count them. `reserve` blocks
         must stay free afterwards (kept for more urgent classes). All or nothing.
         """
-        if not shared:
-            # the common case, a decode within its last block: nothing to allocate
-            held = self.tables.get(id(seq))
-            if held and len(held) * self.block_size >= seq.num_computed_tokens + num_new_tokens:
-                return reserve == 0 or self.pool.num_free_blocks >= reserve
-            shared = []
+        shared = shared or []
         num_new_blocks = self.num_blocks_needed(seq, num_new_tokens, len(shared))
-        num_revived = sum(1 for b in shared if b.ref_cnt == 0)  # free blocks a hit takes back
-        if num_new_blocks + num_revived + reserve > self.pool.num_free_blocks:
+        num_revived = sum(1 for b in shared if b.ref_cnt == 0) if shared else 0  # free blocks a hit takes back
+        # most calls (a decode within its last block, no reserve) need nothing: the free
+        # count, a sum over the pool's queues, is then not asked
+        need = num_new_blocks + num_revived + reserve
+        if need and need > self.pool.num_free_blocks:
             return False
         table = self.tables.setdefault(id(seq), [])
         ids = self.ids.setdefault(id(seq), [])
