@@ -10,11 +10,16 @@ directory's own `ModelConfig` and `Tokenizer`; and the model tools the command l
 `engine.*` is the engine's inside.
 """
 
-from engine.async_engine import AsyncEngine
-from engine.client import EngineAdmin, EngineClient, Prompt, RequestStream, ServedEngine
-from engine.config import EngineConfig, ModelConfig
-from engine.demo_model import write_demo_model
-from engine.errors import (
+if not __name__.startswith("lockgate."):
+    # The repository's top-level folders are importable only as parts of the lockgate namespace,
+    # so that no module is loaded twice under two names.
+    raise ImportError(f"{__name__!r} is part of Lockgate: import it as 'lockgate.{__name__}'")
+
+from lockgate.engine.async_engine import AsyncEngine
+from lockgate.engine.client import EngineAdmin, EngineClient, Prompt, RequestStream, ServedEngine
+from lockgate.engine.config import EngineConfig, ModelConfig
+from lockgate.engine.demo_model import write_demo_model
+from lockgate.engine.errors import (
     AdapterInUse,
     EngineDead,
     EngineError,
@@ -25,16 +30,16 @@ from engine.errors import (
     PromptTooLong,
     UnknownModel,
 )
-from engine.grammar import CompiledGrammar, GrammarCompiler, grammar_compiler
-from engine.llm import LLM
-from engine.lora import Adapter, LoRARequest
-from engine.lora_demo import parse_targets, write_demo_adapter
-from engine.model_view import ModelView
-from engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from engine.pool import Pool, PoolConfig, PoolEngine
-from engine.quant.quantize import QuantizeSpec, default_group_size, quantize_model
-from engine.sampling_params import SamplingParams, StructuredOutputsParams
-from engine.stats import (
+from lockgate.engine.grammar import CompiledGrammar, GrammarCompiler, grammar_compiler
+from lockgate.engine.llm import LLM
+from lockgate.engine.lora import Adapter, LoRARequest
+from lockgate.engine.lora_demo import parse_targets, write_demo_adapter
+from lockgate.engine.model_view import ModelView
+from lockgate.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from lockgate.engine.pool import Pool, PoolConfig, PoolEngine
+from lockgate.engine.quant.quantize import QuantizeSpec, default_group_size, quantize_model
+from lockgate.engine.sampling_params import SamplingParams, StructuredOutputsParams
+from lockgate.engine.stats import (
     CostModelStats,
     EngineStats,
     KVStats,
@@ -46,7 +51,7 @@ from engine.stats import (
     QueueStats,
     TenantClassStats,
 )
-from engine.tokenizer import Tokenizer
+from lockgate.engine.tokenizer import Tokenizer
 
 __all__ = [
     "LLM", "Adapter", "AdapterInUse", "AsyncEngine", "CompiledGrammar", "CompletionOutput", "CostModelStats",

@@ -25,8 +25,8 @@ import math
 from collections import Counter
 from dataclasses import dataclass
 
-from engine.errors import EngineOverloaded
-from engine.stats import OverloadStats, QueueBounds
+from lockgate.engine.errors import EngineOverloaded
+from lockgate.engine.stats import OverloadStats, QueueBounds
 
 QUEUE_HORIZON_S = 30.0     # queued tokens worth this long of full steps, by the cost model
 QUEUE_BATCHES = 4          # queued requests: this many full batches (x max_num_seqs)

@@ -17,22 +17,22 @@ from collections import deque
 from collections.abc import AsyncIterator
 from typing import Any
 
-from engine.admission import Admission, Queued
-from engine.client import EngineAdmin, EngineClient, Prompt, RequestStream
-from engine.config import EngineConfig, ModelConfig
-from engine.cost_model import StepShape
-from engine.engine_core import EngineCore
-from engine.errors import EngineDead, EngineOverloaded, InvalidRequest, LoRAError
-from engine.llm import to_token_ids
-from engine.lora import Adapter, LoRARequest
-from engine.model_pool import ModelPool, make_core
-from engine.model_view import ModelView
-from engine.outputs import RequestOutput
-from engine.request import EngineRequest
-from engine.sampling_params import SamplingParams
-from engine.stats import EngineStats
-from engine.step_engine import StepEngine
-from engine.tokenizer import Tokenizer
+from lockgate.engine.admission import Admission, Queued
+from lockgate.engine.client import EngineAdmin, EngineClient, Prompt, RequestStream
+from lockgate.engine.config import EngineConfig, ModelConfig
+from lockgate.engine.cost_model import StepShape
+from lockgate.engine.engine_core import EngineCore
+from lockgate.engine.errors import EngineDead, EngineOverloaded, InvalidRequest, LoRAError
+from lockgate.engine.llm import to_token_ids
+from lockgate.engine.lora import Adapter, LoRARequest
+from lockgate.engine.model_pool import ModelPool, make_core
+from lockgate.engine.model_view import ModelView
+from lockgate.engine.outputs import RequestOutput
+from lockgate.engine.request import EngineRequest
+from lockgate.engine.sampling_params import SamplingParams
+from lockgate.engine.stats import EngineStats
+from lockgate.engine.step_engine import StepEngine
+from lockgate.engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 

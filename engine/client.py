@@ -12,12 +12,12 @@ import asyncio
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from engine.outputs import RequestOutput
+from lockgate.engine.outputs import RequestOutput
 
 if TYPE_CHECKING:
-    from engine.lora import Adapter, LoRARequest
-    from engine.sampling_params import SamplingParams
-    from engine.stats import EngineStats
+    from lockgate.engine.lora import Adapter, LoRARequest
+    from lockgate.engine.sampling_params import SamplingParams
+    from lockgate.engine.stats import EngineStats
 
 Prompt = str | list[int] | dict[str, Any]
 

@@ -19,7 +19,7 @@ import statistics
 from collections import deque
 from dataclasses import dataclass
 
-from engine.stats import CostModelStats
+from lockgate.engine.stats import CostModelStats
 
 FEATURES = ("const", "prefill_tokens", "seqs", "decode_kv_tokens", "prefill_attention", "sampled")
 # features are fitted in these units, so that each is about 1 in a typical step

@@ -60,7 +60,7 @@ from typing import Any
 
 import torch
 
-from engine.demo_tokenizer import (
+from lockgate.engine.demo_tokenizer import (
     CHAT_TEMPLATE,
     ENDOFTEXT_ID,
     IM_END_ID,

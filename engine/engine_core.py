@@ -12,21 +12,21 @@ from pathlib import Path
 
 import torch
 
-from engine.config import DTYPES, EngineConfig, ModelConfig
-from engine.errors import InvalidRequest, PromptTooLong, UnknownModel
-from engine.grammar import GrammarManager, grammar_compiler
-from engine.kv_cache import KVCacheManager
-from engine.lora import Adapter, LoRAManager, LoRARequest
-from engine.memory import CPU_DEFAULT_KV_BYTES, MemoryBudget
-from engine.model_runner import ModelRunner, StepTimings
-from engine.output_processor import OutputProcessor
-from engine.outputs import RequestOutput
-from engine.platform import tune_cpu_allocator
-from engine.request import EngineRequest, RequestState, SeqStatus, Sequence
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.stats import EngineStats, KVStats, QueueStats, TenantClassStats
-from engine.tokenizer import Tokenizer
+from lockgate.engine.config import DTYPES, EngineConfig, ModelConfig
+from lockgate.engine.errors import InvalidRequest, PromptTooLong, UnknownModel
+from lockgate.engine.grammar import GrammarManager, grammar_compiler
+from lockgate.engine.kv_cache import KVCacheManager
+from lockgate.engine.lora import Adapter, LoRAManager, LoRARequest
+from lockgate.engine.memory import CPU_DEFAULT_KV_BYTES, MemoryBudget
+from lockgate.engine.model_runner import ModelRunner, StepTimings
+from lockgate.engine.output_processor import OutputProcessor
+from lockgate.engine.outputs import RequestOutput
+from lockgate.engine.platform import tune_cpu_allocator
+from lockgate.engine.request import EngineRequest, RequestState, SeqStatus, Sequence
+from lockgate.engine.sampling_params import SamplingParams
+from lockgate.engine.scheduler import Scheduler
+from lockgate.engine.stats import EngineStats, KVStats, QueueStats, TenantClassStats
+from lockgate.engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -40,13 +40,13 @@ import llguidance
 import numpy as np
 import torch
 
-from engine.errors import GrammarError
-from engine.sampling_params import StructuredOutputsParams
+from lockgate.engine.errors import GrammarError
+from lockgate.engine.sampling_params import StructuredOutputsParams
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions
 
-    from engine.request import RequestState, Sequence
+    from lockgate.engine.request import RequestState, Sequence
 
 logger = logging.getLogger(__name__)
 

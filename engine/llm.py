@@ -7,16 +7,16 @@ import itertools
 from collections.abc import Sequence as Seq
 from typing import TYPE_CHECKING, Any
 
-from engine.config import EngineConfig
-from engine.errors import InvalidRequest
-from engine.lora import LoRARequest
-from engine.model_pool import make_core
-from engine.outputs import RequestOutput
-from engine.request import EngineRequest
-from engine.sampling_params import SamplingParams
+from lockgate.engine.config import EngineConfig
+from lockgate.engine.errors import InvalidRequest
+from lockgate.engine.lora import LoRARequest
+from lockgate.engine.model_pool import make_core
+from lockgate.engine.outputs import RequestOutput
+from lockgate.engine.request import EngineRequest
+from lockgate.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from engine.tokenizer import Tokenizer
+    from lockgate.engine.tokenizer import Tokenizer
 
 PromptType = str | dict[str, Any]
 

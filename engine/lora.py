@@ -30,10 +30,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from engine.errors import AdapterInUse, LoRAError
-from engine.lora_files import Adapter, LoRARequest, read_adapter
-from engine.models.linear import LinearBase, LoRABatch, LoRASlots
-from engine.stats import LoRAStats
+from lockgate.engine.errors import AdapterInUse, LoRAError
+from lockgate.engine.lora_files import Adapter, LoRARequest, read_adapter
+from lockgate.engine.models.linear import LinearBase, LoRABatch, LoRASlots
+from lockgate.engine.stats import LoRAStats
 
 logger = logging.getLogger(__name__)
 

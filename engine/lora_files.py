@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from engine.errors import LoRAError
-from engine.models.linear import LinearBase
+from lockgate.engine.errors import LoRAError
+from lockgate.engine.models.linear import LinearBase
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"

@@ -32,16 +32,16 @@ from pathlib import Path
 
 import torch
 
-from engine.config import EngineConfig, ModelConfig
-from engine.engine_core import EngineCore
-from engine.errors import InvalidRequest, UnknownModel
-from engine.lora import Adapter, LoRAManager, LoRARequest
-from engine.memory import CUDA_ACTIVATION_HEADROOM, MemoryBudget
-from engine.outputs import RequestOutput
-from engine.request import EngineRequest, RequestState
-from engine.stats import EngineStats, PooledModelStats, PoolStats, summed_stats
-from engine.step_engine import StepEngine
-from engine.tokenizer import Tokenizer
+from lockgate.engine.config import EngineConfig, ModelConfig
+from lockgate.engine.engine_core import EngineCore
+from lockgate.engine.errors import InvalidRequest, UnknownModel
+from lockgate.engine.lora import Adapter, LoRAManager, LoRARequest
+from lockgate.engine.memory import CUDA_ACTIVATION_HEADROOM, MemoryBudget
+from lockgate.engine.outputs import RequestOutput
+from lockgate.engine.request import EngineRequest, RequestState
+from lockgate.engine.stats import EngineStats, PooledModelStats, PoolStats, summed_stats
+from lockgate.engine.step_engine import StepEngine
+from lockgate.engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 

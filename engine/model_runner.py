@@ -10,15 +10,15 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.config import ModelConfig
-from engine.grammar import grammar_bitmask
-from engine.kv_cache import KVCacheManager
-from engine.lora import LoRAManager
-from engine.models import AttentionMetadata, LlamaForCausalLM, build_skeleton, load_model, tensor_bytes
-from engine.models.loader import packed_weight_bytes
-from engine.request import Sequence
-from engine.sampler import Sampler, SamplerOutput, SampleRow
-from engine.scheduler import SchedulerOutput
+from lockgate.engine.config import ModelConfig
+from lockgate.engine.grammar import grammar_bitmask
+from lockgate.engine.kv_cache import KVCacheManager
+from lockgate.engine.lora import LoRAManager
+from lockgate.engine.models import AttentionMetadata, LlamaForCausalLM, build_skeleton, load_model, tensor_bytes
+from lockgate.engine.models.loader import packed_weight_bytes
+from lockgate.engine.request import Sequence
+from lockgate.engine.sampler import Sampler, SamplerOutput, SampleRow
+from lockgate.engine.scheduler import SchedulerOutput
 
 
 @dataclass(slots=True)

@@ -7,16 +7,16 @@ import dataclasses
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
-from engine.client import EngineAdmin, EngineClient, Prompt, RequestStream
-from engine.config import ModelConfig
-from engine.lora import Adapter, LoRARequest
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
-from engine.stats import EngineStats
-from engine.tokenizer import Tokenizer
+from lockgate.engine.client import EngineAdmin, EngineClient, Prompt, RequestStream
+from lockgate.engine.config import ModelConfig
+from lockgate.engine.lora import Adapter, LoRARequest
+from lockgate.engine.outputs import RequestOutput
+from lockgate.engine.sampling_params import SamplingParams
+from lockgate.engine.stats import EngineStats
+from lockgate.engine.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
-    from engine.async_engine import AsyncEngine
+    from lockgate.engine.async_engine import AsyncEngine
 
 
 class ModelView(EngineClient, EngineAdmin):

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import logging
 
-from engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from engine.request import RequestState, SeqStatus, Sequence
-from engine.sampler import SamplerOutput
-from engine.scheduler import Scheduler
-from engine.tokenizer import Tokenizer
+from lockgate.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from lockgate.engine.request import RequestState, SeqStatus, Sequence
+from lockgate.engine.sampler import SamplerOutput
+from lockgate.engine.scheduler import Scheduler
+from lockgate.engine.tokenizer import Tokenizer
 
 # prompt tokens the detokenizer starts from, so the first output token is decoded in context
 # (a SentencePiece word-start space, a character split across the prompt's end)

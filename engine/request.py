@@ -8,15 +8,15 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from engine.sampling_params import SamplingParams
+from lockgate.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from llguidance import LLMatcher
     from tokenizers.decoders import DecodeStream
 
-    from engine.kv_cache.block_pool import BlockHash
-    from engine.lora import LoRARequest
-    from engine.outputs import Logprob
+    from lockgate.engine.kv_cache.block_pool import BlockHash
+    from lockgate.engine.lora import LoRARequest
+    from lockgate.engine.outputs import Logprob
 
 
 @dataclass(slots=True, frozen=True)

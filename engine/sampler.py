@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.grammar import grammar_bitmask, mask_logits
-from engine.sampling_params import SamplingParams
-from kernels.pointwise import argmax_rows
+from lockgate.engine.grammar import grammar_bitmask, mask_logits
+from lockgate.engine.sampling_params import SamplingParams
+from lockgate.kernels.pointwise import argmax_rows
 
 if TYPE_CHECKING:
     from llguidance import LLMatcher

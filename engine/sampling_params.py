@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from engine.errors import InvalidRequest
+from lockgate.engine.errors import InvalidRequest
 
 GrammarKind = Literal["json", "json_object", "regex", "choice"]
 

@@ -27,12 +27,12 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from engine.config import EngineConfig
-from engine.cost_model import StepCostModel, StepShape
-from engine.fairness import DECODE_COST, PREFILL_COST, Fairness, TenantStats
-from engine.kv_cache import KVBlock, KVCacheManager
-from engine.request import RequestState, SeqStatus, Sequence
-from engine.step_sizing import StepSizer
+from lockgate.engine.config import EngineConfig
+from lockgate.engine.cost_model import StepCostModel, StepShape
+from lockgate.engine.fairness import DECODE_COST, PREFILL_COST, Fairness, TenantStats
+from lockgate.engine.kv_cache import KVBlock, KVCacheManager
+from lockgate.engine.request import RequestState, SeqStatus, Sequence
+from lockgate.engine.step_sizing import StepSizer
 
 logger = logging.getLogger(__name__)
 

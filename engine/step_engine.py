@@ -6,13 +6,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from engine.config import EngineConfig, ModelConfig
-    from engine.engine_core import EngineCore
-    from engine.lora import Adapter, LoRAManager, LoRARequest
-    from engine.outputs import RequestOutput
-    from engine.request import EngineRequest, RequestState
-    from engine.stats import EngineStats
-    from engine.tokenizer import Tokenizer
+    from lockgate.engine.config import EngineConfig, ModelConfig
+    from lockgate.engine.engine_core import EngineCore
+    from lockgate.engine.lora import Adapter, LoRAManager, LoRARequest
+    from lockgate.engine.outputs import RequestOutput
+    from lockgate.engine.request import EngineRequest, RequestState
+    from lockgate.engine.stats import EngineStats
+    from lockgate.engine.tokenizer import Tokenizer
 
 
 class StepEngine(Protocol):

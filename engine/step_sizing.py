@@ -25,12 +25,12 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from engine.config import EngineConfig
-from engine.cost_model import StepCostModel, StepShape
-from engine.request import Sequence
+from lockgate.engine.config import EngineConfig
+from lockgate.engine.cost_model import StepCostModel, StepShape
+from lockgate.engine.request import Sequence
 
 if TYPE_CHECKING:
-    from engine.scheduler import Scheduler
+    from lockgate.engine.scheduler import Scheduler
 
 # less urgent prefill per step while the cost model has not yet seen enough steps to predict
 FALLBACK_BACKGROUND_PREFILL = 256

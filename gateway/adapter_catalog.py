@@ -16,12 +16,12 @@ from typing import TYPE_CHECKING, Any
 
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from engine import LoRAError, LoRARequest
-from tenancy import adapters
-from tenancy.models import new_adapter_id
+from lockgate.engine import LoRAError, LoRARequest
+from lockgate.tenancy import adapters
+from lockgate.tenancy.models import new_adapter_id
 
 if TYPE_CHECKING:
-    from gateway.state import ModelEntry
+    from lockgate.gateway.state import ModelEntry
 
 logger = logging.getLogger(__name__)
 

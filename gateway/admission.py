@@ -32,12 +32,12 @@ from contextlib import asynccontextmanager
 
 from fastapi import Request
 
-from gateway.errors import APIError
-from gateway.state import AppState
-from tenancy.auth import Principal
-from tenancy.errors import Invalid, LimiterUnavailable
-from tenancy.limiter import Decision, Lease, LimitScope
-from tenancy.quota import Quota
+from lockgate.gateway.errors import APIError
+from lockgate.gateway.state import AppState
+from lockgate.tenancy.auth import Principal
+from lockgate.tenancy.errors import Invalid, LimiterUnavailable
+from lockgate.tenancy.limiter import Decision, Lease, LimitScope
+from lockgate.tenancy.quota import Quota
 
 logger = logging.getLogger(__name__)
 

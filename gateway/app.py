@@ -23,21 +23,21 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from engine import AsyncEngine, PoolEngine
-from gateway import admin, batches, metrics_api, openai_api, tokenize_api
-from gateway.admin import vllm_lora
-from gateway.batch_runner import BatchRunner
-from gateway.draining import DrainGate
-from gateway.errors import APIError, install_error_handlers
-from gateway.metrics import CountResponses
-from gateway.model_catalog import read_catalog
-from gateway.openapi import install_openapi
-from gateway.reconciler import reconcile_once
-from gateway.settings import Settings, parse_model_specs
-from gateway.state import AppState, Lifecycle, ModelEntry
-from tenancy import api_keys, db, keys, tenants
-from tenancy.limiter import FailoverLimiter, InProcessLimiter, Limiter, RedisLimiter
-from tenancy.usage.writer import UsageWriter
+from lockgate.engine import AsyncEngine, PoolEngine
+from lockgate.gateway import admin, batches, metrics_api, openai_api, tokenize_api
+from lockgate.gateway.admin import vllm_lora
+from lockgate.gateway.batch_runner import BatchRunner
+from lockgate.gateway.draining import DrainGate
+from lockgate.gateway.errors import APIError, install_error_handlers
+from lockgate.gateway.metrics import CountResponses
+from lockgate.gateway.model_catalog import read_catalog
+from lockgate.gateway.openapi import install_openapi
+from lockgate.gateway.reconciler import reconcile_once
+from lockgate.gateway.settings import Settings, parse_model_specs
+from lockgate.gateway.state import AppState, Lifecycle, ModelEntry
+from lockgate.tenancy import api_keys, db, keys, tenants
+from lockgate.tenancy.limiter import FailoverLimiter, InProcessLimiter, Limiter, RedisLimiter
+from lockgate.tenancy.usage.writer import UsageWriter
 
 logger = logging.getLogger(__name__)
 
@@ -183,7 +183,7 @@ async def load_models(s: Settings, engine_factory: EngineFactory) -> dict[str, M
     """Start the engines of the configured models (the demo model when none is given)."""
     specs = parse_model_specs(s.models)
     if not specs:
-        from engine import write_demo_model
+        from lockgate.engine import write_demo_model
 
         path = s.data_dir / "models" / DEMO_MODEL
         if not (path / "config.json").is_file():
@@ -198,7 +198,7 @@ async def load_models(s: Settings, engine_factory: EngineFactory) -> dict[str, M
     if s.pool:
         # workers on Ray, each serving every model under its budget; placement and routing
         # decide which worker runs which request
-        from engine import Pool, PoolConfig, PoolEngine
+        from lockgate.engine import Pool, PoolConfig, PoolEngine
 
         pool = Pool(PoolConfig(address=s.pool, models={n: str(p) for n, p in specs.items()},
                                engine_kwargs={**({"memory_budget": s.memory_budget} if s.memory_budget else {}),

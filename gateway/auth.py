@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from fastapi import Request
 
-from gateway.errors import APIError
-from gateway.state import app_state
-from tenancy.auth import Principal
-from tenancy.errors import AuthError
+from lockgate.gateway.errors import APIError
+from lockgate.gateway.state import app_state
+from lockgate.tenancy.auth import Principal
+from lockgate.tenancy.errors import AuthError
 
 __all__ = ["admin_principal", "bearer", "principal", "tenant_principal"]
 

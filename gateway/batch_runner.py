@@ -31,23 +31,23 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from gateway.admission import Ticket
-from gateway.errors import APIError
-from gateway.jobs import RunCut
-from gateway.openai_api import chat_job, completion_job, open_body
-from gateway.protocol import (
+from lockgate.gateway.admission import Ticket
+from lockgate.gateway.errors import APIError
+from lockgate.gateway.jobs import RunCut
+from lockgate.gateway.openai_api import chat_job, completion_job, open_body
+from lockgate.gateway.protocol import (
     UNSUPPORTED_CHAT,
     UNSUPPORTED_COMPLETION,
     ChatCompletionRequest,
     CompletionRequest,
 )
-from gateway.state import AppState
-from gateway.tokenize_pool import TokenizerError
-from tenancy import batches as store
-from tenancy.auth import Principal, principal_of_key
-from tenancy.errors import AuthError
-from tenancy.models import Batch, BatchLine
-from tenancy.usage.writer import UsageRow
+from lockgate.gateway.state import AppState
+from lockgate.gateway.tokenize_pool import TokenizerError
+from lockgate.tenancy import batches as store
+from lockgate.tenancy.auth import Principal, principal_of_key
+from lockgate.tenancy.errors import AuthError
+from lockgate.tenancy.models import Batch, BatchLine
+from lockgate.tenancy.usage.writer import UsageRow
 
 logger = logging.getLogger(__name__)
 

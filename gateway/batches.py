@@ -13,13 +13,13 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
 from starlette.datastructures import UploadFile
 
-from gateway.deps import SessionDep, StateDep, TenantDep
-from gateway.errors import APIError
-from gateway.openapi import error_responses
-from gateway.protocol import read_json
-from tenancy import batches as store
-from tenancy.errors import NotFound
-from tenancy.models import Batch, StoredFile
+from lockgate.gateway.deps import SessionDep, StateDep, TenantDep
+from lockgate.gateway.errors import APIError
+from lockgate.gateway.openapi import error_responses
+from lockgate.gateway.protocol import read_json
+from lockgate.tenancy import batches as store
+from lockgate.tenancy.errors import NotFound
+from lockgate.tenancy.models import Batch, StoredFile
 
 router = APIRouter()
 FIELDS = ("purpose", "file", "expires_after[anchor]", "expires_after[seconds]")

@@ -9,6 +9,8 @@ from typing import Annotated
 
 import typer
 
+import lockgate
+
 # click's plain help, not rich's tables: rich shortens option names to fit 80 columns
 # (`--max-num-batche…`); click wraps the help text instead and keeps every name whole
 app = typer.Typer(no_args_is_help=True, add_completion=False, rich_markup_mode=None,
@@ -59,8 +61,18 @@ def _add_command_groups(root: typer.Typer) -> None:
 _add_command_groups(app)
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(f"lockgate {lockgate.__version__}")
+        raise typer.Exit()
+
+
 @app.callback()
-def main(verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False) -> None:
+def main(
+    verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
+    version: Annotated[bool, typer.Option("--version", callback=_print_version, is_eager=True,
+                                          help="print the version and exit")] = False,
+) -> None:
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
@@ -73,7 +85,7 @@ def demo_model(
     seed: Annotated[int, typer.Option(help="weights and nothing else depend on it")] = 0,
 ) -> None:
     """Write a small random-weight Hugging Face model with a tokenizer, offline."""
-    from engine import write_demo_model
+    from lockgate.engine import write_demo_model
 
     try:
         path = write_demo_model(out_dir, family=family, size=size, seed=seed)
@@ -93,7 +105,7 @@ def demo_adapter(
     """Write a random-weight PEFT LoRA adapter for a base model, offline."""
     import importlib.util
 
-    from engine import parse_targets, write_demo_adapter
+    from lockgate.engine import parse_targets, write_demo_adapter
 
     if importlib.util.find_spec("peft") is None:
         typer.echo(f"lockgate demo-adapter: {LORA_DEMO_HINT}", err=True)
@@ -131,7 +143,7 @@ def quantize(
     )] = None,
 ) -> None:
     """Write an AWQ or GPTQ 4/8-bit checkpoint (round-to-nearest), as AutoAWQ / GPTQModel lay it out."""
-    from engine import QuantizeSpec, default_group_size, quantize_model
+    from lockgate.engine import QuantizeSpec, default_group_size, quantize_model
 
     try:
         if group_size is None:
@@ -153,7 +165,7 @@ app.add_typer(db_app, name="db")
 def _settings(**overrides):
     from pydantic import ValidationError
 
-    from gateway.settings import Settings
+    from lockgate.gateway.settings import Settings
 
     try:
         return Settings(**{k: v for k, v in overrides.items() if v is not None})
@@ -171,7 +183,7 @@ def db_upgrade(
     )] = None,
 ) -> None:
     """Migrate the database to REVISION (default: head)."""
-    from tenancy import db
+    from lockgate.tenancy import db
 
     settings = _settings(database_url=database_url)
     settings.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -184,7 +196,7 @@ def db_upgrade(
 @db_app.command("status")
 def db_status(database_url: Annotated[str | None, typer.Option()] = None) -> None:
     """Print the database's revision and the code's head revision."""
-    from tenancy import db
+    from lockgate.tenancy import db
 
     url = _settings(database_url=database_url).resolved_database_url()
     current, head = db.schema_status(url)
@@ -271,7 +283,7 @@ def serve(
     """Run the gateway and its engine(s). With no configuration: SQLite, the in-process
     limiter and the demo model under the data directory. The engine flags are vLLM's, by
     its names; they win over LOCKGATE_ENGINE_KWARGS."""
-    from gateway.server import run_server
+    from lockgate.gateway.server import run_server
 
     flags = engine_flags(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                          max_num_batched_tokens=max_num_batched_tokens,
@@ -318,8 +330,8 @@ def keys_create(
 
 async def _create_key(settings, *, tenant_id: str | None, name: str) -> str:
     """The key, created by actor "cli" in one audited transaction."""
-    from tenancy import api_keys, db, keys
-    from tenancy.errors import TenancyError
+    from lockgate.tenancy import api_keys, db, keys
+    from lockgate.tenancy.errors import TenancyError
 
     url = settings.resolved_database_url()
     if settings.embedded:

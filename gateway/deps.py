@@ -14,11 +14,11 @@ from typing import Annotated
 from fastapi import Depends
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from gateway.auth import admin_principal, tenant_principal
-from gateway.errors import APIError
-from gateway.state import AppState, app_state, database_unavailable, is_database_down
-from tenancy.auth import Principal
-from tenancy.errors import Conflict, Invalid, NotFound
+from lockgate.gateway.auth import admin_principal, tenant_principal
+from lockgate.gateway.errors import APIError
+from lockgate.gateway.state import AppState, app_state, database_unavailable, is_database_down
+from lockgate.tenancy.auth import Principal
+from lockgate.tenancy.errors import Conflict, Invalid, NotFound
 
 StateDep = Annotated[AppState, Depends(app_state)]
 

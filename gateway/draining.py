@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from gateway.errors import APIError
+from lockgate.gateway.errors import APIError
 
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
 

@@ -20,7 +20,7 @@ from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from gateway.settings import Settings
+from lockgate.gateway.settings import Settings
 
 logger = logging.getLogger(__name__)
 _REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}

@@ -33,7 +33,7 @@ from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from typing import Any
 
-from engine import (
+from lockgate.engine import (
     EngineDead,
     EngineOverloaded,
     InvalidRequest,
@@ -42,11 +42,11 @@ from engine import (
     RequestStream,
     SamplingParams,
 )
-from gateway.admission import Ticket
-from gateway.errors import APIError
-from gateway.state import ModelEntry
-from tenancy.limiter import Decision, Lease
-from tenancy.usage.writer import UsageRow
+from lockgate.gateway.admission import Ticket
+from lockgate.gateway.errors import APIError
+from lockgate.gateway.state import ModelEntry
+from lockgate.tenancy.limiter import Decision, Lease
+from lockgate.tenancy.usage.writer import UsageRow
 
 logger = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
-from tenancy.auth import Principal
+from lockgate.tenancy.auth import Principal
 
 Lookup = Callable[[str], Awaitable[Principal]]
 Spawn = Callable[[Coroutine[Any, Any, None]], Any]

@@ -30,7 +30,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from engine import EngineStats
+from lockgate.engine import EngineStats
 
 logger = logging.getLogger(__name__)
 

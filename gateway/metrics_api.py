@@ -10,10 +10,10 @@ import hmac
 from fastapi import APIRouter, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from gateway.auth import admin_principal, bearer
-from gateway.deps import StateDep
-from gateway.errors import APIError
-from gateway.state import AppState
+from lockgate.gateway.auth import admin_principal, bearer
+from lockgate.gateway.deps import StateDep
+from lockgate.gateway.errors import APIError
+from lockgate.gateway.state import AppState
 
 router = APIRouter()
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine import ModelConfig, Tokenizer
+from lockgate.engine import ModelConfig, Tokenizer
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,15 +14,15 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
-from engine import InvalidRequest, SamplingParams, StructuredOutputsParams
-from gateway import structured
-from gateway.admission import Ticket, admitted, ratelimit_headers
-from gateway.deps import StateDep, TenantDep
-from gateway.errors import APIError
-from gateway.jobs import RequestRun, usage_status
-from gateway.openapi import error_responses, json_body
-from gateway.output_shapes import chat_logprobs, completion_logprobs, sse
-from gateway.protocol import (
+from lockgate.engine import InvalidRequest, SamplingParams, StructuredOutputsParams
+from lockgate.gateway import structured
+from lockgate.gateway.admission import Ticket, admitted, ratelimit_headers
+from lockgate.gateway.deps import StateDep, TenantDep
+from lockgate.gateway.errors import APIError
+from lockgate.gateway.jobs import RequestRun, usage_status
+from lockgate.gateway.openapi import error_responses, json_body
+from lockgate.gateway.output_shapes import chat_logprobs, completion_logprobs, sse
+from lockgate.gateway.protocol import (
     UNSUPPORTED_CHAT,
     UNSUPPORTED_COMPLETION,
     ChatCompletionRequest,
@@ -31,12 +31,12 @@ from gateway.protocol import (
     read_json,
     refuse_unsupported,
 )
-from gateway.quota_report import TENANT_QUERY, QuotaReportPublic, quota_response
-from gateway.state import AppState, ModelEntry
-from gateway.tokenize_pool import TokenizerBusy, TokenizerError
-from gateway.tool_calls import ToolCallReader, ToolPlan, chat_message, prompt_messages, tool_plan
-from gateway.usage_api import usage_response
-from tenancy.auth import Principal
+from lockgate.gateway.quota_report import TENANT_QUERY, QuotaReportPublic, quota_response
+from lockgate.gateway.state import AppState, ModelEntry
+from lockgate.gateway.tokenize_pool import TokenizerBusy, TokenizerError
+from lockgate.gateway.tool_calls import ToolCallReader, ToolPlan, chat_message, prompt_messages, tool_plan
+from lockgate.gateway.usage_api import usage_response
+from lockgate.tenancy.auth import Principal
 
 logger = logging.getLogger(__name__)
 router = APIRouter()

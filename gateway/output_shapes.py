@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from engine import CompletionOutput, Logprob
+from lockgate.engine import CompletionOutput, Logprob
 
 
 def _bytes(s: str | None) -> list[int]:

@@ -18,7 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError, model_validator
 from starlette.requests import ClientDisconnect
 
-from gateway.errors import APIError, validation_error
+from lockgate.gateway.errors import APIError, validation_error
 
 logger = logging.getLogger(__name__)
 

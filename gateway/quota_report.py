@@ -23,18 +23,18 @@ from typing import Any
 from fastapi import Request
 from pydantic import BaseModel
 
-from gateway.admission import key_scope, tenant_scope
-from gateway.errors import APIError
-from gateway.state import AppState, database_unavailable, is_database_down
-from gateway.usage_api import parse_limit, parse_time
-from tenancy import api_keys, tenants
-from tenancy.errors import Invalid, LimiterUnavailable, NotFound
-from tenancy.limiter import Limiter, LimitScope
-from tenancy.limiter.base import ScopeUsage
-from tenancy.limiter.periods import Periods
-from tenancy.models import ApiKey, Tenant
-from tenancy.quota import QUOTA_FIELDS, Quota, quota_of
-from tenancy.usage.refusals import RefusalTotals, refusal_totals
+from lockgate.gateway.admission import key_scope, tenant_scope
+from lockgate.gateway.errors import APIError
+from lockgate.gateway.state import AppState, database_unavailable, is_database_down
+from lockgate.gateway.usage_api import parse_limit, parse_time
+from lockgate.tenancy import api_keys, tenants
+from lockgate.tenancy.errors import Invalid, LimiterUnavailable, NotFound
+from lockgate.tenancy.limiter import Limiter, LimitScope
+from lockgate.tenancy.limiter.base import ScopeUsage
+from lockgate.tenancy.limiter.periods import Periods
+from lockgate.tenancy.models import ApiKey, Tenant
+from lockgate.tenancy.quota import QUOTA_FIELDS, Quota, quota_of
+from lockgate.tenancy.usage.refusals import RefusalTotals, refusal_totals
 
 DEFAULT_RANGE = timedelta(hours=24)
 PAGE = 20           # tenants per page by default (each costs a limiter read per limited scope)

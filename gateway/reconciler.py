@@ -24,9 +24,9 @@ from collections.abc import Sequence
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from gateway.state import AppState
-from tenancy.limiter import Lease
-from tenancy.models import UsageRecord
+from lockgate.gateway.state import AppState
+from lockgate.tenancy.limiter import Lease
+from lockgate.tenancy.models import UsageRecord
 
 logger = logging.getLogger(__name__)
 

@@ -8,8 +8,8 @@ from typing import Any, Generic, Literal, Self, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from tenancy import api_keys, tenants
-from tenancy.quota import Quota
+from lockgate.tenancy import api_keys, tenants
+from lockgate.tenancy.quota import Quota
 
 Tier = Literal["default", "priority", "flex"]
 T = TypeVar("T")

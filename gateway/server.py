@@ -19,10 +19,10 @@ from types import FrameType
 
 import uvicorn
 
-from gateway.app import DEMO_MODEL, SchemaBehind, create_app
-from gateway.http_limits import limited_http
-from gateway.settings import Settings, parse_model_specs
-from gateway.state import Lifecycle
+from lockgate.gateway.app import DEMO_MODEL, SchemaBehind, create_app
+from lockgate.gateway.http_limits import limited_http
+from lockgate.gateway.settings import Settings, parse_model_specs
+from lockgate.gateway.state import Lifecycle
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ def run_server(settings: Settings) -> int:
         print(f"lockgate: {exc}", file=sys.stderr)
         return 2
     if not settings.embedded and not settings.migrate:
-        from tenancy import db
+        from lockgate.tenancy import db
 
         current, head = db.schema_status(settings.resolved_database_url())
         if current != head:

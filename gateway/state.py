@@ -18,7 +18,7 @@ from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncEngine as SAEngine
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from engine import (
+from lockgate.engine import (
     Adapter,
     EngineStats,
     LoRAError,
@@ -28,20 +28,20 @@ from engine import (
     SamplingParams,
     ServedEngine,
 )
-from gateway.adapter_catalog import AdapterCatalog, AdapterInfo
-from gateway.errors import APIError
-from gateway.key_cache import KeyCache
-from gateway.metrics import Metrics
-from gateway.model_catalog import ModelInfo
-from gateway.settings import Settings
-from gateway.tokenize_pool import TokenizePool
-from tenancy import api_keys, auth
-from tenancy.auth import Principal
-from tenancy.errors import AuthError, Invalid
-from tenancy.limiter import Lease, Limiter
-from tenancy.usage.refusals import RefusalCounter
-from tenancy.usage.writer import UsageWriter
-from tenancy.visibility import adapter_visible, model_visible
+from lockgate.gateway.adapter_catalog import AdapterCatalog, AdapterInfo
+from lockgate.gateway.errors import APIError
+from lockgate.gateway.key_cache import KeyCache
+from lockgate.gateway.metrics import Metrics
+from lockgate.gateway.model_catalog import ModelInfo
+from lockgate.gateway.settings import Settings
+from lockgate.gateway.tokenize_pool import TokenizePool
+from lockgate.tenancy import api_keys, auth
+from lockgate.tenancy.auth import Principal
+from lockgate.tenancy.errors import AuthError, Invalid
+from lockgate.tenancy.limiter import Lease, Limiter
+from lockgate.tenancy.usage.refusals import RefusalCounter
+from lockgate.tenancy.usage.writer import UsageWriter
+from lockgate.tenancy.visibility import adapter_visible, model_visible
 
 logger = logging.getLogger(__name__)
 

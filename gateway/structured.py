@@ -18,11 +18,11 @@ import asyncio
 import json
 from typing import Any
 
-from engine import GrammarError, InvalidRequest, StructuredOutputsParams, grammar_compiler
-from gateway.errors import APIError
-from gateway.model_catalog import ModelInfo
-from gateway.settings import Settings
-from gateway.tool_calls import ToolPlan, parameters_of
+from lockgate.engine import GrammarError, InvalidRequest, StructuredOutputsParams, grammar_compiler
+from lockgate.gateway.errors import APIError
+from lockgate.gateway.model_catalog import ModelInfo
+from lockgate.gateway.settings import Settings
+from lockgate.gateway.tool_calls import ToolPlan, parameters_of
 
 
 def requested(req: Any) -> tuple[StructuredOutputsParams, str] | None:

@@ -18,16 +18,16 @@ from typing import Any
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from gateway.admission import admitted
-from gateway.deps import StateDep, TenantDep
-from gateway.errors import APIError
-from gateway.model_catalog import ModelInfo
-from gateway.openai_api import resolve_model, tokenizer_error
-from gateway.openapi import error_responses, json_body
-from gateway.protocol import Bool, ChatMessage, Int, parse, read_json
-from gateway.state import AppState
-from gateway.tokenize_pool import TokenizerError
-from gateway.tool_calls import prompt_messages
+from lockgate.gateway.admission import admitted
+from lockgate.gateway.deps import StateDep, TenantDep
+from lockgate.gateway.errors import APIError
+from lockgate.gateway.model_catalog import ModelInfo
+from lockgate.gateway.openai_api import resolve_model, tokenizer_error
+from lockgate.gateway.openapi import error_responses, json_body
+from lockgate.gateway.protocol import Bool, ChatMessage, Int, parse, read_json
+from lockgate.gateway.state import AppState
+from lockgate.gateway.tokenize_pool import TokenizerError
+from lockgate.gateway.tool_calls import prompt_messages
 
 router = APIRouter()
 _ERRORS = error_responses(400, 401, 403, 404, 413, 415, 429, 503)

@@ -31,7 +31,7 @@ from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any, TypeAlias
 
-from gateway.model_catalog import ModelInfo, read_model_info
+from lockgate.gateway.model_catalog import ModelInfo, read_model_info
 
 logger = logging.getLogger(__name__)
 

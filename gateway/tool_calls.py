@@ -24,8 +24,8 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.errors import APIError
-from gateway.protocol import ChatMessage, Tool
+from lockgate.gateway.errors import APIError
+from lockgate.gateway.protocol import ChatMessage, Tool
 
 MAX_PARALLEL_CALLS = 8      # a parallel answer's calls: at most this many (keeps the grammar bounded)
 NO_ARGUMENTS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}

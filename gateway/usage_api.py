@@ -17,11 +17,11 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
-from gateway.errors import APIError
-from gateway.state import AppState
-from tenancy.errors import Invalid
-from tenancy.usage.report import parse_group_by, usage_page
-from tenancy.validation import MAX_LIST_LIMIT
+from lockgate.gateway.errors import APIError
+from lockgate.gateway.state import AppState
+from lockgate.tenancy.errors import Invalid
+from lockgate.tenancy.usage.report import parse_group_by, usage_page
+from lockgate.tenancy.validation import MAX_LIST_LIMIT
 
 CSV_FIELDS = ["requests", "ok", "errors", "cancelled", "prompt_tokens", "cached_tokens",
               "completion_tokens", "total_tokens", "ttft_ms_p50", "ttft_ms_p95"]

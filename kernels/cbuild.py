@@ -25,7 +25,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from kernels.dispatch import KernelUnavailable, kernel_choice
+from lockgate.kernels.dispatch import KernelUnavailable, kernel_choice
 
 logger = logging.getLogger(__name__)
 

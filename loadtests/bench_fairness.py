@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from loadtests.bench_priority import allowed_token_ids, default_model_dir, drop_all, run_sides, warm_up
+from lockgate.loadtests.bench_priority import allowed_token_ids, default_model_dir, drop_all, run_sides, warm_up
 
 HEAVY, LIGHT = "heavy", "light"
 
@@ -64,7 +64,7 @@ def vtc_bound(s: FairnessSizes, max_model_len: int) -> dict[str, float]:
     cache is sized on purpose (`num_kv_blocks`) so that it is the binding limit, as the GPU's
     memory is in VTC's setting; the per-step token budget only slows how fast the gap moves.
     """
-    from engine.scheduler import DECODE_COST, PREFILL_COST
+    from lockgate.engine.scheduler import DECODE_COST, PREFILL_COST
 
     l_input = s.prompt[1]
     m = min(s.num_kv_blocks * s.block_size, s.max_num_seqs * max_model_len)
@@ -78,10 +78,10 @@ def jain(xs: list[float]) -> float:
 
 
 def run_fairness_side(model_dir: str, policy: str, sizes: dict[str, Any]) -> dict[str, Any]:
-    from engine.config import EngineConfig
-    from engine.engine_core import EngineCore
-    from engine.request import EngineRequest
-    from engine.sampling_params import SamplingParams
+    from lockgate.engine.config import EngineConfig
+    from lockgate.engine.engine_core import EngineCore
+    from lockgate.engine.request import EngineRequest
+    from lockgate.engine.sampling_params import SamplingParams
 
     s = FairnessSizes(**sizes)
     core = EngineCore(EngineConfig(

@@ -34,9 +34,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from loadtests.cache import demo_model_dir
-from loadtests.harness.cpu import CpuMeter
-from loadtests.harness.load import (
+from lockgate.loadtests.cache import demo_model_dir
+from lockgate.loadtests.harness.cpu import CpuMeter
+from lockgate.loadtests.harness.load import (
     MAX_CONNECTIONS,
     MAX_TOKENS,
     MESSAGES,
@@ -46,9 +46,9 @@ from loadtests.harness.load import (
     open_loop,
     run_loop,
 )
-from loadtests.harness.report import generator_state, jsonable, nearest, print_report, summarize
-from loadtests.harness.server import ServerProcess
-from loadtests.harness.services import ServiceUnavailable, check_services, pg_dsn, pg_execute, redis_keys
+from lockgate.loadtests.harness.report import generator_state, jsonable, nearest, print_report, summarize
+from lockgate.loadtests.harness.server import ServerProcess
+from lockgate.loadtests.harness.services import ServiceUnavailable, check_services, pg_dsn, pg_execute, redis_keys
 
 __all__ = ["ServiceUnavailable", "bench_gateway"]
 
@@ -57,7 +57,7 @@ GENEROUS_QUOTA = {"requests_per_minute": 100_000_000, "tokens_per_minute": 10_00
                   "max_concurrent_requests": 1_000_000, "daily_token_budget": 10**15,
                   "monthly_token_budget": 10**16}
 DEFAULT_RATES = (100, 200, 300, 400, 500, 600)
-BENCH_SERVER = ("loadtests.gateway_bench_server",)
+BENCH_SERVER = ("lockgate.loadtests.gateway_bench_server",)
 
 
 class BenchServer(ServerProcess):
@@ -72,8 +72,8 @@ def default_model_dir() -> Path:
 
 # -- the direct baseline ------------------------------------------------------------------------------
 async def _direct_steps(model_dir: str, rates: list[float], duration: float) -> list[dict]:
-    from engine import SamplingParams
-    from loadtests.instant_engine import InstantEngine
+    from lockgate.engine import SamplingParams
+    from lockgate.loadtests.instant_engine import InstantEngine
 
     engine = InstantEngine(model_dir)
     await engine.start()

@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from loadtests.bench_priority import allowed_token_ids, default_model_dir, drop_all, run_sides, warm_up
+from lockgate.loadtests.bench_priority import allowed_token_ids, default_model_dir, drop_all, run_sides, warm_up
 
 ALL_TARGETS = "q,k,v,o,gate,up,down"
 
@@ -45,11 +45,11 @@ class LoraSizes:
 
 
 def run_lora_side(model_dir: str, adapter_dirs: list[str] | None, sizes: dict[str, Any]) -> dict[str, Any]:
-    from engine.config import EngineConfig
-    from engine.engine_core import EngineCore
-    from engine.lora import LoRARequest
-    from engine.request import EngineRequest
-    from engine.sampling_params import SamplingParams
+    from lockgate.engine.config import EngineConfig
+    from lockgate.engine.engine_core import EngineCore
+    from lockgate.engine.lora import LoRARequest
+    from lockgate.engine.request import EngineRequest
+    from lockgate.engine.sampling_params import SamplingParams
 
     s = LoraSizes(**sizes)
     lora = adapter_dirs is not None
@@ -102,7 +102,7 @@ def bench_lora(
     fresh_process: bool = True,
     echo=print,
 ) -> dict[str, Any]:
-    from engine.lora_demo import write_demo_adapter
+    from lockgate.engine.lora_demo import write_demo_adapter
 
     model_dir = str(model_dir or default_model_dir())
     s = sizes or LoraSizes()

@@ -29,9 +29,9 @@ from typing import Any
 
 import torch
 
-from loadtests.bench_throughput import _in_fresh_process, _workload, default_model_dir, run_engine
-from loadtests.cache import cache_dir
-from loadtests.workload import OfflineRequest
+from lockgate.loadtests.bench_throughput import _in_fresh_process, _workload, default_model_dir, run_engine
+from lockgate.loadtests.cache import cache_dir
+from lockgate.loadtests.workload import OfflineRequest
 
 REPO = Path(__file__).resolve().parent.parent
 PEER_TIMEOUT_S = 1800.0
@@ -166,7 +166,7 @@ def workload_cost(model_dir: str, work: list[OfflineRequest], max_num_batched_to
     """The workload's model FLOPs, and the least bytes its steps must read (fp32): the
     weights once per forward (prefill forwards of `max_num_batched_tokens` tokens, one decode
     forward per output position of the longest request) and each decode's K/V context."""
-    from engine.config import ModelConfig
+    from lockgate.engine.config import ModelConfig
 
     cfg = ModelConfig.from_dir(model_dir)
     h, inter, layers = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
@@ -246,7 +246,7 @@ def layer_workload(model_dir: str, batch: int, prompt_len: int = 128, output_len
 
 def _engine_on(model_dir: str, work: list[OfflineRequest]) -> dict[str, Any]:
     """run_engine on a given list of requests (the scaling and 7B-layer cases)."""
-    import loadtests.bench_throughput as bt
+    import lockgate.loadtests.bench_throughput as bt
 
     bt._workload = lambda *_: work     # this fresh process runs only this workload
     return run_engine(model_dir, len(work), 0, {})

@@ -22,11 +22,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from loadtests.stats import percentile
+from lockgate.loadtests.stats import percentile
 
 
 def _greedy(n: int) -> Any:
-    from engine import SamplingParams
+    from lockgate.engine import SamplingParams
 
     return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
 
@@ -65,8 +65,8 @@ class RoundRobin:
 
 
 async def _routing(pool: Any, model_dir: str, tenants: int, per_tenant: int, prefix: int) -> dict:
-    from engine import PoolEngine
-    from loadtests.workload import prompts_for
+    from lockgate.engine import PoolEngine
+    from lockgate.loadtests.workload import prompts_for
 
     engine = PoolEngine(pool, "a")
     systems = prompts_for(model_dir, [prefix] * tenants, seed=secrets.randbelow(10**6))
@@ -88,8 +88,8 @@ async def _routing(pool: Any, model_dir: str, tenants: int, per_tenant: int, pre
 
 
 async def _two_models(pool: Any, dirs: dict[str, str], n: int) -> float:
-    from engine import PoolEngine
-    from loadtests.workload import prompts_for
+    from lockgate.engine import PoolEngine
+    from lockgate.loadtests.workload import prompts_for
 
     engines = {m: PoolEngine(pool, m) for m in dirs}
     prompts = {m: prompts_for(d, [24] * n, seed=3) for m, d in dirs.items()}
@@ -114,10 +114,10 @@ def bench_pool(*, repeats: int = 3, tenants: int = 4, per_tenant: int = 8, prefi
     import ray
     from ray.cluster_utils import Cluster
 
-    from engine import AsyncEngine, Pool, PoolConfig, PoolEngine
-    from engine.config import EngineConfig
-    from engine.model_pool import ModelPool
-    from loadtests.workload import demo_dir, prompts_for
+    from lockgate.engine import AsyncEngine, Pool, PoolConfig, PoolEngine
+    from lockgate.engine.config import EngineConfig
+    from lockgate.engine.model_pool import ModelPool
+    from lockgate.loadtests.workload import demo_dir, prompts_for
 
     dirs = {"a": demo_dir("llama", "tiny", 0), "b": demo_dir("qwen2", "tiny", 1)}
     probe = ModelPool(EngineConfig(model=dirs["a"], models={"b": dirs["b"]}, dtype="float32",

@@ -23,8 +23,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from loadtests.bench_priority import allowed_token_ids, default_model_dir, drop_all, run_sides, warm_up
-from loadtests.stats import percentile
+from lockgate.loadtests.bench_priority import allowed_token_ids, default_model_dir, drop_all, run_sides, warm_up
+from lockgate.loadtests.stats import percentile
 
 
 @dataclass(slots=True, frozen=True)
@@ -42,10 +42,10 @@ class PrefixSizes:
 
 
 def run_prefix_side(model_dir: str, caching: bool, sizes: dict[str, Any]) -> dict[str, Any]:
-    from engine.config import EngineConfig
-    from engine.engine_core import EngineCore
-    from engine.request import EngineRequest
-    from engine.sampling_params import SamplingParams
+    from lockgate.engine.config import EngineConfig
+    from lockgate.engine.engine_core import EngineCore
+    from lockgate.engine.request import EngineRequest
+    from lockgate.engine.sampling_params import SamplingParams
 
     s = PrefixSizes(**sizes)
     core = EngineCore(EngineConfig(
@@ -121,7 +121,7 @@ def bench_prefix(
 ) -> dict[str, Any]:
     model_dir = str(model_dir or default_model_dir())
     s = sizes or PrefixSizes()
-    from engine.config import ModelConfig
+    from lockgate.engine.config import ModelConfig
 
     max_len = ModelConfig.from_dir(model_dir).max_position_embeddings
     if s.prefix_len + s.suffix[1] + s.output_len > max_len:

@@ -46,8 +46,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from loadtests.bench_throughput import _in_fresh_process, default_model_dir
-from loadtests.stats import percentile
+from lockgate.loadtests.bench_throughput import _in_fresh_process, default_model_dir
+from lockgate.loadtests.stats import percentile
 
 MODES = ("online", "offline", "fcfs", "priority")
 MODE_NAMES = {"online": "online alone", "offline": "offline alone",
@@ -78,8 +78,8 @@ class PrioritySizes:
 # -- helpers shared by the engine benchmarks --------------------------------------------------
 def allowed_token_ids(model_dir: str) -> list[int]:
     """Every token id but the special ones (so prompts never hold an EOS or a template mark)."""
-    from engine.config import ModelConfig
-    from engine.tokenizer import Tokenizer
+    from lockgate.engine.config import ModelConfig
+    from lockgate.engine.tokenizer import Tokenizer
 
     cfg = ModelConfig.from_dir(model_dir)
     special = Tokenizer(model_dir).special_token_ids | set(cfg.eos_token_ids)
@@ -125,8 +125,8 @@ def capture_schedules(core) -> dict:
 
 def warm_up(core, allowed: list[int], prompt_len: int = 256) -> None:
     """One prefill and a few decodes, so the first measured steps pay no one-off costs."""
-    from engine.request import EngineRequest
-    from engine.sampling_params import SamplingParams
+    from lockgate.engine.request import EngineRequest
+    from lockgate.engine.sampling_params import SamplingParams
 
     rng = random.Random(12345)
     for i in range(2):
@@ -158,10 +158,10 @@ def online_arrivals(s: PrioritySizes, allowed: list[int]) -> list[tuple[float, l
 
 
 def run_priority_side(model_dir: str, mode: str, sizes: dict[str, Any]) -> dict[str, Any]:
-    from engine.config import EngineConfig
-    from engine.engine_core import EngineCore
-    from engine.request import EngineRequest
-    from engine.sampling_params import SamplingParams
+    from lockgate.engine.config import EngineConfig
+    from lockgate.engine.engine_core import EngineCore
+    from lockgate.engine.request import EngineRequest
+    from lockgate.engine.sampling_params import SamplingParams
 
     s = PrioritySizes(**sizes)
     has_online, has_offline = mode != "offline", mode != "online"
@@ -370,7 +370,7 @@ def bench_priority(
     model_dir = str(model_dir or default_model_dir())
     s = sizes or PrioritySizes()
     n_arrivals = len(online_arrivals(s, list(range(16))))
-    from engine.config import ModelConfig
+    from lockgate.engine.config import ModelConfig
 
     echo(f"model {model_dir} (max_position_embeddings "
          f"{ModelConfig.from_dir(model_dir).max_position_embeddings}), seed {s.seed}")

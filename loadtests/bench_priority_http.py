@@ -24,8 +24,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from loadtests.harness.server import ServerProcess
-from loadtests.stats import percentile
+from lockgate.loadtests.harness.server import ServerProcess
+from lockgate.loadtests.stats import percentile
 
 
 @dataclass(slots=True, frozen=True)
@@ -53,7 +53,7 @@ class Serve:
         env.update({"LOCKGATE_DATA_DIR": str(data_dir), "LOCKGATE_ADMIN_KEY": self.admin_key,
                     "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"})
         data_dir.mkdir(parents=True, exist_ok=True)
-        self.server = ServerProcess.launch(("gateway.cli", "serve"), env, data_dir / "serve.log",
+        self.server = ServerProcess.launch(("lockgate.gateway.cli", "serve"), env, data_dir / "serve.log",
                                            timeout=300)
         self.url = self.server.url
         admin = httpx.Client(base_url=self.url + "/admin/v1", timeout=30,

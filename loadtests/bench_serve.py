@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from loadtests.harness.load import run_loop
-from loadtests.stats import percentile
+from lockgate.loadtests.harness.load import run_loop
+from lockgate.loadtests.stats import percentile
 
 NO_TIER = "none"          # the tier mix's name for requests that send no `service_tier`
 ALL = "all"               # the summary over every tier

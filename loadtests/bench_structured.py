@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from loadtests.bench_priority import allowed_token_ids, default_model_dir, drop_all, run_sides, warm_up
+from lockgate.loadtests.bench_priority import allowed_token_ids, default_model_dir, drop_all, run_sides, warm_up
 
 RECORDS = {
     "type": "array", "minItems": 50, "maxItems": 60,
@@ -47,10 +47,10 @@ class StructuredSizes:
 
 
 def run_structured_side(model_dir: str, constrained: bool, sizes: dict[str, Any]) -> dict[str, Any]:
-    from engine.config import EngineConfig
-    from engine.engine_core import EngineCore
-    from engine.request import EngineRequest
-    from engine.sampling_params import SamplingParams, StructuredOutputsParams
+    from lockgate.engine.config import EngineConfig
+    from lockgate.engine.engine_core import EngineCore
+    from lockgate.engine.request import EngineRequest
+    from lockgate.engine.sampling_params import SamplingParams, StructuredOutputsParams
 
     s = StructuredSizes(**sizes)
     core = EngineCore(EngineConfig(model=model_dir, max_num_batched_tokens=s.max_num_batched_tokens,

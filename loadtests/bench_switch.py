@@ -26,9 +26,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from loadtests.bench_priority import allowed_token_ids
-from loadtests.bench_throughput import default_model_dir
-from loadtests.stats import percentile
+from lockgate.loadtests.bench_priority import allowed_token_ids
+from lockgate.loadtests.bench_throughput import default_model_dir
+from lockgate.loadtests.stats import percentile
 
 
 @dataclass(slots=True, frozen=True)
@@ -52,8 +52,8 @@ def demo_pair() -> tuple[str, str]:
 
 
 def _pool(a: str, b: str, s: SwitchSizes, budget: int | None):
-    from engine.config import EngineConfig
-    from engine.model_pool import ModelPool
+    from lockgate.engine.config import EngineConfig
+    from lockgate.engine.model_pool import ModelPool
 
     return ModelPool(EngineConfig(
         model=a, models={"b": b}, num_kv_blocks=s.num_kv_blocks, memory_budget=budget,
@@ -83,10 +83,10 @@ def bench_switch(
     json_out: str | None = None,
     echo=print,
 ) -> dict[str, Any]:
-    from engine.config import EngineConfig
-    from engine.engine_core import EngineCore
-    from engine.request import EngineRequest
-    from engine.sampling_params import SamplingParams
+    from lockgate.engine.config import EngineConfig
+    from lockgate.engine.engine_core import EngineCore
+    from lockgate.engine.request import EngineRequest
+    from lockgate.engine.sampling_params import SamplingParams
 
     a, b = models or demo_pair()
     s = sizes or SwitchSizes()

@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-from loadtests.cache import demo_model_dir
-from loadtests.workload import OfflineRequest, offline_workload
+from lockgate.loadtests.cache import demo_model_dir
+from lockgate.loadtests.workload import OfflineRequest, offline_workload
 
 
 def default_model_dir(family: str = "llama", seed: int = 0) -> Path:
@@ -37,8 +37,8 @@ def _peak_rss_mib() -> float:
 
 
 def _workload(model_dir: str, num_requests: int, seed: int) -> list[OfflineRequest]:
-    from engine.config import ModelConfig
-    from engine.tokenizer import Tokenizer
+    from lockgate.engine.config import ModelConfig
+    from lockgate.engine.tokenizer import Tokenizer
 
     cfg = ModelConfig.from_dir(model_dir)
     return offline_workload(
@@ -52,7 +52,7 @@ def _workload(model_dir: str, num_requests: int, seed: int) -> list[OfflineReque
 # -- side 1: the engine ---------------------------------------------------------------------
 def run_engine(model_dir: str, num_requests: int, seed: int, engine_kwargs: dict) -> dict[str, Any]:
     t_import = time.perf_counter()
-    from engine import LLM, SamplingParams
+    from lockgate.engine import LLM, SamplingParams
 
     import_s = time.perf_counter() - t_import
     work = _workload(model_dir, num_requests, seed)
@@ -129,9 +129,9 @@ def run_hf_static(model_dir: str, num_requests: int, seed: int, batch_size: int 
 
 # -- side 3: the ideal-batching bound -------------------------------------------------------
 def run_ideal(model_dir: str, num_requests: int, seed: int, engine_kwargs: dict) -> dict[str, Any]:
-    from engine.config import EngineConfig
-    from engine.engine_core import EngineCore
-    from engine.models import AttentionMetadata
+    from lockgate.engine.config import EngineConfig
+    from lockgate.engine.engine_core import EngineCore
+    from lockgate.engine.models import AttentionMetadata
 
     work = _workload(model_dir, num_requests, seed)
     core = EngineCore(EngineConfig(model=model_dir, **engine_kwargs))

@@ -20,9 +20,9 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from loadtests.bench_priority import allowed_token_ids, run_sides, warm_up
-from loadtests.bench_throughput import default_model_dir
-from loadtests.stats import percentile
+from lockgate.loadtests.bench_priority import allowed_token_ids, run_sides, warm_up
+from lockgate.loadtests.bench_throughput import default_model_dir
+from lockgate.loadtests.stats import percentile
 
 MODES = ("alone", "mixed")
 
@@ -43,10 +43,10 @@ class TierSizes:
 
 
 def run_tiers_side(model_dir: str, mode: str, sizes: dict[str, Any]) -> dict[str, Any]:
-    from engine.config import EngineConfig
-    from engine.engine_core import EngineCore
-    from engine.request import EngineRequest
-    from engine.sampling_params import SamplingParams
+    from lockgate.engine.config import EngineConfig
+    from lockgate.engine.engine_core import EngineCore
+    from lockgate.engine.request import EngineRequest
+    from lockgate.engine.sampling_params import SamplingParams
 
     s = TierSizes(**sizes)
     core = EngineCore(EngineConfig(model=model_dir, dtype="float32", max_num_seqs=s.max_num_seqs,

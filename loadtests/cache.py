@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from gateway.settings import default_data_dir
+from lockgate.gateway.settings import default_data_dir
 
 
 def cache_dir() -> Path:
@@ -23,7 +23,7 @@ def demo_model_dir(family: str = "llama", size: str = "small", seed: int = 0) ->
     """A demo model under `cache_dir()/demo-models`, written on first use."""
     path = cache_dir() / "demo-models" / f"{family}-{size}-seed{seed}"
     if not all((path / f).is_file() for f in ("config.json", "tokenizer.json", "model.safetensors")):
-        from engine.demo_model import write_demo_model
+        from lockgate.engine.demo_model import write_demo_model
 
         write_demo_model(path, family=family, size=size, seed=seed)
     return path

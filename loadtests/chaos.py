@@ -25,7 +25,7 @@ from typing import Any
 
 import httpx
 
-from loadtests.harness.chaos_checks import (
+from lockgate.loadtests.harness.chaos_checks import (
     LeaseReport,
     LeaseWatch,
     RowsReport,
@@ -35,10 +35,10 @@ from loadtests.harness.chaos_checks import (
     fetch_rows,
     lease_key,
 )
-from loadtests.harness.chaos_client import Attempt, LoadPlan, LoadState, run_load
-from loadtests.harness.own_redis import OwnRedis
-from loadtests.harness.pg import ThrowawayPostgres, throwaway_postgres
-from loadtests.harness.replica import Replica, serve_env
+from lockgate.loadtests.harness.chaos_client import Attempt, LoadPlan, LoadState, run_load
+from lockgate.loadtests.harness.own_redis import OwnRedis
+from lockgate.loadtests.harness.pg import ThrowawayPostgres, throwaway_postgres
+from lockgate.loadtests.harness.replica import Replica, serve_env
 
 ENGINE_KWARGS = {"kv_cache_memory": 32 << 20, "max_num_seqs": 64}
 PREFIX = "chaos:"
@@ -162,7 +162,7 @@ class Cluster:
 
 def _replicas(cfg: ChaosConfig, work: Path, pg: ThrowawayPostgres, redis: OwnRedis,
               admin_key: str) -> list[Replica]:
-    from engine.demo_model import write_demo_model
+    from lockgate.engine.demo_model import write_demo_model
 
     model = work / "model"
     if not model.exists():
@@ -342,7 +342,7 @@ async def _run(cfg: ChaosConfig, cluster: Cluster, echo: Callable[[str], None]) 
 async def run_chaos(cfg: ChaosConfig, work_dir: Path,
                     echo: Callable[[str], None] = lambda s: None) -> ChaosResult:
     """The whole run in `work_dir` (the model, the replicas' data and logs, Redis's dir)."""
-    from tenancy import db
+    from lockgate.tenancy import db
 
     work_dir.mkdir(parents=True, exist_ok=True)
     with throwaway_postgres() as pg:

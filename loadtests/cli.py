@@ -40,7 +40,7 @@ def bench_throughput(
     """Offline throughput: the engine vs HF static batching vs the ideal-batching bound, or
     (--peer vllm) the engine vs vLLM's CPU build, both checked against HF."""
     if peer is not None:
-        from loadtests.bench_peer import PeerUnavailable, bench_peer
+        from lockgate.loadtests.bench_peer import PeerUnavailable, bench_peer
 
         try:
             bench_peer(str(model) if model else None, peer=peer,
@@ -51,7 +51,7 @@ def bench_throughput(
             typer.echo(f"error: {exc}", err=True)
             raise typer.Exit(2) from None
         return
-    from loadtests.bench_throughput import bench_throughput as run
+    from lockgate.loadtests.bench_throughput import bench_throughput as run
 
     run(
         str(model) if model else None,
@@ -78,8 +78,8 @@ def bench_kernels(
 ) -> None:
     """Each Triton kernel against its baseline: time, ratio, GB/s, FLOP/s, share of the
     device's peaks (measured here: a large copy, a large matmul)."""
-    from loadtests.bench_kernels import KERNELS
-    from loadtests.bench_kernels import bench_kernels as run
+    from lockgate.loadtests.bench_kernels import KERNELS
+    from lockgate.loadtests.bench_kernels import bench_kernels as run
 
     chosen = tuple(kernel or KERNELS)
     unknown = [k for k in chosen if k not in KERNELS]
@@ -126,8 +126,8 @@ def bench_gateway(
     """The gateway's added latency under open-loop load, vs its engine called directly.
 
     One uvicorn worker on PostgreSQL and Redis, with an engine that answers at once."""
-    from loadtests.bench_gateway import bench_gateway as run
-    from loadtests.harness.services import ServiceUnavailable
+    from lockgate.loadtests.bench_gateway import bench_gateway as run
+    from lockgate.loadtests.harness.services import ServiceUnavailable
 
     try:
         rate_list = [float(r) for r in rates.split(",") if r.strip()]
@@ -205,13 +205,13 @@ def bench_priority(
     online TTFT/TPOT, offline tokens/s, step times, the ratios and the step-cost model's
     prediction error. `--tiers` and `--http` run the other two benchmarks of the scheduling
     promise instead (see loadtests/bench_tiers.py, loadtests/bench_priority_http.py)."""
-    from loadtests.bench_priority import PrioritySizes
-    from loadtests.bench_priority import bench_priority as run
+    from lockgate.loadtests.bench_priority import PrioritySizes
+    from lockgate.loadtests.bench_priority import bench_priority as run
 
     if tiers and http:
         raise typer.BadParameter("--tiers and --http: pick one")
     if tiers:
-        from loadtests.bench_tiers import TierSizes, bench_tiers
+        from lockgate.loadtests.bench_tiers import TierSizes, bench_tiers
 
         out = bench_tiers(str(model) if model else None, sizes=TierSizes(
             duration_s=duration if duration != 40.0 else 20.0, seed=seed,
@@ -219,7 +219,7 @@ def bench_priority(
         _dump(json_out, out)
         return
     if http:
-        from loadtests.bench_priority_http import HttpSizes, bench_priority_http
+        from lockgate.loadtests.bench_priority_http import HttpSizes, bench_priority_http
 
         out = bench_priority_http(sizes=HttpSizes(duration_s=duration if duration != 40.0 else 30.0,
                                                   seed=seed), echo=typer.echo)
@@ -269,8 +269,8 @@ def bench_fairness(
 
     Prints the weighted-service gap against the VTC bound and Jain's index over windows of
     steps while both tenants are backlogged, under priority and under fcfs."""
-    from loadtests.bench_fairness import FairnessSizes
-    from loadtests.bench_fairness import bench_fairness as run
+    from lockgate.loadtests.bench_fairness import FairnessSizes
+    from lockgate.loadtests.bench_fairness import bench_fairness as run
 
     for name, (lo, hi) in (("--prompt", prompt), ("--output", output)):
         if not 1 <= lo <= hi:
@@ -304,8 +304,8 @@ def bench_prefix(
     """Requests sharing a long system prompt: prefix caching on vs off.
 
     Prints TTFT p50 and the prefill tokens computed, caching on and off."""
-    from loadtests.bench_prefix import PrefixSizes
-    from loadtests.bench_prefix import bench_prefix as run
+    from lockgate.loadtests.bench_prefix import PrefixSizes
+    from lockgate.loadtests.bench_prefix import bench_prefix as run
 
     if not 1 <= suffix[0] <= suffix[1]:
         raise typer.BadParameter(f"--suffix: expected 1 <= MIN <= MAX, got {suffix[0]} {suffix[1]}")
@@ -337,9 +337,9 @@ def bench_lora(
     json_out: Annotated[Path | None, typer.Option("--json", help="also write the results here")] = None,
 ) -> None:
     """Output tokens/s with many LoRA adapters mixed in the batch vs the base model alone."""
-    from engine.lora_demo import parse_targets
-    from loadtests.bench_lora import LoraSizes
-    from loadtests.bench_lora import bench_lora as run
+    from lockgate.engine.lora_demo import parse_targets
+    from lockgate.loadtests.bench_lora import LoraSizes
+    from lockgate.loadtests.bench_lora import bench_lora as run
 
     try:
         parse_targets(targets)
@@ -374,8 +374,8 @@ def bench_switch(
     json_out: Annotated[Path | None, typer.Option("--json", help="also write the results here")] = None,
 ) -> None:
     """Two base models on a budget that holds one: cold start, cold-model TTFT, switching's share."""
-    from loadtests.bench_switch import SwitchSizes
-    from loadtests.bench_switch import bench_switch as run
+    from lockgate.loadtests.bench_switch import SwitchSizes
+    from lockgate.loadtests.bench_switch import bench_switch as run
 
     if model and len(model) != 2:
         raise typer.BadParameter("give --model twice (two model directories), or not at all")
@@ -405,9 +405,9 @@ def bench_chaos(
 ) -> None:
     """Two replicas on a PostgreSQL and a Redis of their own, killed, hung and stopped under
     load: usage rows lost / invented / duplicated, lease release, budgets, time to recover."""
-    from loadtests.chaos import ChaosConfig
-    from loadtests.chaos import bench_chaos as run
-    from loadtests.harness.services import ServiceUnavailable
+    from lockgate.loadtests.chaos import ChaosConfig
+    from lockgate.loadtests.chaos import bench_chaos as run
+    from lockgate.loadtests.harness.services import ServiceUnavailable
 
     cfg = ChaosConfig(num_requests=num_requests, kills=kills, redis_hang_s=redis_hang, db_stop_s=db_stop,
                       duration_s=duration, concurrency=concurrency, lease_ttl_s=lease_ttl, seed=seed)
@@ -429,7 +429,7 @@ def bench_pool(
 ) -> None:
     """The engine pool on a local two-node Ray cluster: prefix-affinity routing vs round-robin,
     two models on one worker vs two, and the latency a pooled request adds over an embedded one."""
-    from loadtests.bench_pool import bench_pool as run
+    from lockgate.loadtests.bench_pool import bench_pool as run
 
     out = run(repeats=repeats, tenants=tenants, per_tenant=per_tenant, prefix=prefix, echo=typer.echo)
     _dump(json_out, out)
@@ -466,8 +466,8 @@ def bench_serve(
 ) -> None:
     """Throughput-latency curves: Poisson arrivals at each rate; TTFT, TPOT, ITL, e2e
     p50/p90/p99, output tokens/s and goodput under the SLOs, per service tier."""
-    from loadtests.bench_serve import BenchServeError, ServeConfig, parse_rates, parse_tier_mix
-    from loadtests.bench_serve import bench_serve as run
+    from lockgate.loadtests.bench_serve import BenchServeError, ServeConfig, parse_rates, parse_tier_mix
+    from lockgate.loadtests.bench_serve import bench_serve as run
 
     try:
         cfg = ServeConfig(url=url, rates=parse_rates(rates), tier_mix=parse_tier_mix(tier_mix), api_key=api_key,
@@ -495,8 +495,8 @@ def bench_structured(
     json_out: Annotated[Path | None, typer.Option("--json", help="also write the results here")] = None,
 ) -> None:
     """Output tokens/s with half the batch held to a JSON schema vs none constrained."""
-    from loadtests.bench_structured import StructuredSizes
-    from loadtests.bench_structured import bench_structured as run
+    from lockgate.loadtests.bench_structured import StructuredSizes
+    from lockgate.loadtests.bench_structured import bench_structured as run
 
     sizes = StructuredSizes(num_requests=num_requests, output_len=output_len, repeats=repeats,
                             num_threads=num_threads or None, seed=seed)

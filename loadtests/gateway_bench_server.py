@@ -59,9 +59,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.null:
         app = null_app
     else:
-        from gateway.app import create_app
-        from gateway.settings import Settings
-        from loadtests.instant_engine import InstantEngine
+        from lockgate.gateway.app import create_app
+        from lockgate.gateway.settings import Settings
+        from lockgate.loadtests.instant_engine import InstantEngine
 
         app = create_app(Settings(), engine_factory=InstantEngine)
     config = uvicorn.Config(app, host=args.host, port=args.port,

@@ -32,7 +32,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from engine import (
+from lockgate.engine import (
     Adapter,
     CompletionOutput,
     EngineAdmin,
@@ -52,9 +52,9 @@ from engine import (
     SamplingParams,
     Tokenizer,
 )
-from engine.engine_core import check_request
-from engine.llm import to_token_ids
-from engine.request import EngineRequest
+from lockgate.engine.engine_core import check_request
+from lockgate.engine.llm import to_token_ids
+from lockgate.engine.request import EngineRequest
 
 SENTENCE = (" The quick brown fox jumps over the lazy dog, and the gateway answers every"
             " request at once so that only its own overhead is left to measure.")

@@ -28,10 +28,10 @@ from urllib.parse import urlsplit
 
 import typer
 
-from loadtests.loadtest_summary import SloTargets
+from lockgate.loadtests.loadtest_summary import SloTargets
 
 if TYPE_CHECKING:
-    from loadtests.loadtest_setup import Tenant
+    from lockgate.loadtests.loadtest_setup import Tenant
 
 LOADTEST_REQUIRES = ("locust", "matplotlib", "httpx")
 _missing = [m for m in LOADTEST_REQUIRES if importlib.util.find_spec(m) is None]
@@ -105,7 +105,7 @@ def loadtest(
                             ] = False,
 ) -> None:
     """Run a multi-tenant load test against a running `lockgate serve`, with verdicts."""
-    from loadtests.loadtest_setup import parse_mix, users_per_class
+    from lockgate.loadtests.loadtest_setup import parse_mix, users_per_class
 
     if not allow_remote and not is_loopback(url):
         raise typer.BadParameter(f"{urlsplit(url).hostname} is not a loopback address; add --allow-remote",
@@ -137,7 +137,14 @@ def run_loadtest(opts: LoadTestOptions, targets: SloTargets) -> dict:
     gateway cannot be used or locust fails."""
     import httpx
 
-    from loadtests.loadtest_setup import Admin, first_model, locust_config, new_run_id, parse_mix, users_per_class
+    from lockgate.loadtests.loadtest_setup import (
+        Admin,
+        first_model,
+        locust_config,
+        new_run_id,
+        parse_mix,
+        users_per_class,
+    )
 
     out = opts.out_dir
     out.mkdir(parents=True, exist_ok=True)
@@ -256,7 +263,7 @@ def read_samples(out_dir: Path) -> list[dict]:
 def finish_stragglers(opts: LoadTestOptions, samples: list[dict], tenants: list[Tenant]) -> list[dict]:
     """Samples for batches created but not collected before locust stopped (their tokens are
     billed, so the load test collects them, as their submitter would have)."""
-    from loadtests.loadtest_setup import finish_batches
+    from lockgate.loadtests.loadtest_setup import finish_batches
 
     collected = {s.get("batch_id") for s in samples if s["name"] == "batch job"}
     created = [s for s in samples if s["outcome"] == "created" and s["batch_id"] not in collected]
@@ -287,8 +294,8 @@ def write_outputs(opts: LoadTestOptions, targets: SloTargets, samples: list[dict
                   billed: dict, *, model: str, started: float) -> dict:
     """summary.json, summary.md (also printed) and the plots; the summary. The run's time is
     from the first request's start to the last one's end."""
-    from loadtests.loadtest_plots import plot_all
-    from loadtests.loadtest_summary import summarize, to_markdown
+    from lockgate.loadtests.loadtest_plots import plot_all
+    from lockgate.loadtests.loadtest_summary import summarize, to_markdown
 
     t0 = min((s["start"] for s in samples), default=started)
     duration = max(1.0, max((s["t"] for s in samples), default=t0 + opts.duration_s) - t0)

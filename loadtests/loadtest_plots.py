@@ -12,8 +12,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from loadtests.loadtest_summary import requests
-from loadtests.stats import percentile
+from lockgate.loadtests.loadtest_summary import requests
+from lockgate.loadtests.stats import percentile
 
 COLOURS = {"online": "tab:blue", "offline": "tab:orange", "batch": "tab:green", "bad": "tab:red"}
 TENANT_STYLES = ("-", "--", ":", "-.")

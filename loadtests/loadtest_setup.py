@@ -18,7 +18,7 @@ from typing import Any
 
 import httpx
 
-from loadtests.loadtest_batch import TERMINAL_BATCH, collect_batch
+from lockgate.loadtests.loadtest_batch import TERMINAL_BATCH, collect_batch
 
 CLASSES = ("online", "offline", "batch", "bad")
 DEFAULT_MIX = "online=0.5,offline=0.2,batch=0.1,bad=0.2"

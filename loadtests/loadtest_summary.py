@@ -15,7 +15,7 @@ from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from loadtests.stats import percentile
+from lockgate.loadtests.stats import percentile
 
 OUTCOMES = ("ok", "expected", "refused", "failed")
 

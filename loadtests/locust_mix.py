@@ -35,7 +35,7 @@ from typing import Any
 
 from locust import FastHttpUser, between, events, task
 
-from loadtests.loadtest_batch import TERMINAL_BATCH, collect_batch
+from lockgate.loadtests.loadtest_batch import TERMINAL_BATCH, collect_batch
 
 CONFIG: dict[str, Any] = json.loads(os.environ.get("LOCKGATE_LOADTEST", "{}"))
 WORDS = ("river", "stone", "cloud", "harbour", "lantern", "meadow", "copper", "signal", "garden",

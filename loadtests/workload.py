@@ -37,8 +37,8 @@ def offline_workload(
 def prompts_for(model_dir: str, lengths: list[int], seed: int = 0) -> list[list[int]]:
     """Prompts of the given lengths, token ids drawn uniformly from the model's vocabulary
     without its special tokens."""
-    from engine.config import ModelConfig
-    from engine.tokenizer import Tokenizer
+    from lockgate.engine.config import ModelConfig
+    from lockgate.engine.tokenizer import Tokenizer
 
     vocab = ModelConfig.from_dir(model_dir).vocab_size
     special = Tokenizer(model_dir).special_token_ids | set(ModelConfig.from_dir(model_dir).eos_token_ids)
@@ -49,6 +49,6 @@ def prompts_for(model_dir: str, lengths: list[int], seed: int = 0) -> list[list[
 
 def demo_dir(family: str, size: str, seed: int) -> str:
     """A demo model directory under `cache_dir()`, written on first use."""
-    from loadtests.cache import demo_model_dir
+    from lockgate.loadtests.cache import demo_model_dir
 
     return str(demo_model_dir(family, size, seed))

@@ -1,2 +1,7 @@
 """The Alembic environment and revisions of the tenancy database (`lockgate db upgrade`;
 shipped as package data with `alembic.ini` and `script.py.mako`)."""
+
+if not __name__.startswith("lockgate."):
+    # The repository's top-level folders are importable only as parts of the lockgate namespace,
+    # so that no module is loaded twice under two names.
+    raise ImportError(f"{__name__!r} is part of Lockgate: import it as 'lockgate.{__name__}'")

@@ -13,8 +13,8 @@ from alembic import context
 from sqlalchemy.engine import Connection
 from sqlalchemy.pool import NullPool
 
-from tenancy.db import async_url, make_engine
-from tenancy.models import Base
+from lockgate.tenancy.db import async_url, make_engine
+from lockgate.tenancy.models import Base
 
 config = context.config
 target_metadata = Base.metadata

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Set up Lockgate in ./.venv: the right torch build for this machine, then the project
-# (editable, with the test extra: the benchmarks' and the tests' dependencies, ruff, mypy).
+# Set up Lockgate in ./.venv: the right torch build for this machine, then every other
+# dependency of the test extra (the benchmarks' and the tests' dependencies, ruff, mypy) at the
+# versions and hashes of requirements.lock, then the project itself, editable, with no deps.
 #   no NVIDIA GPU -> the CPU wheel (torch==2.13.0; these machines keep it on disk)
 #   NVIDIA GPU    -> the default (CUDA) wheel of the same release, plus triton
-# Usage: bash scripts/setup.sh [--no-test-extra]
+# Usage: bash scripts/setup.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -29,9 +30,9 @@ else
   "${PIP[@]}" install "torch==$TORCH_VERSION"
 fi
 
-EXTRA="[test]"
-if [ "${1:-}" = "--no-test-extra" ]; then EXTRA=""; fi
-# editable_mode=compat puts the checkout itself on the path, so loadtests/ (not part of the
-# wheel) is importable and `lockgate bench` works; constraints.txt pins every other version.
-"${PIP[@]}" install -c constraints.txt --config-settings editable_mode=compat -e ".$EXTRA"
+# --require-hashes: a gateway holds keys and sees every prompt, and a poisoned release of a
+# dependency would too; the lock (scripts/lock.sh) names each file by its hash. --no-deps:
+# the lock is complete but for torch, installed above.
+"${PIP[@]}" install --require-hashes --no-deps -r requirements.lock
+"${PIP[@]}" install --no-deps -e .
 echo "setup: done ($("$VENV/bin/python" -c 'import torch; print("torch", torch.__version__, "cuda" if torch.cuda.is_available() else "cpu")'))"

@@ -12,11 +12,11 @@ from sqlalchemy import or_, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from tenancy import audit
-from tenancy.db import in_transaction, is_unique_violation
-from tenancy.errors import Invalid, NotFound
-from tenancy.models import Adapter, Tenant, new_adapter_id, utcnow
-from tenancy.validation import MODEL_NAME_MAX, check_actor, check_name, check_str_list
+from lockgate.tenancy import audit
+from lockgate.tenancy.db import in_transaction, is_unique_violation
+from lockgate.tenancy.errors import Invalid, NotFound
+from lockgate.tenancy.models import Adapter, Tenant, new_adapter_id, utcnow
+from lockgate.tenancy.validation import MODEL_NAME_MAX, check_actor, check_name, check_str_list
 
 _URL_RE = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:(//|$)|^file:")
 

@@ -15,13 +15,13 @@ from sqlalchemy import ColumnElement, or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from tenancy import audit, keys
-from tenancy.db import in_transaction
-from tenancy.errors import Conflict, Invalid, NotFound
-from tenancy.models import SCOPES, ApiKey, utcnow
-from tenancy.quota import Quota, quota_of, store_quota
-from tenancy.tenants import get_tenant, tenant_for_update
-from tenancy.validation import as_utc, check_actor, check_pepper, check_quota, check_str_list
+from lockgate.tenancy import audit, keys
+from lockgate.tenancy.db import in_transaction
+from lockgate.tenancy.errors import Conflict, Invalid, NotFound
+from lockgate.tenancy.models import SCOPES, ApiKey, utcnow
+from lockgate.tenancy.quota import Quota, quota_of, store_quota
+from lockgate.tenancy.tenants import get_tenant, tenant_for_update
+from lockgate.tenancy.validation import as_utc, check_actor, check_pepper, check_quota, check_str_list
 
 KEY_NAME_MAX = 64
 _MIN_ADMIN_SECRET = 32     # characters after "lg-" in a bootstrap admin key

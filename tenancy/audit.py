@@ -9,8 +9,8 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from tenancy.models import AuditEntry, utcnow
-from tenancy.validation import check_list_limit
+from lockgate.tenancy.models import AuditEntry, utcnow
+from lockgate.tenancy.validation import check_list_limit
 
 
 def record(session: AsyncSession, actor: str, action: str, target_type: str,

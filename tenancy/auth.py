@@ -9,13 +9,13 @@ from datetime import datetime
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from tenancy import keys
-from tenancy.api_keys import key_quota
-from tenancy.errors import AuthError
-from tenancy.models import ApiKey, Tenant, utcnow
-from tenancy.quota import Quota
-from tenancy.tenants import tenant_quota
-from tenancy.validation import check_pepper
+from lockgate.tenancy import keys
+from lockgate.tenancy.api_keys import key_quota
+from lockgate.tenancy.errors import AuthError
+from lockgate.tenancy.models import ApiKey, Tenant, utcnow
+from lockgate.tenancy.quota import Quota
+from lockgate.tenancy.tenants import tenant_quota
+from lockgate.tenancy.validation import check_pepper
 
 _DUMMY_HASH = "0" * 64
 

@@ -25,9 +25,9 @@ from sqlalchemy import and_, case, delete, func, insert, or_, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import defer
 
-from tenancy.db import in_transaction
-from tenancy.errors import Conflict, Invalid, NotFound
-from tenancy.models import (
+from lockgate.tenancy.db import in_transaction
+from lockgate.tenancy.errors import Conflict, Invalid, NotFound
+from lockgate.tenancy.models import (
     FILE_PURPOSES,
     Batch,
     BatchLine,

@@ -28,7 +28,7 @@ from sqlalchemy.ext.asyncio import (
 )
 from sqlalchemy.pool import NullPool
 
-from tenancy.errors import Invalid
+from lockgate.tenancy.errors import Invalid
 
 T = TypeVar("T")
 
@@ -132,7 +132,7 @@ def is_unique_violation(exc: IntegrityError, column: str) -> bool:
 
 
 def script_location() -> Path:
-    import migrations
+    from lockgate import migrations
 
     return Path(migrations.__file__).parent
 

@@ -14,7 +14,7 @@ import string
 import time
 from pathlib import Path
 
-from tenancy.errors import Invalid
+from lockgate.tenancy.errors import Invalid
 
 KEY_PREFIX = "lg-"
 LOOKUP_PREFIX_LEN = 12          # characters after "lg-" stored in clear for the lookup

@@ -16,11 +16,11 @@ from sqlalchemy import CursorResult, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from tenancy import audit
-from tenancy.adapters import adapter_detail
-from tenancy.db import in_transaction, is_unique_violation
-from tenancy.errors import Conflict, Invalid, NotFound
-from tenancy.models import (
+from lockgate.tenancy import audit
+from lockgate.tenancy.adapters import adapter_detail
+from lockgate.tenancy.db import in_transaction, is_unique_violation
+from lockgate.tenancy.errors import Conflict, Invalid, NotFound
+from lockgate.tenancy.models import (
     DEFAULT_PLAN,
     SERVICE_TIERS,
     TENANT_STATUSES,
@@ -29,8 +29,8 @@ from tenancy.models import (
     Tenant,
     utcnow,
 )
-from tenancy.quota import Quota, quota_of, store_quota
-from tenancy.validation import (
+from lockgate.tenancy.quota import Quota, quota_of, store_quota
+from lockgate.tenancy.validation import (
     MODEL_NAME_MAX,
     check_actor,
     check_list_limit,

@@ -10,8 +10,8 @@ from collections.abc import Iterable
 from datetime import UTC, datetime
 from typing import Any
 
-from tenancy.errors import Invalid
-from tenancy.quota import Quota
+from lockgate.tenancy.errors import Invalid
+from lockgate.tenancy.quota import Quota
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 NAME_MAX = 64

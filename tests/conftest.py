@@ -15,7 +15,7 @@ import weakref
 
 import pytest
 
-from engine.engine_core import EngineCore
+from lockgate.engine.engine_core import EngineCore
 
 pytest_plugins = ["tests.support.services"]
 

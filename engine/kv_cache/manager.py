@@ -12,8 +12,8 @@ from __future__ import annotations
 import hashlib
 from array import array
 
-from engine.kv_cache.block_pool import BlockHash, BlockPool, KVBlock
-from engine.request import Sequence
+from lockgate.engine.kv_cache.block_pool import BlockHash, BlockPool, KVBlock
+from lockgate.engine.request import Sequence
 
 ROOT_HASH = b"lockgate-kv-root"
 

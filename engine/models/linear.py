@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from kernels.linear import PackedWeight, gate_up_silu_mul
-from kernels.linear import linear as dense_linear
-from kernels.lora import implementation as lora_implementation
-from kernels.lora import lora_masked, sgmv, slot_mask
+from lockgate.kernels.linear import PackedWeight, gate_up_silu_mul
+from lockgate.kernels.linear import linear as dense_linear
+from lockgate.kernels.lora import implementation as lora_implementation
+from lockgate.kernels.lora import lora_masked, sgmv, slot_mask
 
 
 @dataclass(slots=True)

@@ -14,13 +14,13 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from engine.config import ModelConfig
-from engine.models.linear import DenseLinear, LinearBase, LinearFactory
-from engine.models.rope import RopeAt, RotaryEmbedding
-from kernels.linear import PackedWeight
-from kernels.linear import linear as dense_linear
-from kernels.paged_attention import contiguous_first_slots, paged_attention
-from kernels.pointwise import add_rms_norm, rms_norm, rope_write_kv, silu_mul
+from lockgate.engine.config import ModelConfig
+from lockgate.engine.models.linear import DenseLinear, LinearBase, LinearFactory
+from lockgate.engine.models.rope import RopeAt, RotaryEmbedding
+from lockgate.kernels.linear import PackedWeight
+from lockgate.kernels.linear import linear as dense_linear
+from lockgate.kernels.paged_attention import contiguous_first_slots, paged_attention
+from lockgate.kernels.pointwise import add_rms_norm, rms_norm, rope_write_kv, silu_mul
 
 
 @dataclass(slots=True)

@@ -10,13 +10,13 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from engine.config import ModelConfig
-from engine.models.linear import DenseLinear
-from engine.models.llama import LlamaForCausalLM
-from engine.models.rope import RotaryEmbedding
-from engine.quant import linear_factory
-from kernels.linear import packs
-from kernels.linear.cpu import packed_numel
+from lockgate.engine.config import ModelConfig
+from lockgate.engine.models.linear import DenseLinear
+from lockgate.engine.models.llama import LlamaForCausalLM
+from lockgate.engine.models.rope import RotaryEmbedding
+from lockgate.engine.quant import linear_factory
+from lockgate.kernels.linear import packs
+from lockgate.kernels.linear.cpu import packed_numel
 
 logger = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from kernels.pointwise import rotate
+from lockgate.kernels.pointwise import rotate
 
 
 def inv_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:

@@ -14,10 +14,10 @@
 Ray is imported only when a pool starts (`remote.py`); embedded serving never imports it.
 """
 
-from engine.pool.client import Pool, PoolConfig, PoolEngine, RemoteStream
-from engine.pool.placement import Placement
-from engine.pool.router import PrefixSummary, Router, prefix_chain, unpack_summary
-from engine.pool.worker import EngineWorker, ModelFilesMissing, WorkerReport
+from lockgate.engine.pool.client import Pool, PoolConfig, PoolEngine, RemoteStream
+from lockgate.engine.pool.placement import Placement
+from lockgate.engine.pool.router import PrefixSummary, Router, prefix_chain, unpack_summary
+from lockgate.engine.pool.worker import EngineWorker, ModelFilesMissing, WorkerReport
 
 __all__ = ["EngineWorker", "ModelFilesMissing", "Placement", "Pool", "PoolConfig", "PoolEngine",
            "PrefixSummary", "RemoteStream", "Router", "WorkerReport", "prefix_chain", "unpack_summary"]

@@ -17,14 +17,14 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-from engine.client import Prompt, RequestStream
-from engine.errors import EngineDead
-from engine.lora_files import Adapter, LoRARequest
-from engine.outputs import RequestOutput
-from engine.pool.router import Router, prefix_chain, unpack_summary
-from engine.pool.worker import WorkerReport
-from engine.sampling_params import SamplingParams
-from engine.stats import EngineStats, summed_stats
+from lockgate.engine.client import Prompt, RequestStream
+from lockgate.engine.errors import EngineDead
+from lockgate.engine.lora_files import Adapter, LoRARequest
+from lockgate.engine.outputs import RequestOutput
+from lockgate.engine.pool.router import Router, prefix_chain, unpack_summary
+from lockgate.engine.pool.worker import WorkerReport
+from lockgate.engine.sampling_params import SamplingParams
+from lockgate.engine.stats import EngineStats, summed_stats
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ class Pool:
             self._started = True
 
     async def _start(self) -> None:
-        from engine.pool import remote
+        from lockgate.engine.pool import remote
 
         c = self.config
         resources = await asyncio.to_thread(remote.connect, c.address, c.namespace)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from engine.pool.placement import Placement
+from lockgate.engine.pool.placement import Placement
 
 DEVICE = "lockgate_device"      # the custom resource a node advertises per device it lends
 
@@ -63,7 +63,7 @@ def worker_handle(name: str, namespace: str, worker_id: str, models: dict[str, s
     these arguments; later ones get the same actor). Ray restarts it if its process dies."""
     import ray
 
-    from engine.pool.worker import EngineWorker
+    from lockgate.engine.pool.worker import EngineWorker
 
     cls = ray.remote(EngineWorker)
     opts: dict[str, Any] = {"name": name, "namespace": namespace, "get_if_exists": True,

@@ -32,11 +32,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engine.errors import EngineDead, EngineError, EngineOverloaded, InvalidRequest
-from engine.lora_files import Adapter, LoRARequest
-from engine.pool.router import PrefixSummary
-from engine.sampling_params import SamplingParams
-from engine.stats import EngineStats
+from lockgate.engine.errors import EngineDead, EngineError, EngineOverloaded, InvalidRequest
+from lockgate.engine.lora_files import Adapter, LoRARequest
+from lockgate.engine.pool.router import PrefixSummary
+from lockgate.engine.sampling_params import SamplingParams
+from lockgate.engine.stats import EngineStats
 
 
 class ModelFilesMissing(RuntimeError):
@@ -112,7 +112,7 @@ class EngineWorker:
             check_model_dirs(self.models)
             import torch
 
-            from engine.async_engine import AsyncEngine
+            from lockgate.engine.async_engine import AsyncEngine
 
             torch.set_num_threads(self.threads)
             (first, path), *rest = self.models.items()

@@ -11,9 +11,9 @@ from __future__ import annotations
 from functools import partial
 from typing import Any
 
-from engine.models.linear import DenseLinear, LinearFactory
-from engine.quant.awq import AWQConfig, AWQLinear
-from engine.quant.gptq import GPTQConfig, GPTQLinear
+from lockgate.engine.models.linear import DenseLinear, LinearFactory
+from lockgate.engine.quant.awq import AWQConfig, AWQLinear
+from lockgate.engine.quant.gptq import GPTQConfig, GPTQLinear
 
 QUANT_METHODS = ("awq", "gptq")
 

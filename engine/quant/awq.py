@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from engine.quant.packed import PackedLinear, PackedTensor, config_int, resolve_group_size
-from kernels.quant import awq_dequantize, awq_matmul
+from lockgate.engine.quant.packed import PackedLinear, PackedTensor, config_int, resolve_group_size
+from lockgate.kernels.quant import awq_dequantize, awq_matmul
 
 AWQ_PACK = 8   # 4-bit codes per int32
 _PROJECTION_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",

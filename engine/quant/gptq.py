@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from engine.quant.packed import PackedLinear, PackedTensor, config_int, resolve_group_size
-from kernels.quant import gptq_dequantize, gptq_matmul
+from lockgate.engine.quant.packed import PackedLinear, PackedTensor, config_int, resolve_group_size
+from lockgate.kernels.quant import gptq_dequantize, gptq_matmul
 
 GPTQ_BITS = (4, 8)
 

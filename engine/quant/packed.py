@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from engine.models.linear import LinearBase
+from lockgate.engine.models.linear import LinearBase
 
 
 @dataclass(frozen=True, slots=True)

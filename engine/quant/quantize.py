@@ -32,8 +32,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from engine.models.loader import safetensors_files
-from kernels.quant import awq_pack, pack_int32
+from lockgate.engine.models.loader import safetensors_files
+from lockgate.kernels.quant import awq_pack, pack_int32
 
 PROJECTION = re.compile(r"^model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.(weight|bias)$")
 _WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".safetensors.index.json", ".bin.index.json")

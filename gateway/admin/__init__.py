@@ -7,8 +7,8 @@ a route added here cannot be left open: no key is 401, a tenant's key is 403.
 
 from __future__ import annotations
 
-from gateway.admin import adapters, batches, engine_status, keys, reports, tenants
-from gateway.admin.route import admin_router
+from lockgate.gateway.admin import adapters, batches, engine_status, keys, reports, tenants
+from lockgate.gateway.admin.route import admin_router
 
 router = admin_router(prefix="/admin/v1")
 for _resource in (tenants, keys, adapters, reports, engine_status, batches):

@@ -5,20 +5,20 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine import AdapterInUse, LoRAError
-from gateway.adapter_catalog import AdapterRefused
-from gateway.admin.route import admin_router
-from gateway.deps import AdminDep, SessionDep, StateDep
-from gateway.errors import APIError
-from gateway.schemas import (
+from lockgate.engine import AdapterInUse, LoRAError
+from lockgate.gateway.adapter_catalog import AdapterRefused
+from lockgate.gateway.admin.route import admin_router
+from lockgate.gateway.deps import AdminDep, SessionDep, StateDep
+from lockgate.gateway.errors import APIError
+from lockgate.gateway.schemas import (
     AdapterCreate,
     AdapterDeletedPublic,
     AdapterPublic,
     AdapterUnloadedPublic,
     ListPublic,
 )
-from gateway.state import AppState
-from tenancy import adapters as adapter_rows
+from lockgate.gateway.state import AppState
+from lockgate.tenancy import adapters as adapter_rows
 
 router = admin_router()
 

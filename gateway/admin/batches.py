@@ -7,10 +7,10 @@ from typing import Annotated
 
 from fastapi import Query
 
-from gateway.admin.route import admin_router
-from gateway.batches import batch_object, batch_page, file_object, page
-from gateway.deps import SessionDep
-from tenancy import batches as store
+from lockgate.gateway.admin.route import admin_router
+from lockgate.gateway.batches import batch_object, batch_page, file_object, page
+from lockgate.gateway.deps import SessionDep
+from lockgate.tenancy import batches as store
 
 router = admin_router()
 

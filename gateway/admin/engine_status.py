@@ -8,9 +8,9 @@ from typing import Any
 
 from fastapi import Request
 
-from engine import EngineStats, PoolEngine
-from gateway.admin.route import admin_router
-from gateway.state import app_state
+from lockgate.engine import EngineStats, PoolEngine
+from lockgate.gateway.admin.route import admin_router
+from lockgate.gateway.state import app_state
 
 router = admin_router()
 

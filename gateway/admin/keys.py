@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from gateway.admin.route import admin_router
-from gateway.deps import AdminDep, SessionDep, StateDep
-from gateway.schemas import (
+from lockgate.gateway.admin.route import admin_router
+from lockgate.gateway.deps import AdminDep, SessionDep, StateDep
+from lockgate.gateway.schemas import (
     AdminKeyCreate,
     KeyCreate,
     KeyCreatedPublic,
@@ -12,7 +12,7 @@ from gateway.schemas import (
     ListPublic,
     RevokedPublic,
 )
-from tenancy import api_keys, tenants
+from lockgate.tenancy import api_keys, tenants
 
 router = admin_router()
 

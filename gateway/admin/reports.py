@@ -5,15 +5,15 @@ from __future__ import annotations
 
 from fastapi import Request, Response
 
-from gateway.admin.route import admin_router
-from gateway.deps import SessionDep, StateDep
-from gateway.errors import APIError
-from gateway.openapi import error_responses
-from gateway.quota_report import ADMIN_QUERY, QuotaReportPublic, quota_response
-from gateway.schemas import AuditPagePublic, AuditPublic
-from gateway.usage_api import UsagePublic, parse_limit, parse_time, usage_response
-from tenancy.audit import audit_page
-from tenancy.models import Tenant
+from lockgate.gateway.admin.route import admin_router
+from lockgate.gateway.deps import SessionDep, StateDep
+from lockgate.gateway.errors import APIError
+from lockgate.gateway.openapi import error_responses
+from lockgate.gateway.quota_report import ADMIN_QUERY, QuotaReportPublic, quota_response
+from lockgate.gateway.schemas import AuditPagePublic, AuditPublic
+from lockgate.gateway.usage_api import UsagePublic, parse_limit, parse_time, usage_response
+from lockgate.tenancy.audit import audit_page
+from lockgate.tenancy.models import Tenant
 
 router = admin_router()
 

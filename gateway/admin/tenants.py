@@ -7,10 +7,10 @@ from typing import Annotated, Any
 
 from fastapi import Query
 
-from gateway.admin.route import admin_router
-from gateway.deps import AdminDep, SessionDep, StateDep
-from gateway.errors import APIError
-from gateway.schemas import (
+from lockgate.gateway.admin.route import admin_router
+from lockgate.gateway.deps import AdminDep, SessionDep, StateDep
+from lockgate.gateway.errors import APIError
+from lockgate.gateway.schemas import (
     DeletedPublic,
     QuotaBody,
     TenantCreate,
@@ -18,8 +18,8 @@ from gateway.schemas import (
     TenantPatch,
     TenantPublic,
 )
-from gateway.state import AppState
-from tenancy import adapters, tenants
+from lockgate.gateway.state import AppState
+from lockgate.tenancy import adapters, tenants
 
 logger = logging.getLogger(__name__)
 router = admin_router()

@@ -16,16 +16,16 @@ from __future__ import annotations
 from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from engine import AdapterInUse
-from gateway.admin.adapters import in_use_error, register_adapter
-from gateway.admin.route import admin_router
-from gateway.deps import AdminDep, SessionDep, StateDep
-from gateway.errors import APIError
-from gateway.openapi import error_responses
-from gateway.schemas import AdapterCreate
-from gateway.state import AppState
-from tenancy import adapters as adapter_rows
-from tenancy.errors import Invalid
+from lockgate.engine import AdapterInUse
+from lockgate.gateway.admin.adapters import in_use_error, register_adapter
+from lockgate.gateway.admin.route import admin_router
+from lockgate.gateway.deps import AdminDep, SessionDep, StateDep
+from lockgate.gateway.errors import APIError
+from lockgate.gateway.openapi import error_responses
+from lockgate.gateway.schemas import AdapterCreate
+from lockgate.gateway.state import AppState
+from lockgate.tenancy import adapters as adapter_rows
+from lockgate.tenancy.errors import Invalid
 
 router = admin_router()
 PATHS = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")    # admin routes outside /admin

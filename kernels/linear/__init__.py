@@ -11,8 +11,8 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from kernels.dispatch import cpu_kernel_runs, pick
-from kernels.linear import cpu
+from lockgate.kernels.dispatch import cpu_kernel_runs, pick
+from lockgate.kernels.linear import cpu
 
 
 class PackedWeight:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.cbuild import CKernel
+from lockgate.kernels.cbuild import CKernel
 
 SOURCE = Path(__file__).with_name("csrc") / "linear.c"
 PANEL = 32     # output columns per packed panel (csrc/linear.c's NR)

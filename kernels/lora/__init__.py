@@ -15,9 +15,9 @@ from types import ModuleType
 
 import torch
 
-from kernels.dispatch import pick
-from kernels.lora import reference
-from kernels.lora.reference import lora_masked, slot_mask
+from lockgate.kernels.dispatch import pick
+from lockgate.kernels.lora import reference
+from lockgate.kernels.lora.reference import lora_masked, slot_mask
 
 
 def implementation(device: torch.device) -> str:
@@ -28,7 +28,7 @@ def implementation(device: torch.device) -> str:
 
 def _module(device: torch.device) -> ModuleType:
     if implementation(device) == "triton":
-        from kernels.lora import triton as triton_impl
+        from lockgate.kernels.lora import triton as triton_impl
         return triton_impl
     return reference
 

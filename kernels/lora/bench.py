@@ -26,13 +26,13 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
-from kernels.benchcase import BenchCase
-from kernels.lora import reference
+from lockgate.kernels.benchcase import BenchCase
+from lockgate.kernels.lora import reference
 
 
 @functools.cache
 def _triton() -> ModuleType:
-    from kernels.lora import triton as triton_impl
+    from lockgate.kernels.lora import triton as triton_impl
     return triton_impl
 
 

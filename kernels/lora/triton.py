@@ -51,8 +51,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.dispatch import interpreting, on_device
-from kernels.lora.reference import check_shrink_expand_args
+from lockgate.kernels.dispatch import interpreting, on_device
+from lockgate.kernels.lora.reference import check_shrink_expand_args
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # programs a launch should reach on a GPU before the shrink stops splitting its reduction

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from kernels.dispatch import pick
-from kernels.paged_attention import cpu, reference
-from kernels.paged_attention.reference import contiguous_first_slots
+from lockgate.kernels.dispatch import pick
+from lockgate.kernels.paged_attention import cpu, reference
+from lockgate.kernels.paged_attention.reference import contiguous_first_slots
 
 
 def paged_attention(
@@ -30,7 +30,7 @@ def paged_attention(
     path may keep what it works out from the metadata once for all of them."""
     path = implementation(query.device, query.dtype)
     if path == "triton":
-        from kernels.paged_attention import triton as triton_kernels
+        from lockgate.kernels.paged_attention import triton as triton_kernels
 
         return triton_kernels.paged_attention(query, key_cache, value_cache, block_tables, seq_lens,
                                               query_start_loc, scale, first_slots)
@@ -50,7 +50,7 @@ def write_kv_cache(
 ) -> None:
     """See reference.write_kv_cache (no CPU kernel: the reference is the CPU path)."""
     if pick(key.device) == "triton":
-        from kernels.paged_attention import triton as triton_kernels
+        from lockgate.kernels.paged_attention import triton as triton_kernels
 
         triton_kernels.write_kv_cache(key, value, key_cache, value_cache, slot_mapping)
     else:

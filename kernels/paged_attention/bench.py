@@ -26,15 +26,15 @@ from types import ModuleType
 
 import torch
 
-from kernels.benchcase import BenchCase
-from kernels.paged_attention import reference
+from lockgate.kernels.benchcase import BenchCase
+from lockgate.kernels.paged_attention import reference
 
 SHORT = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 
 
 @functools.cache
 def _triton() -> ModuleType:
-    from kernels.paged_attention import triton as triton_impl
+    from lockgate.kernels.paged_attention import triton as triton_impl
     return triton_impl
 
 

@@ -24,10 +24,10 @@ from pathlib import Path
 
 import torch
 
-from kernels.cbuild import CKernel
-from kernels.dispatch import CHOICES, KernelUnavailable
-from kernels.paged_attention import reference
-from kernels.paged_attention.reference import contiguous_first_slots
+from lockgate.kernels.cbuild import CKernel
+from lockgate.kernels.dispatch import CHOICES, KernelUnavailable
+from lockgate.kernels.paged_attention import reference
+from lockgate.kernels.paged_attention.reference import contiguous_first_slots
 
 SOURCE = Path(__file__).with_name("csrc") / "decode_attention.c"
 MAX_BLOCK, MAX_GROUP = 256, 64   # the kernel's limits (csrc): larger shapes take the reference

@@ -43,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.dispatch import KernelUnavailable
+from lockgate.kernels.dispatch import KernelUnavailable
 
 LOG2E = 1.4426950408889634
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)

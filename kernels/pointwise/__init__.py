@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from kernels.dispatch import cpu_kernel_runs
-from kernels.pointwise import cpu, reference
-from kernels.pointwise.reference import rms_norm, rotate
+from lockgate.kernels.dispatch import cpu_kernel_runs
+from lockgate.kernels.pointwise import cpu, reference
+from lockgate.kernels.pointwise.reference import rms_norm, rotate
 
 
 def _on_cpu_kernel(*tensors: torch.Tensor) -> bool:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.cbuild import CKernel
+from lockgate.kernels.cbuild import CKernel
 
 SOURCE = Path(__file__).with_name("csrc") / "pointwise.c"
 

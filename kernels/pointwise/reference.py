@@ -42,7 +42,7 @@ def rope_write_kv(
     slot_mapping: torch.Tensor,   # [T] int64
 ) -> torch.Tensor:
     """q and k rotated, k and v written into the caches at their slots; returns q [T, H, D]."""
-    from kernels.paged_attention import write_kv_cache
+    from lockgate.kernels.paged_attention import write_kv_cache
 
     d = key_cache.shape[-1]
     q, k, v = qkv.split([num_heads * d, num_kv_heads * d, num_kv_heads * d], dim=-1)

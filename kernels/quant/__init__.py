@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from kernels.dispatch import pick
-from kernels.quant import reference
-from kernels.quant.reference import (
+from lockgate.kernels.dispatch import pick
+from lockgate.kernels.quant import reference
+from lockgate.kernels.quant.reference import (
     AWQ_PACK_ORDER,
     awq_dequantize,
     awq_pack,
@@ -28,7 +28,7 @@ def awq_matmul(
 ) -> torch.Tensor:
     """y = x @ W (+ bias) in x's dtype for AutoAWQ GEMM tensors (see reference.awq_matmul)."""
     if pick(x.device) == "triton":
-        from kernels.quant import triton as fused  # triton is an optional dependency
+        from lockgate.kernels.quant import triton as fused  # triton is an optional dependency
 
         return fused.awq_matmul(x, qweight, qzeros, scales, group_size, bias)
     return reference.awq_matmul(x, qweight, qzeros, scales, group_size, bias)
@@ -40,7 +40,7 @@ def gptq_matmul(
 ) -> torch.Tensor:
     """y = x @ W (+ bias) in x's dtype for GPTQ v1 tensors (see reference.gptq_matmul)."""
     if pick(x.device) == "triton":
-        from kernels.quant import triton as fused  # triton is an optional dependency
+        from lockgate.kernels.quant import triton as fused  # triton is an optional dependency
 
         return fused.gptq_matmul(x, qweight, qzeros, scales, g_idx, bits, bias)
     return reference.gptq_matmul(x, qweight, qzeros, scales, g_idx, bits, bias)

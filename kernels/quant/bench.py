@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels.benchcase import BenchCase
-from kernels.quant.reference import awq_dequantize, awq_pack, gptq_dequantize, pack_int32
+from lockgate.kernels.benchcase import BenchCase
+from lockgate.kernels.quant.reference import awq_dequantize, awq_pack, gptq_dequantize, pack_int32
 
 GROUP = 128
 BITS = 4
@@ -38,7 +38,7 @@ def _packed(
 
 
 def _case(method: str, M: int, K: int, N: int, dtype: torch.dtype, device: torch.device) -> BenchCase:
-    from kernels.quant import triton as fused  # triton is an optional dependency
+    from lockgate.kernels.quant import triton as fused  # triton is an optional dependency
 
     tensors = _packed(method, K, N, dtype, device, seed=M * 7 + N)
     x = torch.randn(M, K, generator=torch.Generator().manual_seed(M), dtype=torch.float32).to(device, dtype)

@@ -30,8 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.dispatch import interpreting, on_device
-from kernels.quant.reference import GPTQ_BITS
+from lockgate.kernels.dispatch import interpreting, on_device
+from lockgate.kernels.quant.reference import GPTQ_BITS
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 

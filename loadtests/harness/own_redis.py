@@ -10,8 +10,8 @@ import subprocess
 import time
 from pathlib import Path
 
-from loadtests.harness.server import free_port
-from loadtests.harness.services import ServiceUnavailable
+from lockgate.loadtests.harness.server import free_port
+from lockgate.loadtests.harness.services import ServiceUnavailable
 
 
 class OwnRedis:

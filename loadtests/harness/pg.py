@@ -22,8 +22,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from loadtests.harness.server import free_port
-from loadtests.harness.services import ServiceUnavailable
+from lockgate.loadtests.harness.server import free_port
+from lockgate.loadtests.harness.services import ServiceUnavailable
 
 BIN = Path(os.environ.get("LOCKGATE_TEST_PG_BIN", "/usr/lib/postgresql/15/bin"))
 

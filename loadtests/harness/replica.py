@@ -10,7 +10,7 @@ import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from loadtests.harness.server import ServerProcess, free_port
+from lockgate.loadtests.harness.server import ServerProcess, free_port
 
 
 def serve_env(*, database_url: str, redis_url: str, redis_prefix: str, pepper: str, admin_key: str,
@@ -54,7 +54,7 @@ class Replica:
         args = [a for name, path in self.models.items() for a in ("--model", f"{name}={path}")]
         log = self.data_dir / f"serve-{self.incarnations}.log"
         self.incarnations += 1
-        self.server = ReplicaProcess.launch(("gateway.cli", "serve"), env, log, port=self.port,
+        self.server = ReplicaProcess.launch(("lockgate.gateway.cli", "serve"), env, log, port=self.port,
                                             extra_args=args, timeout=timeout)
 
     def kill(self) -> None:

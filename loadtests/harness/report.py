@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from loadtests.stats import percentile
+from lockgate.loadtests.stats import percentile
 
 TARGET_P50_MS = 2.0
 TARGET_P99_MS = 10.0

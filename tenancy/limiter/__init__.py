@@ -78,7 +78,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tenancy.limiter.base import (
+from lockgate.tenancy.limiter.base import (
     CONCURRENCY_RETRY_HINT,
     PENDING_TTL,
     WINDOW,
@@ -87,9 +87,9 @@ from tenancy.limiter.base import (
     Limiter,
     LimitScope,
 )
-from tenancy.limiter.failover import FailoverLimiter
-from tenancy.limiter.memory import InProcessLimiter
-from tenancy.limiter.redis import RedisLimiter
+from lockgate.tenancy.limiter.failover import FailoverLimiter
+from lockgate.tenancy.limiter.memory import InProcessLimiter
+from lockgate.tenancy.limiter.redis import RedisLimiter
 
 __all__ = [
     "CONCURRENCY_RETRY_HINT",

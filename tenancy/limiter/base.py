@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import TypedDict
 
-from tenancy.errors import Invalid
-from tenancy.quota import QUOTA_FIELDS, Quota
+from lockgate.tenancy.errors import Invalid
+from lockgate.tenancy.quota import QUOTA_FIELDS, Quota
 
 WINDOW = 60.0
 """Length of the sliding windows of ``requests_per_minute`` and ``tokens_per_minute``, seconds."""
@@ -39,7 +39,7 @@ if QUOTA_FIELDS != (
     "daily_token_budget",
     "monthly_token_budget",
 ):
-    raise ImportError("tenancy.limiter: the Quota fields changed; update RPM..MONTH and limiter.lua")
+    raise ImportError("lockgate.tenancy.limiter: the Quota fields changed; update RPM..MONTH and limiter.lua")
 
 _SCOPE_KEY = re.compile(r"^[A-Za-z0-9:_-]{1,200}$")
 _MAX_REQUEST_ID = 256

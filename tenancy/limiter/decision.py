@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any
 
-from tenancy.limiter.base import (
+from lockgate.tenancy.limiter.base import (
     CONC,
     CONCURRENCY_RETRY_HINT,
     DAY,
@@ -21,8 +21,8 @@ from tenancy.limiter.base import (
     Lease,
     LimitScope,
 )
-from tenancy.limiter.periods import Periods
-from tenancy.quota import QUOTA_FIELDS
+from lockgate.tenancy.limiter.periods import Periods
+from lockgate.tenancy.quota import QUOTA_FIELDS
 
 
 @dataclass(frozen=True)

@@ -31,11 +31,11 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from tenancy.errors import Invalid, LimiterUnavailable
-from tenancy.limiter.base import Decision, Lease, Limiter, LimitScope, ScopeUsage
-from tenancy.limiter.memory import InProcessLimiter
-from tenancy.limiter.redis import RedisLimiter
-from tenancy.validation import check_count
+from lockgate.tenancy.errors import Invalid, LimiterUnavailable
+from lockgate.tenancy.limiter.base import Decision, Lease, Limiter, LimitScope, ScopeUsage
+from lockgate.tenancy.limiter.memory import InProcessLimiter
+from lockgate.tenancy.limiter.redis import RedisLimiter
+from lockgate.tenancy.validation import check_count
 
 logger = logging.getLogger(__name__)
 

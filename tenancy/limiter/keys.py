@@ -22,8 +22,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from tenancy.errors import Invalid
-from tenancy.limiter.base import LimitScope
+from lockgate.tenancy.errors import Invalid
+from lockgate.tenancy.limiter.base import LimitScope
 
 PARTS = ("win", "tok", "lease")
 

@@ -10,8 +10,8 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from tenancy.errors import Invalid
-from tenancy.limiter.base import (
+from lockgate.tenancy.errors import Invalid
+from lockgate.tenancy.limiter.base import (
     BUDGET_GRACE,
     CONC,
     DAY,
@@ -33,9 +33,9 @@ from tenancy.limiter.base import (
     duplicate,
     limits_of,
 )
-from tenancy.limiter.decision import Header, Refusal, decide, grown
-from tenancy.limiter.periods import Periods, period_end
-from tenancy.validation import check_count
+from lockgate.tenancy.limiter.decision import Header, Refusal, decide, grown
+from lockgate.tenancy.limiter.periods import Periods, period_end
+from lockgate.tenancy.validation import check_count
 
 
 @dataclass(slots=True)

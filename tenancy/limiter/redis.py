@@ -46,9 +46,9 @@ from importlib import resources
 from time import monotonic
 from typing import Any
 
-from tenancy.errors import Invalid, LimiterUnavailable
-from tenancy.limiter import keys as K
-from tenancy.limiter.base import (
+from lockgate.tenancy.errors import Invalid, LimiterUnavailable
+from lockgate.tenancy.limiter import keys as K
+from lockgate.tenancy.limiter.base import (
     BUDGET_GRACE,
     PENDING_TTL,
     WINDOW,
@@ -67,9 +67,9 @@ from tenancy.limiter.base import (
     limits_of,
     parse_lease,
 )
-from tenancy.limiter.decision import Header, Refusal, decide, grown
-from tenancy.limiter.periods import Periods
-from tenancy.validation import check_count
+from lockgate.tenancy.limiter.decision import Header, Refusal, decide, grown
+from lockgate.tenancy.limiter.periods import Periods
+from lockgate.tenancy.validation import check_count
 
 _US = 1_000_000
 REGISTER_EVERY = 60.0
@@ -85,7 +85,7 @@ logger = logging.getLogger(__name__)
 @cache
 def lua_source() -> str:
     """The limiter's Lua script (`tenancy/limiter/limiter.lua`)."""
-    return resources.files("tenancy.limiter").joinpath("limiter.lua").read_text(encoding="utf-8")
+    return resources.files("lockgate.tenancy.limiter").joinpath("limiter.lua").read_text(encoding="utf-8")
 
 
 def _us(seconds: float) -> int:
@@ -103,8 +103,8 @@ class RedisLimiter(Limiter):
         the connection is dropped."""
         from redis.exceptions import RedisError
 
-        from tenancy.limiter.redis_conn import connect
-        from tenancy.limiter.redis_pipe import RedisScript
+        from lockgate.tenancy.limiter.redis_conn import connect
+        from lockgate.tenancy.limiter.redis_pipe import RedisScript
 
         self.lease_ttl = check_lease_ttl(lease_ttl)
         self.prefix = K.check_prefix(prefix)

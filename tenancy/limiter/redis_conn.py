@@ -33,7 +33,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisClusterException
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from tenancy.errors import Invalid
+from lockgate.tenancy.errors import Invalid
 
 CLIENT_CALL_WAITS = 4
 """A call through redis-py's Cluster or Sentinel client waits at most this many timeouts."""
@@ -106,7 +106,7 @@ def connect(url: str, *, timeout: float) -> Connection:
         return _cluster(parse_multi_host(url), timeout)
     if scheme in SENTINEL_SCHEMES:
         return _sentinel(parse_multi_host(url), timeout)
-    from tenancy.limiter.redis_pipe import RedisPipe
+    from lockgate.tenancy.limiter.redis_pipe import RedisPipe
 
     return RedisPipe(url, timeout=timeout)
 

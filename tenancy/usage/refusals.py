@@ -28,9 +28,9 @@ from sqlalchemy import func, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from tenancy.errors import Invalid
-from tenancy.models import RefusalCount
-from tenancy.validation import as_utc
+from lockgate.tenancy.errors import Invalid
+from lockgate.tenancy.models import RefusalCount
+from lockgate.tenancy.validation import as_utc
 
 logger = logging.getLogger(__name__)
 

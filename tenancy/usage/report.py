@@ -14,9 +14,9 @@ from typing import Any
 from sqlalchemy import Date, and_, case, cast, func, literal_column, not_, or_, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from tenancy.errors import Invalid
-from tenancy.models import UsageRecord
-from tenancy.validation import as_utc, check_list_limit
+from lockgate.tenancy.errors import Invalid
+from lockgate.tenancy.models import UsageRecord
+from lockgate.tenancy.validation import as_utc, check_list_limit
 
 GROUPS = ("tenant", "key", "model", "service_tier", "day")
 """What a report may group by, in any combination and order."""

@@ -20,10 +20,10 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
-from tenancy.errors import Invalid
-from tenancy.models import SERVICE_TIERS, USAGE_STATUSES, UsageRecord, utcnow
-from tenancy.usage.spool import UsageSpool
-from tenancy.validation import MODEL_NAME_MAX, as_utc, check_count, check_ms
+from lockgate.tenancy.errors import Invalid
+from lockgate.tenancy.models import SERVICE_TIERS, USAGE_STATUSES, UsageRecord, utcnow
+from lockgate.tenancy.usage.spool import UsageSpool
+from lockgate.tenancy.validation import MODEL_NAME_MAX, as_utc, check_count, check_ms
 
 logger = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from engine import (
+from lockgate.engine import (
     AsyncEngine,
     CompletionOutput,
     EngineDead,
@@ -29,7 +29,7 @@ from engine import (
     RequestStream,
     SamplingParams,
 )
-from loadtests.instant_engine import InstantEngine
+from lockgate.loadtests.instant_engine import InstantEngine
 from tests.support.helpers import demo_model
 from tests.support.services import PG_ADMIN_DB, PG_HOST, PG_PORT, PG_USER, _missing, _pg_admin
 
@@ -150,7 +150,7 @@ def test_instant_engine_behaves_like_async_engine_for_the_gateway(kind):
             assert final.metrics.first_token_time and final.metrics.finished_time
 
             # what the gateway renders from logprobs works on its outputs
-            from gateway.output_shapes import chat_logprobs
+            from lockgate.gateway.output_shapes import chat_logprobs
 
             stream = engine.submit(ids, SamplingParams(max_tokens=3, n=2, logprobs=2), "r2", **kw)
             final = [o async for o in stream][-1]

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from loadtests.bench_peer import PeerUnavailable, _report, peer_python, run_vllm, workload_cost
-from loadtests.cli import bench_app
-from loadtests.workload import OfflineRequest
+from lockgate.loadtests.bench_peer import PeerUnavailable, _report, peer_python, run_vllm, workload_cost
+from lockgate.loadtests.cli import bench_app
+from lockgate.loadtests.workload import OfflineRequest
 from tests.support.helpers import demo_model
 
 

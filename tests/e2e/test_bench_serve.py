@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from loadtests.bench_serve import (
+from lockgate.loadtests.bench_serve import (
     BenchServeError,
     RequestResult,
     ServeConfig,

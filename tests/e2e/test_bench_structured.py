@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from loadtests.bench_structured import StructuredSizes, bench_structured
+from lockgate.loadtests.bench_structured import StructuredSizes, bench_structured
 from tests.support.helpers import demo_model
 
 

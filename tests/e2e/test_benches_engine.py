@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import math
 
-from loadtests.bench_fairness import FairnessSizes, bench_fairness, jain, vtc_bound
-from loadtests.bench_prefix import PrefixSizes, bench_prefix
-from loadtests.bench_priority import PrioritySizes, bench_priority
-from loadtests.stats import percentile
+from lockgate.loadtests.bench_fairness import FairnessSizes, bench_fairness, jain, vtc_bound
+from lockgate.loadtests.bench_prefix import PrefixSizes, bench_prefix
+from lockgate.loadtests.bench_priority import PrioritySizes, bench_priority
+from lockgate.loadtests.stats import percentile
 from tests.support.helpers import demo_model
 
 
@@ -93,7 +93,7 @@ def test_bench_priority_runs_four_ways_and_online_never_waits_past_the_next_step
 
 
 def test_bench_lora_runs_both_sides_with_every_adapter_in_the_batch(tmp_path):
-    from loadtests.bench_lora import LoraSizes, bench_lora
+    from lockgate.loadtests.bench_lora import LoraSizes, bench_lora
 
     sizes = LoraSizes(num_requests=8, num_adapters=3, rank=4, prompt=(8, 24), output_len=4, repeats=1)
     out = bench_lora(demo_model("llama", "tiny", 0), sizes=sizes, fresh_process=False, echo=quiet,
@@ -106,7 +106,7 @@ def test_bench_lora_runs_both_sides_with_every_adapter_in_the_batch(tmp_path):
 
 
 def test_bench_switch_switches_and_keeps_the_budget(tmp_path):
-    from loadtests.bench_switch import SwitchSizes, bench_switch
+    from lockgate.loadtests.bench_switch import SwitchSizes, bench_switch
 
     sizes = SwitchSizes(num_online=2, online_gap_s=0.05, offline_flood=6, mix_outstanding=4, mix_duration_s=1.0,
                         prompt=(8, 24), output_len=4, num_kv_blocks=32)

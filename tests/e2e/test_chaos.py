@@ -25,10 +25,10 @@ import os
 
 import pytest
 
-from loadtests.chaos import ChaosConfig, ChaosResult, format_report, run_chaos
-from loadtests.harness.chaos_checks import Row, check_rows
-from loadtests.harness.chaos_client import Attempt
-from loadtests.harness.services import ServiceUnavailable
+from lockgate.loadtests.chaos import ChaosConfig, ChaosResult, format_report, run_chaos
+from lockgate.loadtests.harness.chaos_checks import Row, check_rows
+from lockgate.loadtests.harness.chaos_client import Attempt
+from lockgate.loadtests.harness.services import ServiceUnavailable
 
 CONFIG = ChaosConfig(
     num_requests=150, kills=1, redis_hang_s=1.5, db_stop_s=2.0, duration_s=30.0,

@@ -23,7 +23,7 @@ def test_demo_model_command_writes_a_loadable_model(tmp_path):
     assert out.returncode == 0, out.stderr
     cfg = json.loads((tmp_path / "m" / "config.json").read_text())
     assert cfg["architectures"] == ["MistralForCausalLM"]
-    from engine import LLM, SamplingParams
+    from lockgate.engine import LLM, SamplingParams
 
     res = LLM(str(tmp_path / "m")).generate("hello", SamplingParams(max_tokens=3), use_progress_bar=False)
     assert len(res[0].outputs[0].token_ids) >= 1

@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from loadtests.loadtest import is_loopback, shown_command
-from loadtests.loadtest_batch import collect_batch
-from loadtests.loadtest_setup import (
+from lockgate.loadtests.loadtest import is_loopback, shown_command
+from lockgate.loadtests.loadtest_batch import collect_batch
+from lockgate.loadtests.loadtest_setup import (
     TENANTS,
     Tenant,
     largest_remainder,
@@ -17,7 +17,7 @@ from loadtests.loadtest_setup import (
     spread,
     users_per_class,
 )
-from loadtests.loadtest_summary import (
+from lockgate.loadtests.loadtest_summary import (
     SloTargets,
     accounting,
     attainment,
@@ -182,7 +182,7 @@ def test_plot_bins_spread_tokens_over_the_time_they_were_produced():
     """10 s in 2 s bins. A stream started at 0.5 s, first token at 1 s, ended at 5 s, 8 tokens:
     1 s of its 4 in bin 0 (2 tokens), 2 s in bin 1 (4), 1 s in bin 2 (2); per second, halved.
     A whole answer of 3 tokens that took no time counts all in its bin."""
-    from loadtests.loadtest_plots import Bins
+    from lockgate.loadtests.loadtest_plots import Bins
 
     bins = Bins(100.0, 10.0)
     assert (bins.width, bins.num) == (2.0, 5)

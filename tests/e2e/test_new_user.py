@@ -12,8 +12,8 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from engine import LLM, SamplingParams, default_group_size
-from gateway import cli
+from lockgate.engine import LLM, SamplingParams, default_group_size
+from lockgate.gateway import cli
 from tests.support.helpers import FAMILIES, demo_model
 
 runner = CliRunner()
@@ -99,8 +99,8 @@ def test_llm_generate_writes_nothing_to_a_stdout_that_is_not_a_terminal(capfd):
 
 
 def test_bench_models_live_under_the_data_dir(tmp_path, monkeypatch):
-    from loadtests import bench_gateway
-    from loadtests.cache import cache_dir
+    from lockgate.loadtests import bench_gateway
+    from lockgate.loadtests.cache import cache_dir
 
     for var in ("LOCKGATE_CACHE_DIR", "LOCKGATE_CACHE", "LOCKGATE_DATA_DIR"):
         monkeypatch.delenv(var, raising=False)

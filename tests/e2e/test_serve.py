@@ -22,7 +22,7 @@ from tests.support.helpers import demo_model
 from tests.support.services import fresh_pg_database
 
 REPO = Path(__file__).resolve().parents[2]
-CLI = [sys.executable, "-m", "gateway.cli"]
+CLI = [sys.executable, "-m", "lockgate.gateway.cli"]
 
 
 def base_env(data_dir: Path, **extra: str) -> dict[str, str]:

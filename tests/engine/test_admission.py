@@ -7,8 +7,8 @@ import asyncio
 
 import pytest
 
-from engine import AsyncEngine, EngineOverloaded, SamplingParams
-from engine.admission import QUEUE_BATCHES, Admission, Queued
+from lockgate.engine import AsyncEngine, EngineOverloaded, SamplingParams
+from lockgate.engine.admission import QUEUE_BATCHES, Admission, Queued
 from tests.support.helpers import assert_all_blocks_free, demo_model
 
 CLASSES = ("priority", "online", "offline")

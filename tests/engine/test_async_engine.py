@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from engine import AsyncEngine, SamplingParams
+from lockgate.engine import AsyncEngine, SamplingParams
 from tests.support.helpers import assert_all_blocks_free, demo_model, random_prompts
 
 
@@ -38,7 +38,7 @@ def test_stream_deltas_add_up_and_never_split_characters():
 
 
 def test_decode_stream_holds_back_partial_characters():
-    from engine.tokenizer import Tokenizer
+    from lockgate.engine.tokenizer import Tokenizer
 
     tok = Tokenizer(demo_model("llama"))
     text = "héllo 日本 🎉 done"

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from engine import LLM, AsyncEngine, EngineOverloaded, PromptTooLong, SamplingParams
+from lockgate.engine import LLM, AsyncEngine, EngineOverloaded, PromptTooLong, SamplingParams
 from tests.support.helpers import assert_all_blocks_free, demo_model, hf_greedy, random_prompts
 
 
@@ -140,7 +140,7 @@ async def _drain(stream):
     ],
 )
 def test_request_fields_are_checked(llm, make, field):
-    from engine.request import EngineRequest
+    from lockgate.engine.request import EngineRequest
 
     req = EngineRequest("bad", [5, 6, 7], SamplingParams(), **make(None))
     with pytest.raises(ValueError, match=rf"^{field}\b"):
@@ -183,7 +183,7 @@ def test_abort_ends_the_stream_of_a_waiting_reader():
 
 
 def test_generate_after_shutdown_is_refused():
-    from engine import EngineDead
+    from lockgate.engine import EngineDead
 
     async def main():
         engine = AsyncEngine(demo_model("llama"))

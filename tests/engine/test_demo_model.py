@@ -17,8 +17,8 @@ import time
 import pytest
 import torch
 
-from engine import demo_model as dm
-from engine.demo_model import (
+from lockgate.engine import demo_model as dm
+from lockgate.engine.demo_model import (
     ENDOFTEXT_ID,
     FAMILIES,
     IM_END_ID,

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from engine import LLM, AsyncEngine, SamplingParams
+from lockgate.engine import LLM, AsyncEngine, SamplingParams
 from tests.support.helpers import (
     FAMILIES,
     MAX_TOKENS,

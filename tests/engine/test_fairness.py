@@ -9,8 +9,8 @@ import random
 
 import pytest
 
-from engine.request import SeqStatus
-from engine.scheduler import DECODE_COST, PREFILL_COST
+from lockgate.engine.request import SeqStatus
+from lockgate.engine.scheduler import DECODE_COST, PREFILL_COST
 from tests.support.fake_engine import CLASSES, FakeEngine, names
 
 ONLINE = CLASSES.index("online")

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine.kv_cache import BlockPool, FreeBlockQueue, KVBlock, KVCacheManager, hash_block
-from engine.request import EngineRequest, RequestState, Sequence
-from engine.sampling_params import SamplingParams
+from lockgate.engine.kv_cache import BlockPool, FreeBlockQueue, KVBlock, KVCacheManager, hash_block
+from lockgate.engine.request import EngineRequest, RequestState, Sequence
+from lockgate.engine.sampling_params import SamplingParams
 
 
 def test_free_queue_removes_from_the_middle_in_constant_time():

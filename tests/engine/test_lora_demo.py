@@ -1,4 +1,4 @@
-"""engine.lora_demo.write_demo_adapter: a PEFT adapter that loads, changes greedy output and is
+"""lockgate.engine.lora_demo.write_demo_adapter: a PEFT adapter that loads, changes greedy output and is
 byte-deterministic."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 
 pytest.importorskip("peft")
 
-from engine.lora_demo import parse_targets, write_demo_adapter
+from lockgate.engine.lora_demo import parse_targets, write_demo_adapter
 from tests.support.helpers import demo_model, hf_greedy, hf_model, random_prompts
 
 FILES = ("adapter_config.json", "adapter_model.safetensors")

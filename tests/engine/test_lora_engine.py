@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from engine import LLM, LoRAError, LoRARequest, SamplingParams
-from engine.lora_demo import write_demo_adapter
+from lockgate.engine import LLM, LoRAError, LoRARequest, SamplingParams
+from lockgate.engine.lora_demo import write_demo_adapter
 from tests.support.helpers import demo_model, hf_greedy, random_prompts
 from tests.support.lora import peft_greedy
 from tests.support.quant import dequantize_checkpoint, run_quantize, write_hf_twin
@@ -107,7 +107,7 @@ def test_more_adapters_than_slots_take_turns(base, adapters):
 
 
 def _request(rid, prompt, lora):
-    from engine.request import EngineRequest
+    from lockgate.engine.request import EngineRequest
 
     return EngineRequest(rid, prompt, greedy(), lora_request=lora)
 
@@ -192,7 +192,7 @@ async def test_async_engine_serves_adapters_by_name(base, adapters, tmp_path):
     """AsyncEngine: adapters registered by name, requested with model=<name>, mixed with the
     base model in one run; an adapter unloaded from memory is read again (off the step loop)
     on its next request; a removed one is unknown; bad registrations change nothing."""
-    from engine import AsyncEngine, UnknownModel
+    from lockgate.engine import AsyncEngine, UnknownModel
 
     prompts = random_prompts(base, [9, 21, 14], seed=16)
     async with AsyncEngine(base, dtype="float32", enable_lora=True, max_loras=2, num_kv_blocks=64) as engine:
@@ -232,7 +232,7 @@ async def test_adapter_that_fails_to_load_later_fails_its_request_only(base, ada
     request fails with LoRAError (read on the worker thread), the base model keeps serving."""
     import shutil
 
-    from engine import AsyncEngine
+    from lockgate.engine import AsyncEngine
 
     copy = tmp_path / "copy"
     shutil.copytree(adapters["qv"].lora_path, copy)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM
-from engine.memory import CPU_DEFAULT_KV_BYTES, MemoryBudget
+from lockgate.engine import LLM
+from lockgate.engine.memory import CPU_DEFAULT_KV_BYTES, MemoryBudget
 from tests.support.helpers import demo_model
 
 
@@ -42,7 +42,7 @@ def test_engine_default_cache_is_512_mib_on_cpu():
 
 
 def test_chat_template_renders_from_the_tokenizer_config():
-    from engine.tokenizer import Tokenizer
+    from lockgate.engine.tokenizer import Tokenizer
 
     tok = Tokenizer(demo_model("qwen2"))
     text = tok.apply_chat_template([{"role": "user", "content": "hi there"}])

@@ -8,10 +8,10 @@ import random
 
 import pytest
 
-from engine import LLM, SamplingParams
-from engine.config import EngineConfig
-from engine.model_pool import ModelPool
-from engine.request import EngineRequest
+from lockgate.engine import LLM, SamplingParams
+from lockgate.engine.config import EngineConfig
+from lockgate.engine.model_pool import ModelPool
+from lockgate.engine.request import EngineRequest
 from tests.support.helpers import demo_model, hf_greedy, random_prompts
 from tests.support.quant import dequantize_checkpoint, run_quantize, write_hf_twin
 
@@ -109,7 +109,7 @@ def test_llm_with_models_and_bad_configs(dirs):
     p = random_prompts(dirs["b"], [9], seed=5)[0]
     out = llm.generate({"prompt_token_ids": p}, greedy(), model="b")[0]
     assert out.outputs[0].token_ids == hf_greedy(dirs["b"], p, NEW, ignore_eos=True)
-    from engine import UnknownModel
+    from lockgate.engine import UnknownModel
     with pytest.raises(UnknownModel):
         llm.generate({"prompt_token_ids": p}, greedy(), model="c")
     with pytest.raises(ValueError, match="more than the whole budget"):

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.models.rope import inv_frequencies
+from lockgate.engine import LLM, SamplingParams
+from lockgate.engine.models.rope import inv_frequencies
 from tests.support.helpers import demo_model, hf_greedy, hf_model, random_prompts
 
 
@@ -72,7 +72,7 @@ def test_rope_frequencies_match_transformers(scaling):
 def test_step_inputs_built_through_an_array_equal_torch_tensor():
     """The runner builds a step's int64 inputs through array('q') (faster than
     torch.tensor on a list): the same values, its own memory, and empty lists work."""
-    from engine.model_runner import _i64
+    from lockgate.engine.model_runner import _i64
 
     cpu = torch.device("cpu")
     for values in ([], [0], [3, -1, 2**40, 7], list(range(5000))):
@@ -84,7 +84,7 @@ def test_step_inputs_built_through_an_array_equal_torch_tensor():
 
 
 def test_rope_rows_are_the_tables_rows_at_each_position():
-    from engine.models.rope import RotaryEmbedding
+    from lockgate.engine.models.rope import RotaryEmbedding
 
     rope = RotaryEmbedding(8, 64, 10000.0, None, torch.float32, torch.device("cpu"))
     pos = torch.tensor([5, 0, 63, 5])

@@ -18,10 +18,10 @@ import torch
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
-from engine import LLM
-from engine.quant import AWQConfig, AWQLinear, GPTQLinear, linear_factory
-from engine.quant.quantize import QuantizeSpec, quantize_weight
-from gateway.cli import app
+from lockgate.engine import LLM
+from lockgate.engine.quant import AWQConfig, AWQLinear, GPTQLinear, linear_factory
+from lockgate.engine.quant.quantize import QuantizeSpec, quantize_weight
+from lockgate.gateway.cli import app
 from tests.support.helpers import demo_model
 from tests.support.quant import assert_greedy_matches_hf, dequantize_checkpoint, run_quantize, write_hf_twin
 

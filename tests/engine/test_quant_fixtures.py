@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from engine.quant import AWQConfig, AWQLinear, GPTQConfig, GPTQLinear
-from kernels.quant import awq_dequantize, awq_matmul, gptq_dequantize, gptq_matmul, reference
+from lockgate.engine.quant import AWQConfig, AWQLinear, GPTQConfig, GPTQLinear
+from lockgate.kernels.quant import awq_dequantize, awq_matmul, gptq_dequantize, gptq_matmul, reference
 from tests.support.quant import assert_greedy_matches_hf, copy_tokenizer, write_hf_twin
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "quant"

@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.sampler import Sampler, SampleRow
+from lockgate.engine import LLM, SamplingParams
+from lockgate.engine.sampler import Sampler, SampleRow
 from tests.support.helpers import assert_all_blocks_free, demo_model, hf_greedy, random_prompts
 
 
@@ -138,7 +138,7 @@ def test_sampler_filters_and_penalties():
         assert seen == allowed, kw
     # repetition penalty (HF rule) over prompt+output tokens {1, 2, 3}; penalties over output
     p = torch.tensor([0.0, 1.0, 2.0, 3.0, -1.0])
-    from engine.sampler import _apply_penalties
+    from lockgate.engine.sampler import _apply_penalties
 
     x = p.clone()
     _apply_penalties(x, row(repetition_penalty=2.0))

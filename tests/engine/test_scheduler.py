@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from engine.request import SeqStatus
+from lockgate.engine.request import SeqStatus
 from tests.support.fake_engine import CLASSES, FakeEngine, names
 
 
@@ -176,7 +176,7 @@ def test_randomized_adapters_never_exceed_max_loras_and_all_get_served(tmp_path)
     """3000 steps of random arrivals over six adapters and the base model, max_loras 2, one
     adapter five times as popular as each other one: at every step at most two adapters
     run (check_invariants), and at the end every request of every adapter has finished."""
-    from engine.lora import LoRARequest
+    from lockgate.engine.lora import LoRARequest
 
     rng = random.Random(99)  # noqa: S311 - a seeded test workload, not a secret
     eng = FakeEngine(tmp_path, num_blocks=48, block_size=4, max_num_batched_tokens=24, max_num_seqs=6,

@@ -7,12 +7,12 @@ import random
 
 import pytest
 
-import engine.scheduler as scheduler_mod
-from engine.config import EngineConfig
-from engine.cost_model import MIN_SAMPLES, StepCostModel, StepShape
-from engine.engine_core import EngineCore
-from engine.request import EngineRequest
-from engine.sampling_params import SamplingParams
+import lockgate.engine.scheduler as scheduler_mod
+from lockgate.engine.config import EngineConfig
+from lockgate.engine.cost_model import MIN_SAMPLES, StepCostModel, StepShape
+from lockgate.engine.engine_core import EngineCore
+from lockgate.engine.request import EngineRequest
+from lockgate.engine.sampling_params import SamplingParams
 from tests.support.fake_engine import FakeEngine
 from tests.support.helpers import assert_all_blocks_free, demo_model, hf_greedy, random_prompts
 

@@ -15,11 +15,11 @@ import jsonschema
 import pytest
 import torch
 
-from engine import LLM, AsyncEngine, GrammarError, SamplingParams, StructuredOutputsParams, grammar_compiler
-from engine.config import EngineConfig, ModelConfig
-from engine.engine_core import EngineCore
-from engine.grammar import allowed_tokens, grammar_bitmask, mask_logits
-from engine.request import EngineRequest, SeqStatus
+from lockgate.engine import LLM, AsyncEngine, GrammarError, SamplingParams, StructuredOutputsParams, grammar_compiler
+from lockgate.engine.config import EngineConfig, ModelConfig
+from lockgate.engine.engine_core import EngineCore
+from lockgate.engine.grammar import allowed_tokens, grammar_bitmask, mask_logits
+from lockgate.engine.request import EngineRequest, SeqStatus
 from tests.support.helpers import assert_all_blocks_free, demo_model, hf_greedy, hf_model, random_prompts
 
 POINT = {"type": "object", "additionalProperties": False, "required": ["x", "y"],

@@ -3,8 +3,8 @@ tenants, classes, priorities and preemption mixed; the prefix cache is salted by
 
 from __future__ import annotations
 
-from engine import LLM, SamplingParams
-from engine.request import EngineRequest
+from lockgate.engine import LLM, SamplingParams
+from lockgate.engine.request import EngineRequest
 from tests.support.helpers import MAX_TOKENS, PROMPT_LENS, demo_model, hf_greedy, random_prompts
 
 

@@ -8,7 +8,7 @@ import socket
 import httpx
 import pytest
 
-from gateway.settings import Settings
+from lockgate.gateway.settings import Settings
 from tests.support.gateway_server import running_server
 
 

@@ -16,8 +16,8 @@ import httpx
 import openai
 import pytest
 
-from engine.lora_demo import write_demo_adapter
-from engine.tokenizer import Tokenizer
+from lockgate.engine.lora_demo import write_demo_adapter
+from lockgate.engine.tokenizer import Tokenizer
 from tests.support.gateway_server import GatewayServer, running_server
 from tests.support.helpers import demo_model, hf_greedy
 from tests.support.lora import peft_greedy

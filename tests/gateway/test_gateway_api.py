@@ -11,8 +11,8 @@ import httpx
 import openai
 import pytest
 
-from engine.cost_model import FEATURES
-from engine.tokenizer import Tokenizer
+from lockgate.engine.cost_model import FEATURES
+from lockgate.engine.tokenizer import Tokenizer
 from tests.support.gateway_server import running_server
 from tests.support.helpers import demo_model, hf_greedy
 

@@ -10,9 +10,9 @@ import json
 import openai
 import pytest
 
-from engine.config import EngineConfig
-from engine.model_pool import ModelPool
-from engine.tokenizer import Tokenizer
+from lockgate.engine.config import EngineConfig
+from lockgate.engine.model_pool import ModelPool
+from lockgate.engine.tokenizer import Tokenizer
 from tests.support.gateway_server import running_server
 from tests.support.helpers import demo_model, hf_greedy
 

@@ -27,8 +27,8 @@ import httpx
 import pytest
 from pydantic import BaseModel
 
-from gateway.admin.vllm_lora import PATHS as VLLM_ADMIN_PATHS
-from tenancy import keys as keymod
+from lockgate.gateway.admin.vllm_lora import PATHS as VLLM_ADMIN_PATHS
+from lockgate.tenancy import keys as keymod
 from tests.support import gateway_server
 from tests.support.gateway_server import GatewayServer, running_server
 from tests.support.helpers import demo_model
@@ -61,8 +61,8 @@ def _flatten(routes: Any) -> list[tuple[str, frozenset[str], Any]]:
 
 @pytest.fixture(scope="module")
 def app_routes(tmp_path_factory) -> list[tuple[str, frozenset[str], Any]]:
-    from gateway.app import create_app
-    from gateway.settings import Settings
+    from lockgate.gateway.app import create_app
+    from lockgate.gateway.settings import Settings
 
     app = create_app(Settings(data_dir=tmp_path_factory.mktemp("routes")))
     routes = _flatten(app.routes)
@@ -131,7 +131,7 @@ def verbose_cli():
 
     def popen(args, *a, **kw):
         args = list(args)
-        if args[1:3] == ["-m", "gateway.cli"]:
+        if args[1:3] == ["-m", "lockgate.gateway.cli"]:
             args.insert(3, "-v")
         return real(args, *a, **kw)
 

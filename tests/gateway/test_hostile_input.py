@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from gateway.model_catalog import read_model_info
+from lockgate.gateway.model_catalog import read_model_info
 from tests.support.gateway_server import GatewayServer
 from tests.support.helpers import demo_model
 

@@ -1,4 +1,4 @@
-"""The gateway imports only the engine's public face (`engine`, whose `__init__` says what it
+"""The gateway imports only the engine's public face (`lockgate.engine`, whose `__init__` says what it
 holds) and nothing of the benchmarks. Every module of gateway/ is read with `ast`, imports
 inside functions included, so a lazy import cannot slip past."""
 
@@ -33,13 +33,13 @@ def gateway_imports() -> list[tuple[str, int, str]]:
 
 
 def _is_engine_inside(module: str, public: set[str]) -> bool:
-    """`engine.X` where X is a submodule, not a name `engine` exports."""
+    """`lockgate.engine.X` where X is a submodule, not a name `engine` exports."""
     parts = module.split(".")
-    return parts[0] == "engine" and len(parts) > 1 and parts[1] not in public
+    return parts[:2] == ["lockgate", "engine"] and len(parts) > 2 and parts[2] not in public
 
 
 def test_gateway_imports_only_the_engine_face():
-    import engine
+    from lockgate import engine
 
     public = set(engine.__all__)
     bad = [f"{where}:{line} imports {mod}" for where, line, mod in gateway_imports()
@@ -49,20 +49,21 @@ def test_gateway_imports_only_the_engine_face():
 
 def test_gateway_imports_no_benchmarks():
     bad = [f"{where}:{line} imports {mod}" for where, line, mod in gateway_imports()
-           if mod == "loadtests" or mod.startswith("loadtests.")]
+           if mod == "lockgate.loadtests" or mod.startswith("lockgate.loadtests.")]
     assert not bad, "gateway imports the benchmarks:\n" + "\n".join(bad)
 
 
 @pytest.mark.parametrize("source, expected", [
-    ("import engine.lora", True),
-    ("from engine.async_engine import RequestStream", True),
-    ("def f():\n    from engine.demo_model import write_demo_model\n", True),
-    ("from engine import AsyncEngine, RequestStream", False),
-    ("import engine", False),
+    ("import lockgate.engine.lora", True),
+    ("from lockgate.engine.async_engine import RequestStream", True),
+    ("def f():\n    from lockgate.engine.demo_model import write_demo_model\n", True),
+    ("from lockgate.engine import AsyncEngine, RequestStream", False),
+    ("import lockgate.engine", False),
+    ("from lockgate import engine", False),
 ])
 def test_the_walk_sees_every_kind_of_import(tmp_path, source, expected):
     """The check itself, on small sources: nested and `from` imports are found."""
-    import engine
+    from lockgate import engine
 
     f = tmp_path / "m.py"
     f.write_text(source)

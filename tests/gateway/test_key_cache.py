@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from gateway.key_cache import KeyCache
-from tenancy.errors import AuthError
+from lockgate.gateway.key_cache import KeyCache
+from lockgate.tenancy.errors import AuthError
 
 
 class Lookups:
@@ -68,9 +68,9 @@ async def test_expired_entry_is_looked_up_before_use():
 async def test_adapter_misses_are_cached_briefly_and_bounded(tmp_path, monkeypatch):
     """Model names that resolve to no adapter: one database read per name per second, and
     made-up names by the thousand cannot grow the cache without bound."""
-    from gateway.adapter_catalog import AdapterCatalog
-    from tenancy import adapters, db
-    from tenancy.models import Base
+    from lockgate.gateway.adapter_catalog import AdapterCatalog
+    from lockgate.tenancy import adapters, db
+    from lockgate.tenancy.models import Base
 
     engine = db.make_engine(f"sqlite+aiosqlite:///{tmp_path / 'a.db'}")
     async with engine.begin() as conn:

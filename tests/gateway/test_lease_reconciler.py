@@ -15,12 +15,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from gateway.reconciler import reconcile_once
-from tenancy import db as tdb
-from tenancy import tenants
-from tenancy.limiter import LimitScope, RedisLimiter
-from tenancy.models import UsageRecord
-from tenancy.quota import Quota
+from lockgate.gateway.reconciler import reconcile_once
+from lockgate.tenancy import db as tdb
+from lockgate.tenancy import tenants
+from lockgate.tenancy.limiter import LimitScope, RedisLimiter
+from lockgate.tenancy.models import UsageRecord
+from lockgate.tenancy.quota import Quota
 
 TTL = 0.3
 

@@ -19,7 +19,7 @@ import openai
 import pydantic
 import pytest
 
-from gateway.settings import Settings
+from lockgate.gateway.settings import Settings
 from tests.support.gateway_server import GatewayServer
 from tests.support.own_redis import OwnRedis
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from gateway.settings import Settings, parse_model_specs
+from lockgate.gateway.settings import Settings, parse_model_specs
 
 
 def test_env_and_config_file(tmp_path, monkeypatch):

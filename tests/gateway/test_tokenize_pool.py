@@ -20,9 +20,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from gateway.model_catalog import ModelInfo, read_model_info
-from gateway.settings import Settings
-from gateway.tokenize_pool import TokenizePool, TokenizerBusy, TokenizerUnavailable
+from lockgate.gateway.model_catalog import ModelInfo, read_model_info
+from lockgate.gateway.settings import Settings
+from lockgate.gateway.tokenize_pool import TokenizePool, TokenizerBusy, TokenizerUnavailable
 from tests.support.helpers import demo_model
 
 WORDS = ["alpha", "beta", "gamma", "delta", "hello", "world", "é", "日本", "tokens", "\n"]

@@ -13,11 +13,11 @@ from types import SimpleNamespace
 import jsonschema
 import pytest
 
-from gateway import structured
-from gateway.errors import APIError
-from gateway.model_catalog import read_model_info
-from gateway.protocol import ChatCompletionRequest, ChatMessage, Tool
-from gateway.tool_calls import ToolCallReader, prompt_messages, read_tool_calls, rebase_refs, tool_plan
+from lockgate.gateway import structured
+from lockgate.gateway.errors import APIError
+from lockgate.gateway.model_catalog import read_model_info
+from lockgate.gateway.protocol import ChatCompletionRequest, ChatMessage, Tool
+from lockgate.gateway.tool_calls import ToolCallReader, prompt_messages, read_tool_calls, rebase_refs, tool_plan
 from tests.support.helpers import demo_model
 
 POINT = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"], "additionalProperties": False}

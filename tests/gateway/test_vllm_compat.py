@@ -21,8 +21,8 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.lora_demo import write_demo_adapter
-from engine.tokenizer import Tokenizer
+from lockgate.engine.lora_demo import write_demo_adapter
+from lockgate.engine.tokenizer import Tokenizer
 from tests.support.gateway_server import running_server
 from tests.support.helpers import demo_model, hf_greedy, random_prompts
 
@@ -394,8 +394,8 @@ def test_audit_filters_cursor_and_unknown_parameters(server):
 
 def test_readme_lists_every_route(server):
     """Every route the app serves, method and path, is in the README's route table."""
-    from gateway.app import create_app
-    from gateway.settings import Settings
+    from lockgate.gateway.app import create_app
+    from lockgate.gateway.settings import Settings
     from tests.gateway.test_gateway_security import _flatten
 
     def norm(path: str) -> str:
@@ -415,8 +415,8 @@ def test_count_responses_counts_5xx_and_unhandled_errors():
     import asyncio
     from types import SimpleNamespace
 
-    from gateway.errors import APIError
-    from gateway.metrics import CountResponses, Metrics
+    from lockgate.gateway.errors import APIError
+    from lockgate.gateway.metrics import CountResponses, Metrics
 
     metrics = Metrics(lambda: [])
     app_obj = SimpleNamespace(state=SimpleNamespace(lockgate=SimpleNamespace(metrics=metrics)))

@@ -16,7 +16,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")   # as tests/kernels/conftest.py,
 import pytest
 import torch
 
-from kernels.dispatch import interpreting
+from lockgate.kernels.dispatch import interpreting
 
 DEVICE = torch.device("cpu" if interpreting() else "cuda")
 

@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("triton")
 
-from loadtests.bench_kernels import KERNELS, bench_kernels, judge
+from lockgate.loadtests.bench_kernels import KERNELS, bench_kernels, judge
 from tests.kernels.device import DEVICE
 
 

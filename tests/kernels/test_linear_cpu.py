@@ -9,12 +9,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine import LLM, SamplingParams
-from engine.config import ModelConfig
-from engine.models import build_skeleton
-from engine.models.loader import packed_weight_bytes, tensor_bytes
-from kernels import linear as lin
-from kernels.linear import PackedWeight, cpu, implementation, linear
+from lockgate.engine import LLM, SamplingParams
+from lockgate.engine.config import ModelConfig
+from lockgate.engine.models import build_skeleton
+from lockgate.engine.models.loader import packed_weight_bytes, tensor_bytes
+from lockgate.kernels import linear as lin
+from lockgate.kernels.linear import PackedWeight, cpu, implementation, linear
 from tests.support.helpers import demo_model, hf_greedy, random_prompts
 
 needs_kernel = pytest.mark.skipif(not cpu.available(), reason="no C compiler: the CPU linear kernel does not build")
@@ -154,8 +154,8 @@ def test_gate_up_in_pairs_serves_the_product_and_the_fused_activation(rows, n_in
     """A [gate; up] weight packed in pairs (each half padded to whole panels when inter is
     not a multiple of 32; K past one block of 512): `linear` gives F.linear's product, and
     the fused op the SiLU-and-mul of it."""
-    from kernels.linear import gate_up_silu_mul
-    from kernels.pointwise.reference import silu_mul
+    from lockgate.kernels.linear import gate_up_silu_mul
+    from lockgate.kernels.pointwise.reference import silu_mul
 
     g = torch.Generator().manual_seed(rows + inter)
     x, w = torch.randn(rows, n_in, generator=g), torch.randn(2 * inter, n_in, generator=g) / n_in**0.5
@@ -173,7 +173,7 @@ def test_gate_up_in_pairs_serves_the_product_and_the_fused_activation(rows, n_in
 def test_the_fused_activation_steps_aside_where_the_kernel_does_not_run(monkeypatch):
     """Not packed in pairs, a gradient wanted, or LOCKGATE_KERNELS=reference: None, and the
     model projects and applies the activation itself."""
-    from kernels.linear import gate_up_silu_mul
+    from lockgate.kernels.linear import gate_up_silu_mul
 
     x, w = torch.randn(8, 32), torch.randn(64, 32)
     assert gate_up_silu_mul(x, w, PackedWeight()) is None
@@ -188,7 +188,7 @@ def test_without_a_compiler_the_projections_run_f_linear(monkeypatch, tmp_path, 
     packed copies."""
     import logging
 
-    from kernels.linear import gate_up_silu_mul
+    from lockgate.kernels.linear import gate_up_silu_mul
 
     monkeypatch.setattr(cpu.KERNEL, "lib", None)
     monkeypatch.setattr(cpu.KERNEL, "tried", False)
@@ -196,7 +196,7 @@ def test_without_a_compiler_the_projections_run_f_linear(monkeypatch, tmp_path, 
     monkeypatch.delenv("CC", raising=False)
     monkeypatch.setenv("PATH", str(tmp_path))
     x, w = torch.randn(5, 32), torch.randn(64, 32)
-    with caplog.at_level(logging.WARNING, logger="kernels.cbuild"):
+    with caplog.at_level(logging.WARNING, logger="lockgate.kernels.cbuild"):
         assert torch.equal(linear(x, w, None, PackedWeight()), F.linear(x, w))
     assert "no C compiler found" in caplog.text
     assert gate_up_silu_mul(x, w, PackedWeight(pairs_of=32)) is None

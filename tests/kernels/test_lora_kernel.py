@@ -1,11 +1,11 @@
-"""kernels.lora.lora_shrink_expand (SGMV semantics) against a naive per-token loop."""
+"""lockgate.kernels.lora.lora_shrink_expand (SGMV semantics) against a naive per-token loop."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kernels.lora import lora_shrink_expand
+from lockgate.kernels.lora import lora_shrink_expand
 
 
 def naive(x, out, lora_a, lora_b, slots, scaling, out_slice):
@@ -116,7 +116,7 @@ def test_bad_slot_and_shapes_rejected():
 def test_sgmv_on_contiguous_segments_matches_the_general_form():
     """sgmv (rows grouped by slot, Punica's seg_indptr) equals lora_shrink_expand given the
     same per-token slots, base segments (-1) included, into a slice of a fused output."""
-    from kernels.lora import lora_masked, sgmv, slot_mask
+    from lockgate.kernels.lora import lora_masked, sgmv, slot_mask
 
     g = torch.Generator().manual_seed(3)
     in_f, out_f, r_max = 32, 24, 8

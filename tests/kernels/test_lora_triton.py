@@ -29,10 +29,10 @@ import torch
 
 pytest.importorskip("triton")
 
-import kernels.lora as lora_pkg
-from kernels.dispatch import KernelUnavailable
-from kernels.lora import reference
-from kernels.lora import triton as tk
+import lockgate.kernels.lora as lora_pkg
+from lockgate.kernels.dispatch import KernelUnavailable
+from lockgate.kernels.lora import reference
+from lockgate.kernels.lora import triton as tk
 from tests.kernels.device import DEVICE, needs_device
 
 needs_device()
@@ -249,7 +249,7 @@ def test_bad_slots_and_shapes_rejected():
 
 
 def test_dispatch_picks_triton_when_asked(monkeypatch, launches):
-    """kernels.lora (what the engine imports) takes the Triton path under
+    """lockgate.kernels.lora (what the engine imports) takes the Triton path under
     LOCKGATE_KERNELS=triton (on DEVICE), the reference otherwise on the CPU, with matching
     results."""
     g = torch.Generator().manual_seed(10)
@@ -286,7 +286,7 @@ def test_dispatch_picks_triton_when_asked(monkeypatch, launches):
 def test_engine_projection_under_triton(monkeypatch, launches):
     """A DenseLinear with LoRA slots attached, forward under LOCKGATE_KERNELS=triton, equals
     its forward on the reference."""
-    from engine.models.linear import DenseLinear, LoRABatch, LoRASlots
+    from lockgate.engine.models.linear import DenseLinear, LoRABatch, LoRASlots
 
     g = torch.Generator().manual_seed(11)
     hidden, sizes, r = 40, [40, 24, 24], 8
@@ -311,7 +311,7 @@ def test_engine_projection_under_triton(monkeypatch, launches):
 
 
 def test_bench_cases_run_quick():
-    from kernels.lora.bench import cases
+    from lockgate.kernels.lora.bench import cases
 
     found = cases(DEVICE, torch.float32, quick=True)
     assert any(c.baseline == "base layer without LoRA" for c in found)

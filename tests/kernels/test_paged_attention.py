@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.paged_attention import paged_attention, write_kv_cache
+from lockgate.kernels.paged_attention import paged_attention, write_kv_cache
 
 
 def dense(q, k, v, scale):

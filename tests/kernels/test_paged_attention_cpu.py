@@ -12,7 +12,7 @@ import stat
 import pytest
 import torch
 
-from kernels.paged_attention import cpu, implementation, reference, write_kv_cache
+from lockgate.kernels.paged_attention import cpu, implementation, reference, write_kv_cache
 
 
 def _case(seqs, block_size, heads, head_dim, num_blocks, seed=0, scattered=True):
@@ -116,7 +116,7 @@ def test_no_compiler_is_a_clear_error_when_asked_for_and_a_fallback_when_not(fre
         cpu.available()
     monkeypatch.setattr(cpu.KERNEL, "tried", False)
     monkeypatch.delenv("LOCKGATE_KERNELS")
-    with caplog.at_level(logging.WARNING, logger="kernels.cbuild"):
+    with caplog.at_level(logging.WARNING, logger="lockgate.kernels.cbuild"):
         assert cpu.available() is False
     assert "using the torch reference" in caplog.text
     assert implementation(torch.device("cpu"), torch.float32) == "reference"
@@ -191,7 +191,7 @@ def test_a_step_cache_serves_every_layer_of_a_forward_the_same():
 def test_a_change_to_a_shared_header_builds_anew(fresh_state, monkeypatch):
     """The sources include kernels/csrc/*.h: an edited header is another library, not the
     cached one built before it."""
-    from kernels import cbuild
+    from lockgate.kernels import cbuild
 
     include = fresh_state / "include"
     include.mkdir()

@@ -30,14 +30,14 @@ import sys
 import pytest
 import torch
 
-from kernels import dispatch
+from lockgate.kernels import dispatch
 
 pytest.importorskip("triton")
 
-from kernels.paged_attention import cpu, implementation, reference
-from kernels.paged_attention import paged_attention as dispatched_attention
-from kernels.paged_attention import triton as tk
-from kernels.paged_attention import write_kv_cache as dispatched_write
+from lockgate.kernels.paged_attention import cpu, implementation, reference
+from lockgate.kernels.paged_attention import paged_attention as dispatched_attention
+from lockgate.kernels.paged_attention import triton as tk
+from lockgate.kernels.paged_attention import write_kv_cache as dispatched_write
 from tests.kernels.device import DEVICE, needs_device
 
 needs_device()
@@ -284,7 +284,7 @@ def test_the_package_imports_without_triton():
             "import torch\n"
             "from kernels.paged_attention import implementation, paged_attention\n"
             "assert implementation(torch.device('cpu'), torch.bfloat16) == 'reference'\n"
-            "assert 'kernels.paged_attention.triton' not in sys.modules\n")
+            "assert 'lockgate.kernels.paged_attention.triton' not in sys.modules\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 0, done.stderr
 
@@ -292,7 +292,7 @@ def test_the_package_imports_without_triton():
 # -- the engine on the kernels ---------------------------------------------------------------
 
 def test_engine_greedy_output_on_the_triton_kernels_matches_hf(monkeypatch):
-    from engine import LLM, SamplingParams
+    from lockgate.engine import LLM, SamplingParams
     from tests.support.helpers import assert_all_blocks_free, demo_model, hf_greedy, random_prompts
 
     monkeypatch.setenv("LOCKGATE_KERNELS", "triton")
@@ -315,7 +315,7 @@ def test_engine_greedy_output_on_the_triton_kernels_matches_hf(monkeypatch):
 # -- the bench's cases -----------------------------------------------------------------------
 
 def test_bench_cases_quick_run_and_agree():
-    from kernels.paged_attention import bench
+    from lockgate.kernels.paged_attention import bench
 
     found = bench.cases(DEVICE, torch.float32, quick=True)
     assert [c.bound for c in found] == ["memory", "memory", "compute"]
@@ -326,7 +326,7 @@ def test_bench_cases_quick_run_and_agree():
 
 
 def test_bench_full_shapes_and_their_work():
-    from kernels.paged_attention import bench
+    from lockgate.kernels.paged_attention import bench
 
     shapes = {s.name: s for s in bench._shapes(quick=False)}
     assert set(shapes) == {"decode b64 ctx4096", "decode b4 ctx32k gqa8", "prefill b4 chunk512 ctx2048 gqa8"}
@@ -346,7 +346,7 @@ import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from kernels.paged_attention import triton as tk
+from lockgate.kernels.paged_attention import triton as tk
 
 def compile(fn, consts, ptrs, i64=(), floats=()):
     sig = {n: "constexpr" if n in consts else ptrs.get(n, "*fp16") if n.endswith("_ptr") else
@@ -373,7 +373,7 @@ compile(tk._merge_splits_kernel, dict(NUM_SPLITS=8, HEAD_DIM=48, HEAD_DIM_PAD=64
 compile(tk._write_kv_kernel, dict(BLOCK_T=tk.WRITE_BLOCK_T, BLOCK_SIZE=16, HEAD_DIM=48, HEAD_DIM_PAD=64),
         {"slots_ptr": "*i64"}, i64={"stride_kch", "stride_vch"})
 # compiled kernels (TRITON_INTERPRET unset at import) refuse CPU tensors, saying why
-from kernels.dispatch import KernelUnavailable
+from lockgate.kernels.dispatch import KernelUnavailable
 try:
     tk.write_kv_cache(torch.zeros(1, 1, 16), torch.zeros(1, 1, 16), torch.zeros(1, 1, 8, 16),
                       torch.zeros(1, 1, 8, 16), torch.zeros(1, dtype=torch.long))

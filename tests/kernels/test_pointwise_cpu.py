@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels.pointwise as pointwise
-from kernels.pointwise import cpu, reference
+import lockgate.kernels.pointwise as pointwise
+from lockgate.kernels.pointwise import cpu, reference
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="no C compiler: the reference path is the CPU path")
 
@@ -148,7 +148,7 @@ def test_without_a_compiler_the_model_ops_run_the_reference(monkeypatch, tmp_pat
     monkeypatch.setenv("PATH", str(tmp_path))
     res, x, w = torch.randn(3, 8), torch.randn(3, 8), torch.randn(8)
     want = reference.add_rms_norm(x, res.clone(), w, 1e-5)
-    with caplog.at_level(logging.WARNING, logger="kernels.cbuild"):
+    with caplog.at_level(logging.WARNING, logger="lockgate.kernels.cbuild"):
         got = pointwise.add_rms_norm(x, res, w, 1e-5)
     assert torch.equal(got, want) and "no C compiler found" in caplog.text
     assert torch.equal(pointwise.argmax_rows(x), x.argmax(dim=-1))

@@ -23,13 +23,13 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-import kernels.quant
-from engine.quant import AWQConfig, AWQLinear, GPTQConfig, GPTQLinear
-from kernels.quant import reference
+import lockgate.kernels.quant as quant_pkg
+from lockgate.engine.quant import AWQConfig, AWQLinear, GPTQConfig, GPTQLinear
+from lockgate.kernels.quant import reference
 
 pytest.importorskip("triton")
-from kernels.quant import bench
-from kernels.quant import triton as fused
+from lockgate.kernels.quant import bench
+from lockgate.kernels.quant import triton as fused
 from tests.kernels.device import DEVICE, needs_device
 
 needs_device()
@@ -206,16 +206,16 @@ def test_dispatch_follows_lockgate_kernels(monkeypatch):
     gptq = gptq_tensors(64, 16, 32, 4, torch.float32, False, seed=0)
     if DEVICE.type == "cpu":
         monkeypatch.delenv("LOCKGATE_KERNELS", raising=False)
-        kernels.quant.awq_matmul(x, *awq, 32)
-        kernels.quant.gptq_matmul(x, *gptq, 4)
+        quant_pkg.awq_matmul(x, *awq, 32)
+        quant_pkg.gptq_matmul(x, *gptq, 4)
         assert calls == []                   # CPU tensors: the reference, unless asked
     monkeypatch.setenv("LOCKGATE_KERNELS", "reference")
-    kernels.quant.awq_matmul(x, *awq, 32)
-    kernels.quant.gptq_matmul(x, *gptq, 4)
+    quant_pkg.awq_matmul(x, *awq, 32)
+    quant_pkg.gptq_matmul(x, *gptq, 4)
     assert calls == []
     monkeypatch.setenv("LOCKGATE_KERNELS", "triton")
-    kernels.quant.awq_matmul(x, *awq, 32)
-    kernels.quant.gptq_matmul(x, *gptq, 4)
+    quant_pkg.awq_matmul(x, *awq, 32)
+    quant_pkg.gptq_matmul(x, *gptq, 4)
     assert calls == ["awq", "gptq"]
 
 

@@ -11,9 +11,9 @@ import time
 
 import pytest
 
-from engine import EngineDead, Pool, PoolConfig, PoolEngine, SamplingParams
-from engine.config import EngineConfig
-from engine.model_pool import ModelPool
+from lockgate.engine import EngineDead, Pool, PoolConfig, PoolEngine, SamplingParams
+from lockgate.engine.config import EngineConfig
+from lockgate.engine.model_pool import ModelPool
 from tests.support.helpers import demo_model, hf_greedy, random_prompts
 
 pytestmark = pytest.mark.timeout(300)

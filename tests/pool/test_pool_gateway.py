@@ -183,7 +183,7 @@ def test_a_worker_killed_during_mixed_requests_loses_no_usage_row(replicas):
                    json={"model": MODEL, "prompt": prompt, "max_tokens": 6, "temperature": 0,
                          "ignore_eos": True}, timeout=60)
     assert r.status_code == 200, r.text
-    from engine import Tokenizer
+    from lockgate.engine import Tokenizer
     tok = Tokenizer(demo_model("llama", "tiny", 0))
     assert r.json()["choices"][0]["text"] == tok.decode(hf_greedy(demo_model("llama", "tiny", 0), prompt, 6))
 

@@ -7,8 +7,16 @@ import asyncio
 
 import pytest
 
-from engine import SamplingParams
-from engine.pool import EngineWorker, ModelFilesMissing, Placement, PrefixSummary, Router, prefix_chain, unpack_summary
+from lockgate.engine import SamplingParams
+from lockgate.engine.pool import (
+    EngineWorker,
+    ModelFilesMissing,
+    Placement,
+    PrefixSummary,
+    Router,
+    prefix_chain,
+    unpack_summary,
+)
 from tests.support.helpers import demo_model, random_prompts
 
 
@@ -180,7 +188,7 @@ async def test_a_worker_reports_the_prefixes_it_accepted_only_when_they_changed(
 
 async def test_concurrent_starts_build_one_engine(monkeypatch):
     """Every replica starts a restarted worker at once: one engine is built, not one each."""
-    from engine import async_engine
+    from lockgate.engine import async_engine
 
     built = []
     real_start = async_engine.AsyncEngine.start
@@ -234,7 +242,7 @@ class _FakeWorker:
     def _report(self, *_):
         if not self.reachable:
             raise TimeoutError("no answer")
-        from engine.pool import WorkerReport
+        from lockgate.engine.pool import WorkerReport
 
         return WorkerReport(worker_id=self.name, node="n", pid=self.pid, models={"a": True}, loras=[],
                             waiting={}, running={}, kv_used=0, kv_total=64, owned=0, capacity=1,
@@ -249,8 +257,8 @@ async def test_a_restarted_or_returning_worker_gets_the_pools_adapters_and_weigh
     """Adapters registered and tenant weights set through the pool reach a worker that Ray
     restarted (new pid, engine not started) and one that missed calls while unreachable,
     before either is routed to again."""
-    from engine.lora_files import LoRARequest
-    from engine.pool import Pool, PoolConfig, PoolEngine
+    from lockgate.engine.lora_files import LoRARequest
+    from lockgate.engine.pool import Pool, PoolConfig, PoolEngine
 
     pool = Pool(PoolConfig(address="auto", models={"a": "/m/a"}, engine_kwargs={}))
     workers = {n: _FakeWorker(n) for n in ("w0", "w1")}

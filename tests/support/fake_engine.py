@@ -4,11 +4,11 @@ test_fairness.py and test_step_sizing.py."""
 
 from __future__ import annotations
 
-from engine.config import EngineConfig
-from engine.kv_cache import KVCacheManager
-from engine.request import EngineRequest, RequestState, Sequence
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from lockgate.engine.config import EngineConfig
+from lockgate.engine.kv_cache import KVCacheManager
+from lockgate.engine.request import EngineRequest, RequestState, Sequence
+from lockgate.engine.sampling_params import SamplingParams
+from lockgate.engine.scheduler import Scheduler
 
 CLASSES = ("priority", "online", "offline")   # the engine's default classes
 

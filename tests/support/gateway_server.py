@@ -20,7 +20,7 @@ from pathlib import Path
 
 import httpx
 
-from loadtests.harness.server import ServerProcess, free_port
+from lockgate.loadtests.harness.server import ServerProcess, free_port
 from tests.support.helpers import demo_model
 
 __all__ = ["ENGINE_KWARGS", "GatewayServer", "free_port", "running_server"]
@@ -83,7 +83,7 @@ class GatewayServer(ServerProcess):
         if database_url:
             args.append("--migrate")
         args += extra_args or []
-        return cls.launch(("gateway.cli", "serve"), env, data_dir / f"server-{port}.log", port=port,
+        return cls.launch(("lockgate.gateway.cli", "serve"), env, data_dir / f"server-{port}.log", port=port,
                           extra_args=args, timeout=timeout,
                           fields={"admin_key": admin_key, "data_dir": data_dir, "env": env})
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from engine.demo_model import write_demo_model
+from lockgate.engine.demo_model import write_demo_model
 
 FAMILIES = ("llama", "qwen2", "mistral")
 
@@ -31,14 +31,14 @@ def demo_model(family: str = "llama", size: str = "tiny", seed: int = 0) -> str:
 
 
 def special_ids(model_dir: str) -> set[int]:
-    from engine.config import ModelConfig
-    from engine.tokenizer import Tokenizer
+    from lockgate.engine.config import ModelConfig
+    from lockgate.engine.tokenizer import Tokenizer
 
     return Tokenizer(model_dir).special_token_ids | set(ModelConfig.from_dir(model_dir).eos_token_ids)
 
 
 def random_prompts(model_dir: str, lengths: list[int], seed: int = 0) -> list[list[int]]:
-    from engine.config import ModelConfig
+    from lockgate.engine.config import ModelConfig
 
     vocab = ModelConfig.from_dir(model_dir).vocab_size
     allowed = torch.tensor(sorted(set(range(vocab)) - special_ids(model_dir)))

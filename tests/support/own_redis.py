@@ -3,6 +3,6 @@ loadtests/harness/own_redis.py's `OwnRedis`, shared with the chaos bench."""
 
 from __future__ import annotations
 
-from loadtests.harness.own_redis import OwnRedis
+from lockgate.loadtests.harness.own_redis import OwnRedis
 
 __all__ = ["OwnRedis"]

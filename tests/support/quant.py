@@ -13,9 +13,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
-from engine import LLM, SamplingParams
-from gateway.cli import app
-from kernels.quant import awq_dequantize, gptq_dequantize
+from lockgate.engine import LLM, SamplingParams
+from lockgate.gateway.cli import app
+from lockgate.kernels.quant import awq_dequantize, gptq_dequantize
 from tests.support.helpers import assert_all_blocks_free, demo_model, hf_greedy, random_prompts
 
 PROMPT_LENS = [1, 7, 16, 33, 64, 129, 200, 300]

@@ -17,8 +17,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from loadtests.harness import pg as harness_pg
-from loadtests.harness.pg import BIN, ThrowawayPostgres
+from lockgate.loadtests.harness import pg as harness_pg
+from lockgate.loadtests.harness.pg import BIN, ThrowawayPostgres
 
 __all__ = ["BIN", "ThrowawayPostgres", "throwaway_postgres"]
 

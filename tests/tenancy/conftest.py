@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tenancy import db as tdb
+from lockgate.tenancy import db as tdb
 
 
 @pytest.fixture

@@ -10,11 +10,11 @@ from datetime import timedelta
 import pytest
 from sqlalchemy import func, select
 
-from tenancy import batches as store
-from tenancy import tenants
-from tenancy.errors import Invalid, NotFound
-from tenancy.models import StoredFile, UsageRecord, utcnow
-from tenancy.usage.writer import UsageRow
+from lockgate.tenancy import batches as store
+from lockgate.tenancy import tenants
+from lockgate.tenancy.errors import Invalid, NotFound
+from lockgate.tenancy.models import StoredFile, UsageRecord, utcnow
+from lockgate.tenancy.usage.writer import UsageRow
 
 ACTOR = "key_0000000000000000"
 CHAT = "/v1/chat/completions"

@@ -19,8 +19,8 @@ from datetime import UTC, datetime
 
 import pytest
 
-from tenancy.errors import LimiterUnavailable
-from tenancy.limiter import (
+from lockgate.tenancy.errors import LimiterUnavailable
+from lockgate.tenancy.limiter import (
     CONCURRENCY_RETRY_HINT,
     InProcessLimiter,
     Lease,
@@ -29,7 +29,7 @@ from tenancy.limiter import (
     RedisLimiter,
     make_limiter,
 )
-from tenancy.quota import Quota
+from lockgate.tenancy.quota import Quota
 
 T0 = datetime(2026, 11, 29, 12, 0, 0, tzinfo=UTC).timestamp()
 
@@ -643,7 +643,7 @@ async def test_redis_uses_its_own_clock(redis_kind, monkeypatch):
     redis_url, redis_prefix = redis_kind
     import types
 
-    import tenancy.limiter.redis as limiter_mod
+    import lockgate.tenancy.limiter.redis as limiter_mod
 
     real = time.time
     skewed = types.SimpleNamespace(time=lambda: real() + 3 * 86400)  # the caller is 3 days ahead
@@ -952,7 +952,7 @@ async def test_expired_walks_every_tag_and_prunes_idle_ones(redis_kind, monkeypa
     """Three tenants' admissions die; `expired` finds all three through the registry of tags
     (on Cluster, in different slots), oldest first, at most `limit`. A tag whose index is empty
     leaves the registry only once nobody registered it for PRUNE_AFTER."""
-    import tenancy.limiter.redis as limiter_mod
+    import lockgate.tenancy.limiter.redis as limiter_mod
 
     redis_url, redis_prefix = redis_kind
     lim = RedisLimiter(redis_url, prefix=redis_prefix, lease_ttl=0.2)
@@ -982,8 +982,8 @@ async def test_expired_walks_every_tag_and_prunes_idle_ones(redis_kind, monkeypa
 
 
 def test_cluster_and_sentinel_urls_parse():
-    from tenancy.limiter.redis_conn import ClientConnection, connect, parse_multi_host
-    from tenancy.limiter.redis_pipe import RedisPipe
+    from lockgate.tenancy.limiter.redis_conn import ClientConnection, connect, parse_multi_host
+    from lockgate.tenancy.limiter.redis_pipe import RedisPipe
 
     u = parse_multi_host("rediss+cluster://me:s%40cret@10.0.0.1:7000,[::1]:7001,node3")
     assert u.tls and u.hosts == (("10.0.0.1", 7000), ("::1", 7001), ("node3", 6379))

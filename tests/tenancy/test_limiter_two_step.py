@@ -14,8 +14,8 @@ import asyncio
 
 import pytest
 
-from tenancy.errors import Invalid
-from tenancy.limiter import InProcessLimiter, RedisLimiter
+from lockgate.tenancy.errors import Invalid
+from lockgate.tenancy.limiter import InProcessLimiter, RedisLimiter
 from tests.tenancy.test_limiter import Backend, redis_of, scope
 
 
@@ -101,8 +101,8 @@ async def test_reserve_after_the_end_is_invalid(backend):
 
 async def test_unlimited_scopes_reserve_without_a_round_trip(backend):
     lim = backend()
-    from tenancy.limiter import LimitScope
-    from tenancy.quota import Quota
+    from lockgate.tenancy.limiter import LimitScope
+    from lockgate.tenancy.quota import Quota
     free = LimitScope("tenant:free", Quota())
     d = await lim.acquire("r1", [free], 0)
     assert d.lease is not None
@@ -223,7 +223,7 @@ async def test_an_admission_whose_marker_expired_leaves_the_index(redis_lim):
     assert d.lease is not None
     await asyncio.sleep(0.3)
     (lease,) = await lim.expired()
-    from tenancy.limiter.keys import marker
+    from lockgate.tenancy.limiter.keys import marker
     await lim._redis.execute("DEL", marker(lim.prefix, "tenant:t1", "r1"))   # as if it expired
     assert await lim.abandon(lease) is False
     assert await lim.expired() == []

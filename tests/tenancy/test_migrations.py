@@ -8,8 +8,8 @@ import sqlalchemy as sa
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 
-from tenancy import db as tdb
-from tenancy.models import Base
+from lockgate.tenancy import db as tdb
+from lockgate.tenancy.models import Base
 
 TABLES = {"tenants", "api_keys", "usage_records", "audit_entries", "adapters", "refusal_counts",
           "files", "batches", "batch_lines"}

@@ -21,10 +21,10 @@ import time
 import pytest
 from redis.exceptions import RedisError
 
-from tenancy.errors import LimiterUnavailable
-from tenancy.limiter import FailoverLimiter, InProcessLimiter, LimitScope, RedisLimiter
-from tenancy.limiter.redis_pipe import RedisPipe
-from tenancy.quota import Quota
+from lockgate.tenancy.errors import LimiterUnavailable
+from lockgate.tenancy.limiter import FailoverLimiter, InProcessLimiter, LimitScope, RedisLimiter
+from lockgate.tenancy.limiter.redis_pipe import RedisPipe
+from lockgate.tenancy.quota import Quota
 from tests.support.own_redis import OwnRedis
 
 TIMEOUT = 0.25          # RedisPipe's and RedisLimiter's default
@@ -146,7 +146,7 @@ async def test_open_admits_in_process_per_replica_logs_once_and_goes_back_to_red
     lim = failover(own_redis.url, "open")
     fresh = LimitScope("tenant:t2", Quota(requests_per_minute=2))
     own_redis.pause()
-    with caplog.at_level(logging.WARNING, logger="tenancy.limiter.failover"):
+    with caplog.at_level(logging.WARNING, logger="lockgate.tenancy.limiter.failover"):
         t0 = time.monotonic()
         first = await lim.acquire("a", [fresh], 1)
         assert first.allowed and time.monotonic() - t0 < BOUND
@@ -196,7 +196,7 @@ async def test_the_settlement_queue_is_bounded_and_logs_each_drop(own_redis, cap
     lim = failover(own_redis.url, "closed", max_queued=2)
     leases = [(await lim.acquire(f"r{i}", [SCOPE], 10)).lease for i in range(3)]
     own_redis.pause()
-    with caplog.at_level(logging.WARNING, logger="tenancy.limiter.failover"):
+    with caplog.at_level(logging.WARNING, logger="lockgate.tenancy.limiter.failover"):
         for lease in leases:
             assert lease is not None
             await asyncio.wait_for(lim.settle(lease, 1), 3)

@@ -16,7 +16,7 @@ import redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 
-from tenancy.limiter.redis_pipe import RedisPipe, RedisScript
+from lockgate.tenancy.limiter.redis_pipe import RedisPipe, RedisScript
 from tests.support.gateway_server import GatewayServer, free_port
 
 

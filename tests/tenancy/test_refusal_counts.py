@@ -13,9 +13,9 @@ from datetime import UTC, datetime
 
 import pytest
 
-from tenancy import db as tdb
-from tenancy.limiter.base import WINDOW
-from tenancy.usage.refusals import RefusalCounter, refusal_totals
+from lockgate.tenancy import db as tdb
+from lockgate.tenancy.limiter.base import WINDOW
+from lockgate.tenancy.usage.refusals import RefusalCounter, refusal_totals
 from tests.support import services
 from tests.tenancy.test_limiter import Backend, redis_of, scope
 

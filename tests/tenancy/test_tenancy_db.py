@@ -13,14 +13,14 @@ import pytest
 from sqlalchemy import func, select, text, update
 from sqlalchemy.exc import IntegrityError
 
-from tenancy import api_keys, audit, keys, tenants
-from tenancy import db as tdb
-from tenancy.auth import Principal, authenticate
-from tenancy.errors import AuthError, Conflict, Invalid, NotFound
-from tenancy.models import ApiKey, AuditEntry, Base, Tenant, UsageRecord
-from tenancy.quota import Quota
-from tenancy.usage.report import usage_report
-from tenancy.usage.writer import UsageRow, UsageWriter
+from lockgate.tenancy import api_keys, audit, keys, tenants
+from lockgate.tenancy import db as tdb
+from lockgate.tenancy.auth import Principal, authenticate
+from lockgate.tenancy.errors import AuthError, Conflict, Invalid, NotFound
+from lockgate.tenancy.models import ApiKey, AuditEntry, Base, Tenant, UsageRecord
+from lockgate.tenancy.quota import Quota
+from lockgate.tenancy.usage.report import usage_report
+from lockgate.tenancy.usage.writer import UsageRow, UsageWriter
 
 PEPPER = bytes(range(32))
 ACTOR = "key_0000000000000000"

@@ -8,10 +8,10 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from tenancy import tenants
-from tenancy.errors import Invalid
-from tenancy.usage.report import parse_group_by, usage_page, usage_report
-from tenancy.usage.writer import UsageRow, UsageWriter
+from lockgate.tenancy import tenants
+from lockgate.tenancy.errors import Invalid
+from lockgate.tenancy.usage.report import parse_group_by, usage_page, usage_report
+from lockgate.tenancy.usage.writer import UsageRow, UsageWriter
 
 D1 = datetime(2024, 3, 1, 10, 0, tzinfo=UTC)
 

@@ -11,9 +11,9 @@ import time
 
 import pytest
 
-from tenancy import api_keys, db, tenants
-from tenancy.usage.spool import UsageSpool
-from tenancy.usage.writer import UsageRow, UsageWriter
+from lockgate.tenancy import api_keys, db, tenants
+from lockgate.tenancy.usage.spool import UsageSpool
+from lockgate.tenancy.usage.writer import UsageRow, UsageWriter
 from tests.support.throwaway_pg import throwaway_postgres
 
 
@@ -98,7 +98,7 @@ async def test_a_replay_cut_by_a_crash_duplicates_nothing(pg, setup, tmp_path):
     async with sessions() as s:
         from sqlalchemy import insert
 
-        from tenancy.models import UsageRecord
+        from lockgate.tenancy.models import UsageRecord
 
         await s.execute(insert(UsageRecord), spool.read(path)[:2])
         await s.commit()

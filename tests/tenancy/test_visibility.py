@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tenancy.visibility import adapter_visible, model_visible
+from lockgate.tenancy.visibility import adapter_visible, model_visible
 
 
 @dataclass
