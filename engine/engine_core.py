@@ -98,13 +98,7 @@ class EngineCore:
         self.tokenizer = Tokenizer(config.model)
         torch.manual_seed(config.seed)
         self.runner = ModelRunner(config.model, mc, self.max_model_len, self.dtype, self.device, config.seed)
-        self.lora: LoRAManager | None = None
-        if config.enable_lora:
-            self.lora = self.runner.enable_lora(
-                max_loras=config.max_loras, max_lora_rank=config.max_lora_rank,
-                # EngineConfig fills None in with max_loras
-                max_cpu_loras=config.max_loras if config.max_cpu_loras is None else config.max_cpu_loras,
-            )
+        self.lora = self._enable_lora()
         bs = config.block_size
         self.memory: MemoryBudget | None = None
         self.num_kv_blocks = self._size_kv_cache(pooled)
@@ -142,6 +136,17 @@ class EngineCore:
         logger.info(
             "engine ready: %s on %s (%s), %d KV blocks of %d tokens",
             config.model, self.device, self.dtype, self.num_kv_blocks, bs,
+        )
+
+    def _enable_lora(self) -> LoRAManager | None:
+        """The runner's adapter manager when the config enables LoRA, else None."""
+        config = self.config
+        if not config.enable_lora:
+            return None
+        return self.runner.enable_lora(
+            max_loras=config.max_loras, max_lora_rank=config.max_lora_rank,
+            # EngineConfig fills None in with max_loras
+            max_cpu_loras=config.max_loras if config.max_cpu_loras is None else config.max_cpu_loras,
         )
 
     def _size_kv_cache(self, pooled: bool) -> int:
