@@ -1,12 +1,11 @@
 """Dense projections on the CPU in float32 through a small C kernel (csrc/linear.c, built on
 first use by kernels/cbuild.py), the weight packed once into panels of 32 output columns.
-It replaced oneDNN's packed linear (torch.ops.mkldnn._linear_pointwise), which costs ~25 us
-a call before any arithmetic and ~0.5-1 ms the first time it meets each new row count, on a
-decode step's small shapes the larger part of its time. Measured on a 2-core AMD EPYC
-(AVX-512), best of 5, the demo model's shapes (2026-12-03; oneDNN -> this kernel):
-256x256 at 8 rows 32 -> 11 us, at 64 rows 71 -> 47 us; 1408x256 at 8 rows 51 -> 38 us, at 64
-rows 258 -> 258 us; at 2048 rows 0.9-1.1x oneDNN. Results equal F.linear's within float32
-rounding (the sums run in another order, with FMAs).
+Why not oneDNN's packed linear (torch.ops.mkldnn._linear_pointwise): it spends a fixed cost
+per call before any arithmetic (primitive lookup, descriptors) and a larger one the first time
+it meets each new row count, and on a decode step's small shapes that overhead, not the
+arithmetic, is most of its time; this kernel has no per-call setup and keeps up with oneDNN
+on a prefill's large shapes. Results equal F.linear's within float32 rounding (the sums run
+in another order, with FMAs).
 
 A gated MLP's [gate; up] projection may be packed in pairs (`pairs_of=inter`): gate's and
 up's panel i side by side, so that `linear_silu_mul` computes silu(gate) * up from the

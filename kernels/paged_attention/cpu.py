@@ -1,14 +1,13 @@
 """Paged attention on the CPU: every decode of a layer in one call to a small C kernel
 (csrc/decode_attention.c), and every prefill chunk whose context sits in consecutive cache
-slots in one call to another (csrc/prefill_attention.c: flash-style causal attention; on the
-demo bench's 64 prompts of 32-512 tokens 0.35 -> 0.19 s of attention against SDPA per
-sequence), both spread over torch's OpenMP threads; other chunks take the reference.
+slots in one call to another (csrc/prefill_attention.c: flash-style causal attention, in place
+of one SDPA call per sequence), both spread over torch's OpenMP threads; other chunks take the
+reference.
 
-The reference runs one SDPA call per decoding sequence per layer, each on one thread at
-about 8 GB/s; the C kernel reads each context once through its block table (no gather, no
-padding) with all sequences and KV heads shared out between the threads: on the priority
-bench's shapes (64 decodes of 500-1100 tokens, 2 KV heads of 64) 1.9x faster per layer on
-two cores. float32 only; other dtypes take the reference.
+The reference runs one SDPA call per decoding sequence per layer, each on one thread, which
+draws only part of the memory bandwidth decode attention is bound by; the C kernel reads
+each context once through its block table (no gather, no padding) with all sequences and KV
+heads shared out between the threads. float32 only; other dtypes take the reference.
 
 The kernel is built on first use (kernels/cbuild.py: the machine's C compiler, cached per
 source, compiler and CPU). `LOCKGATE_KERNELS=reference` keeps the plain-torch path; `cpu`

@@ -12,10 +12,9 @@ keys [0, that position]. GQA: query head h reads KV head h // (num_heads // num_
 On CPU, attention is bound by memory traffic: copying a context out of its blocks costs
 more than reading it once. A sequence whose blocks are consecutive ids (the block pool
 places them so where it can) is a view of the cache, [num_kv_heads, len, head_dim] with no
-copy, and goes through SDPA on its own: about 2.5x faster than gathering (measured on the
-bench's shapes). The others are gathered: decodes (one query) sorted by length and cut into
-groups whose padding stays small, one gather and two matmuls per group; prefill chunks one
-sequence at a time through SDPA.
+copy, and goes through SDPA on its own. The others are gathered: decodes (one query)
+sorted by length and cut into groups whose padding stays small, one gather and two matmuls
+per group; prefill chunks one sequence at a time through SDPA.
 """
 
 from __future__ import annotations
@@ -86,7 +85,7 @@ def _attend(query, key_cache, value_cache, block_tables, seq_lens, query_start_l
     key_slots = key_cache.view(1, num_kv_heads, -1, head_dim)      # [1, kv_heads, slots, D]
     value_slots = value_cache.view(1, num_kv_heads, -1, head_dim)
     # one query attends to its whole context, so the query heads that share a KV head can
-    # be that head's query rows: SDPA without GQA's expansion (about 20% less time)
+    # be that head's query rows: SDPA without GQA's expansion of K and V to every query head
     per_kv = query.shape[1] // num_kv_heads
     query_rows = query.view(-1, num_kv_heads, per_kv, head_dim)
     out_rows = out.view(-1, num_kv_heads, per_kv, head_dim)
@@ -203,7 +202,7 @@ def _decode_group(query, key_cache, value_cache, block_tables, lens, starts, gro
     pad = torch.arange(padded_len, device=dev)[None, :] >= seq_lens[:, None]
     scores.masked_fill_(pad[None, :, None, :], float("-inf"))
     # padded slots were never written: zero those rows (only them: a masked_fill over all
-    # of V costs 10x more) so that 0 * (whatever was there) stays 0
+    # of V would rewrite every row) so that 0 * (whatever was there) stays 0
     v.view(num_kv_heads, g * padded_len, head_dim).index_fill_(1, pad.reshape(-1).nonzero().squeeze(1), 0.0)
     probs = torch.softmax(scores, dim=-1)
     o = torch.matmul(probs, v)                                       # [kv_heads, g, group, D]

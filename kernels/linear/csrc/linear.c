@@ -7,11 +7,10 @@
  * row of the chunk passes over it. Work is shared out over torch's OpenMP threads by (two
  * panels, chunk of 60 rows), panel-major, so a thread keeps its panels.
  *
- * Why not oneDNN (torch.ops.mkldnn._linear_pointwise, the previous path): on the small
- * shapes of a decode step it spends ~25 us a call before any arithmetic (primitive lookup,
- * descriptors) and ~0.5-1 ms the first time it meets each new row count; this kernel starts
- * in a few microseconds at any row count (measured on a 2-core AMD EPYC, 2026-12-03: 256 x
- * 256 at 8 rows 11 vs 32 us; 1408 x 256 at 8 rows 38 vs 51 us; at 2048 rows within ~10%).
+ * Why not oneDNN (torch.ops.mkldnn._linear_pointwise): it spends a fixed cost per call before
+ * any arithmetic (primitive lookup, descriptors) and a larger one the first time it meets each
+ * new row count, which on the small shapes of a decode step outweighs the arithmetic; this
+ * kernel has no per-call setup at any row count and keeps up with oneDNN on large ones.
  *
  * A gated MLP's gate/up projection ([gate; up], 2 x inter outputs) may be packed in pairs:
  * gate's panel i, then up's panel i (each half padded to whole panels on its own), so that
@@ -115,9 +114,8 @@ static inline __attribute__((always_inline)) void tile(
 }
 
 /* As `tile` over two panels at once (6 rows x 64 columns: 24 vector accumulators, each x
- * value broadcast once against 64 weights; measured 2-10% faster than 8 x 32 on the demo
- * model's shapes, more at 2048 rows). The two panels' outputs go to ya and yb (adjacent, or
- * apart in the pairs layout). */
+ * value broadcast once against 64 weights where an 8 x 32 tile's meets 32).
+ * The two panels' outputs go to ya and yb (adjacent, or apart in the pairs layout). */
 #define MR2 6
 static inline __attribute__((always_inline)) void tile2(
     const int mr, const float *x, int64_t ldx, int64_t kc, const float *wa, const float *wb,
@@ -216,8 +214,8 @@ void lg_linear_f32(const float *x, int64_t m, int64_t k, const float *packed, in
 /* out [m][inter] = silu(x W_gate^T) * (x W_up^T), W packed in pairs (lg_linear_pack_pairs_f32):
  * a gated MLP's activation from the registers that computed it. silu(g) = g / (1 + e^-g), as
  * the pointwise kernel computes it. Tiles of 6 rows x (32 gate + 32 up) columns (24 vector
- * accumulators: 6 rows x 64 columns measured 15-20% faster than 4 x 64) over the whole
- * of K (the gate and up sums must be complete before the activation). */
+ * accumulators, so that each load of weights serves 6 rows rather than 4)
+ * over the whole of K (the gate and up sums must be complete before the activation). */
 #define MR_PAIR 6
 #define MC_PAIR 60   /* rows per unit of work: whole tiles */
 static inline __attribute__((always_inline)) void pair_tile(
