@@ -225,7 +225,8 @@ def _unpack(words: np.ndarray, vocab_size: int) -> torch.Tensor:
 
 def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """The bitmask unpacked: bool [rows, vocab_size], True where allowed. (numpy's
-    `unpackbits`: some hundred times faster on the CPU than shifts and masks in torch.)"""
+    `unpackbits`: one C pass over the bytes, where shifts and masks in torch make a whole
+    tensor per op.)"""
     return _unpack(np.ascontiguousarray(bitmask.numpy()), vocab_size)
 
 

@@ -19,8 +19,7 @@ def tune_cpu_allocator() -> None:
 
     Each step allocates the same multi-MB activation and gather buffers. By default glibc
     serves those with fresh mmaps and unmaps them on free, so every step pays page faults
-    on memory it had a moment ago (measured here: a 5 MB index_select 3.5x slower into a
-    fresh buffer than into a reused one, a batch-128 decode step ~10% slower). Serving
+    on memory it had a moment ago, a cost a reused buffer does not have. Serving
     buffers up to 32 MB from the heap and not trimming it fixes that; the KV cache itself
     is larger and still mmapped, so its untouched pages stay out of resident memory.
     """

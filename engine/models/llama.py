@@ -126,7 +126,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         # built on the meta device and filled from the checkpoint: `_weight` / skip_init spare
-        # the random init, which on meta tensors imports torch._dynamo (3 s of start-up)
+        # the random init, which on meta tensors imports torch._dynamo (seconds of start-up)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
                                          _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg, linear) for _ in range(cfg.num_hidden_layers))

@@ -3,7 +3,7 @@
 Why not redis-py's asyncio client, which would otherwise do: every admitted request makes two
 limiter calls (acquire and settle), and under `lockgate bench gateway` redis-py's per-command
 Python work (pool checkout, retry wrapper, packing the command in Python, the async read
-loop) was about 17% of the gateway process's py-spy samples, the largest single part. Here hiredis
+loop) was the largest single part of the gateway process's py-spy samples. Here hiredis
 (the C extension redis-py itself uses to parse) packs each command and parses the replies,
 and one asyncio Protocol carries everything: commands are written as they come, Redis
 answers them in order, and replies go to their waiters first in, first out.
