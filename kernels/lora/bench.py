@@ -8,7 +8,7 @@
 * `decode_layer_overhead`: a decoder layer's linear work, fused qkv, o, fused gate/up and
   down, with the LoRA deltas of all seven projections (into their slices of the fused
   outputs) against the same matmuls without LoRA, baseline "base layer without LoRA". The
-  issue's GPU target: LoRA at 8 adapters adds at most 15% to a 7B-shaped decode step, i.e.
+  GPU target: LoRA at 8 adapters adds at most 15% to a 7B-shaped decode step, i.e.
   triton time / reference time <= 1.15 for this case (the bench's ratio column, reference
   time / triton time, >= 0.87).
 

@@ -1,7 +1,7 @@
 """Bench cases for the W4A16 GEMM (kernels/quant/triton.py): AWQ and GPTQ 4-bit, group 128,
 on a 7B-shaped projection (K=4096 into N=4096 or N=11008) at M = 1, 16 and 64 rows.
 
-The target (issue 19): at M up to 16 the fused kernel at least 2x faster than `torch.matmul`
+The GPU target: at M up to 16 the fused kernel at least 2x faster than `torch.matmul`
 in the activation dtype on the already dequantized weight, so that is each case's `reference`
 (the dequantization itself is done once, outside the timed call). M <= 16 is judged against
 memory bandwidth (the packed weight dominates what must be read), M = 64 against compute.

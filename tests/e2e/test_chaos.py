@@ -1,8 +1,9 @@
-"""The chaos test (issue 14's acceptance), scaled down for CI: 150 chat completions with
-client-side ids over two `lockgate serve` replicas on a PostgreSQL and a redis-server of the
-run's own, while the driver kills a replica with SIGKILL once (under load: once it holds a
-lease), hangs Redis for 1.5 s and stops the database for 2 s (one fault at a time), lease
-ttl 3 s (heartbeat 1 s). The full 1,000-request run is `lockgate bench chaos`.
+"""The chaos test, scaled down for CI: the gateway's reliability promises hold through a
+killed replica, a hung Redis and a stopped database. 150 chat completions with client-side
+ids over two `lockgate serve` replicas on a PostgreSQL and a redis-server of the run's own,
+while the driver kills a replica with SIGKILL once (under load: once it holds a lease),
+hangs Redis for 1.5 s and stops the database for 2 s (one fault at a time), lease ttl 3 s
+(heartbeat 1 s). The full 1,000-request run is `lockgate bench chaos`.
 
 The run happens once (module fixture, about 40 s); each test asserts one promise on it:
 

@@ -14,7 +14,7 @@ def test_budget_reserves_and_sizes_the_cache_from_what_is_left():
     b = MemoryBudget.for_device(torch.device("cpu"), gpu_memory_utilization=0.9,
                                 kv_cache_memory=None, weight_bytes=1000)
     assert b.total_bytes == 1000 + CPU_DEFAULT_KV_BYTES
-    b.reserve("lora_slots", 4096)                       # a later issue's share comes first
+    b.reserve("lora_slots", 4096)                       # a share reserved before the cache is sized
     blocks = b.kv_blocks(8192, num_kv_blocks=None, kv_cache_memory=None)
     assert blocks == (CPU_DEFAULT_KV_BYTES - 4096) // 8192
     assert b.available_bytes < 8192

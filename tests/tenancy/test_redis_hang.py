@@ -1,6 +1,6 @@
-"""A Redis that accepts connections and never answers (issue 14, finding 1), at the limiter's
-level: a `redis-server` this file starts on its own port and stops with SIGSTOP, or a socket
-that accepts and never answers.
+"""A Redis that accepts connections and never answers (stopped, swapping, stuck in a slow
+script), at the limiter's level: a `redis-server` this file starts on its own port and stops
+with SIGSTOP, or a socket that accepts and never answers.
 
 Every call to it ends within the timeout (250 ms by default) with a Redis error, every
 waiter on the dropped connection fails with it, and the call after SIGCONT succeeds on a

@@ -1,7 +1,7 @@
-"""The usage spool (issue 14, finding 4): with the database down, `UsageWriter.record` still
-returns once the row is durable in a local JSON-lines spool, and the spool is replayed into
-the database exactly once when it returns. The database is a PostgreSQL this test starts and
-stops itself (tests/support/throwaway_pg.py)."""
+"""The usage spool, so that no served request's usage is lost to a database outage: with
+the database down, `UsageWriter.record` still returns once the row is durable in a local
+JSON-lines spool, and the spool is replayed into the database exactly once when it returns.
+The database is a PostgreSQL this test starts and stops itself (tests/support/throwaway_pg.py)."""
 
 from __future__ import annotations
 
