@@ -1,7 +1,7 @@
 """Tenant fairness, priority preemption, reserved KV and tenant-salted prefix caching, with
-a fake model runner (tests/support/fake_engine.py's FakeEngine: every sampled token is 7). Each
-test is a worked example; the docstring does the arithmetic. Service (VTC): uncached prompt
-tokens x 1 + output tokens x 2, divided by the tenant's weight."""
+a fake model runner (tests/support/scheduler_harness.py's SchedulerHarness: every sampled
+token is 7). Each test is a worked example; the docstring does the arithmetic. Service
+(VTC): uncached prompt tokens x 1 + output tokens x 2, divided by the tenant's weight."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 
 from lockgate.engine.request import SeqStatus
 from lockgate.engine.scheduler import DECODE_COST, PREFILL_COST
-from tests.support.fake_engine import CLASSES, FakeEngine, names
+from tests.support.scheduler_harness import CLASSES, SchedulerHarness, names
 
 ONLINE = CLASSES.index("online")
 
@@ -23,7 +23,7 @@ def counter(eng, tenant, cls="online"):
 def test_class_order_before_arrival(tmp_path):
     """Budget 8. An offline request (8 tokens) arrives first, an online one (8 tokens)
     second: the online one gets the whole budget of the first step."""
-    eng = FakeEngine(tmp_path, num_blocks=32, max_num_batched_tokens=8)
+    eng = SchedulerHarness(tmp_path, num_blocks=32, max_num_batched_tokens=8)
     eng.add(8, 2, cls="offline", tenant="a")
     eng.add(8, 2, cls="online", tenant="b")
     assert names(eng.step()) == [("r1", 8)]
@@ -36,7 +36,7 @@ def test_tenant_with_least_service_goes_next(tmp_path):
     is 11, r0 takes 10 and r1 1; a = 10, b = 1. Then a sends r2 and b sends r3 (10 tokens
     each), a first. Step 2 (budget 10): the decodes first, least service first (r1 then
     r0): b = 3, a = 12; the 8 tokens left go to b's r3 although a's r2 arrived earlier."""
-    eng = FakeEngine(tmp_path, num_blocks=64, max_num_batched_tokens=11)
+    eng = SchedulerHarness(tmp_path, num_blocks=64, max_num_batched_tokens=11)
     eng.add(10, 3, tenant="a")
     eng.add(1, 3, tenant="b")
     assert names(eng.step()) == [("r0", 10), ("r1", 1)]
@@ -53,7 +53,7 @@ def test_weights_scale_service(tmp_path):
     """Weight 2 halves the counter: a (weight 1) and b (weight 2) each compute 10 prompt
     tokens: a = 10, b = 5. Step 2, budget 10: decodes (b's first: 5 < 10) cost a 2 and b
     2 / 2 = 1; b (6) < a (12), so the 8 tokens left go to b's new request."""
-    eng = FakeEngine(tmp_path, num_blocks=64, max_num_batched_tokens=20)
+    eng = SchedulerHarness(tmp_path, num_blocks=64, max_num_batched_tokens=20)
     eng.add(10, 5, tenant="a")
     eng.add(10, 5, tenant="b", weight=2.0)
     eng.step()
@@ -73,7 +73,7 @@ def test_priority_orders_within_a_tenant_not_across(tmp_path):
     a's r4 is more urgent by priority: priority orders within a tenant, not across.
     Step 3: decodes r1, r3, r0 (b = 3 + 4 + 4 = 11, a = 12); b has nothing waiting, so
     the 3 tokens left go to a, and to its urgent r4 before its earlier r2."""
-    eng = FakeEngine(tmp_path, num_blocks=64, max_num_batched_tokens=9)
+    eng = SchedulerHarness(tmp_path, num_blocks=64, max_num_batched_tokens=9)
     eng.add(8, 50, tenant="a")
     eng.add(1, 50, tenant="b")
     eng.step()
@@ -90,7 +90,7 @@ def test_newcomer_gets_no_banked_credit(tmp_path):
     """a and b run for a while (counters in the hundreds). c, idle so far (counter 0),
     arrives: it starts at the least counter of the active tenants, not at 0, so it cannot
     monopolise the engine to 'catch up'."""
-    eng = FakeEngine(tmp_path, num_blocks=256, max_num_batched_tokens=16)
+    eng = SchedulerHarness(tmp_path, num_blocks=256, max_num_batched_tokens=16)
     for _ in range(6):
         eng.add(20, 20, tenant="a")
         eng.add(20, 20, tenant="b")
@@ -106,7 +106,7 @@ def test_newcomer_gets_no_banked_credit(tmp_path):
 def test_idle_tenant_returns_at_high_water_when_nobody_is_active(tmp_path):
     """a works alone (counter 20), goes idle; b arrives while nobody is active: b starts at
     the class's high-water mark 20, so a's earlier service is not held against it later."""
-    eng = FakeEngine(tmp_path, num_blocks=64, max_num_batched_tokens=64)
+    eng = SchedulerHarness(tmp_path, num_blocks=64, max_num_batched_tokens=64)
     eng.add(20, 1, tenant="a")
     eng.run()
     assert counter(eng, "a") == 20 + 0   # the last token is sampled in the prefill step
@@ -124,8 +124,8 @@ def test_vtc_bound_holds_at_every_step(tmp_path, weights):
     = 160. Bound: 2 x max(48, 320) = 640. Over the run, service is shared by weight."""
     rng = random.Random(7)  # noqa: S311 - a seeded test workload, not a secret
     longest, num_blocks, bs = 48, 40, 4
-    eng = FakeEngine(tmp_path, num_blocks=num_blocks, block_size=bs, max_num_batched_tokens=32,
-                     max_num_seqs=8)
+    eng = SchedulerHarness(tmp_path, num_blocks=num_blocks, block_size=bs, max_num_batched_tokens=32,
+                           max_num_seqs=8)
     wa, wb = weights
     bound = 2 * max(PREFILL_COST * longest, DECODE_COST * num_blocks * bs)
     checked = 0
@@ -156,8 +156,8 @@ def test_vtc_bound_holds_at_every_step(tmp_path, weights):
 def test_fcfs_is_unfair_to_the_light_tenant(tmp_path):
     """The same load under fcfs: the heavy tenant (4x the requests) gets most of the
     service. This is the baseline the fairness policy is measured against."""
-    eng = FakeEngine(tmp_path, num_blocks=400, max_num_batched_tokens=32, max_num_seqs=8,
-                     scheduling_policy="fcfs")
+    eng = SchedulerHarness(tmp_path, num_blocks=400, max_num_batched_tokens=32, max_num_seqs=8,
+                           scheduling_policy="fcfs")
     for i in range(200):
         if i % 5 == 0:
             eng.add(16, 8, tenant="a")
@@ -176,7 +176,7 @@ def test_fcfs_is_unfair_to_the_light_tenant(tmp_path):
 
 def test_lone_tenant_gets_the_whole_machine(tmp_path):
     """Work-conserving: with one tenant backlogged, every step uses the full budget of 16."""
-    eng = FakeEngine(tmp_path, num_blocks=256, max_num_batched_tokens=16, max_num_seqs=16)
+    eng = SchedulerHarness(tmp_path, num_blocks=256, max_num_batched_tokens=16, max_num_seqs=16)
     for _ in range(10):
         eng.add(30, 10, tenant="solo")
     outs = [eng.step() for _ in range(10)]
@@ -190,7 +190,7 @@ def test_preempted_offline_keeps_its_place(tmp_path):
     step its decode needs a third block, and O1's and O2's first decodes a fifth each: the
     least urgent running sequence, O2 (same class and tenant as O1, later arrival), is
     preempted. O3, an offline request that arrives afterwards, queues behind O2."""
-    eng = FakeEngine(tmp_path, num_blocks=10, max_num_batched_tokens=64)
+    eng = SchedulerHarness(tmp_path, num_blocks=10, max_num_batched_tokens=64)
     o1 = eng.add(16, 3, cls="offline", tenant="t")
     o2 = eng.add(16, 3, cls="offline", tenant="t")
     eng.step()
@@ -213,7 +213,7 @@ def test_offline_finishes_under_constant_online_pressure(tmp_path):
     barely two fit). Every third step a short online request arrives (8 tokens, 2 blocks,
     2 outputs), forever. Offline requests are preempted again and again, yet each finishes
     (each return reuses its cached prompt blocks), and the online ones all finish too."""
-    eng = FakeEngine(tmp_path, num_blocks=12, max_num_batched_tokens=32, max_num_seqs=8)
+    eng = SchedulerHarness(tmp_path, num_blocks=12, max_num_batched_tokens=32, max_num_seqs=8)
     offline = [eng.add(20, 12, cls="offline", tenant=f"o{i}") for i in range(4)]
     online = []
     for step in range(600):
@@ -233,8 +233,8 @@ def test_reserved_kv_keeps_room_for_online(tmp_path):
     """20 blocks, reserved_kv_fraction online 0.25 -> 5 blocks offline may not take.
     Offline requests of 16 tokens (4 blocks + 1 for growth) fill at most 15 blocks; an
     online request of 16 tokens then gets in without preempting anything."""
-    eng = FakeEngine(tmp_path, num_blocks=20, max_num_batched_tokens=256,
-                     reserved_kv_fraction={"online": 0.25})
+    eng = SchedulerHarness(tmp_path, num_blocks=20, max_num_batched_tokens=256,
+                           reserved_kv_fraction={"online": 0.25})
     assert eng.sched.reserve_by_rank == [0, 0, 5]   # priority, online, offline
     for _ in range(5):
         eng.add(16, 8, cls="offline", tenant="t")
@@ -251,7 +251,7 @@ def test_offline_cached_blocks_are_evicted_before_online_ones(tmp_path):
     """8 blocks of 4. An online and an offline request, 16 tokens each, finish; each leaves
     4 cached blocks (online's in the protected tier). A new 16-token request needs 4 fresh
     blocks (+1): they come from the offline request's cache; the online prefix survives."""
-    eng = FakeEngine(tmp_path, num_blocks=10, max_num_batched_tokens=64)
+    eng = SchedulerHarness(tmp_path, num_blocks=10, max_num_batched_tokens=64)
     p_on, p_off = list(range(1000, 1016)), list(range(2000, 2016))
     eng.add(16, 1, cls="online", prompt=p_on, tenant="t")
     eng.add(16, 1, cls="offline", prompt=p_off, tenant="t")
@@ -269,7 +269,7 @@ def test_offline_cached_blocks_are_evicted_before_online_ones(tmp_path):
 def test_prefix_cache_is_salted_by_tenant(tmp_path):
     """The same 13-token prompt: tenant b after a gets no hit; a again gets 12 cached
     tokens; two tenants of one share group both hit."""
-    eng = FakeEngine(tmp_path, num_blocks=64, max_num_batched_tokens=64)
+    eng = SchedulerHarness(tmp_path, num_blocks=64, max_num_batched_tokens=64)
     prompt = list(range(700, 713))
 
     def cached(**kw):
@@ -290,8 +290,8 @@ def test_randomized_tenants_classes_and_aborts(tmp_path):
     (no block leaked or freed twice, budgets), no offline sequence running while an online
     one waits with budget left, and the fairness counters never decrease."""
     rng = random.Random(99)  # noqa: S311 - a seeded test workload, not a secret
-    eng = FakeEngine(tmp_path, num_blocks=48, block_size=4, max_num_batched_tokens=24,
-                     max_num_seqs=6, reserved_kv_fraction={"online": 0.125})
+    eng = SchedulerHarness(tmp_path, num_blocks=48, block_size=4, max_num_batched_tokens=24,
+                           max_num_seqs=6, reserved_kv_fraction={"online": 0.125})
     tenants = {f"t{i}": rng.choice([0.5, 1.0, 2.0]) for i in range(4)}
     states = []
     last = {}
@@ -324,8 +324,8 @@ def test_prefill_token_budget_keeps_background_steps_short(tmp_path):
     each step computes at most 8 of their tokens, so an online arrival never waits behind a
     long step. The online prompt (30 tokens, not capped) then gets a step with no offline
     prefill at all (only decodes would join it); the next step goes on with offline."""
-    eng = FakeEngine(tmp_path, num_blocks=64, max_num_batched_tokens=64,
-                     prefill_token_budget={"offline": 8})
+    eng = SchedulerHarness(tmp_path, num_blocks=64, max_num_batched_tokens=64,
+                           prefill_token_budget={"offline": 8})
     eng.add(20, 4, cls="offline", tenant="t")
     eng.add(20, 4, cls="offline", tenant="t")
     assert names(eng.step()) == [("r0", 8)]

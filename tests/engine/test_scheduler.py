@@ -8,7 +8,7 @@ import random
 import pytest
 
 from lockgate.engine.request import SeqStatus
-from tests.support.fake_engine import CLASSES, FakeEngine, names
+from tests.support.scheduler_harness import CLASSES, SchedulerHarness, names
 
 
 def test_decodes_first_then_prefill_chunks(tmp_path):
@@ -16,7 +16,7 @@ def test_decodes_first_then_prefill_chunks(tmp_path):
     step 1: A prefills 6, B gets the remaining 4 as a first chunk.
     step 2: A decodes 1 first; B's next chunk takes the other 9 (tokens 4..12).
     step 3: A decodes 1; B takes 7 (tokens 13..19) and samples its first token."""
-    eng = FakeEngine(tmp_path, num_blocks=32, max_num_batched_tokens=10)
+    eng = SchedulerHarness(tmp_path, num_blocks=32, max_num_batched_tokens=10)
     eng.add(6, max_tokens=5)
     eng.add(20, max_tokens=2)
     assert names(eng.step()) == [("r0", 6), ("r1", 4)]
@@ -30,7 +30,7 @@ def test_long_prompt_never_stalls_running_decodes(tmp_path):
     """A 400-token prompt arrives while A decodes; budget 16. Every step A decodes once
     and the prompt takes the remaining 15 tokens: 26 steps of 15 and a last one of 10
     (400 = 26 x 15 + 10), A never skipped."""
-    eng = FakeEngine(tmp_path, num_blocks=200, max_num_batched_tokens=16)
+    eng = SchedulerHarness(tmp_path, num_blocks=200, max_num_batched_tokens=16)
     a = eng.add(5, max_tokens=40)
     eng.step()
     eng.add(400, max_tokens=1)
@@ -46,7 +46,7 @@ def test_preemption_frees_blocks_and_keeps_place_in_line(tmp_path):
     6 blocks in all). At their 9th token all three need a third block and none is free:
     the least urgent (C, the last to arrive) is preempted, its 2 blocks go to A and B.
     C waits at the head of the line, ahead of D that arrived later."""
-    eng = FakeEngine(tmp_path, num_blocks=6, max_num_batched_tokens=64)
+    eng = SchedulerHarness(tmp_path, num_blocks=6, max_num_batched_tokens=64)
     a, b, c = (eng.add(7, max_tokens=6) for _ in range(3))
     eng.step()                      # prefill 7 each, sample 8th token
     assert eng.kv.num_free_blocks == 0
@@ -66,7 +66,7 @@ def test_online_request_preempts_offline_work(tmp_path):
     An online 5-token prompt needs 2 blocks: the least urgent offline one (the later) is
     preempted for it. Under fcfs the online request waits instead."""
     for policy in ("priority", "fcfs"):
-        eng = FakeEngine(tmp_path, num_blocks=8, max_num_batched_tokens=64, scheduling_policy=policy)
+        eng = SchedulerHarness(tmp_path, num_blocks=8, max_num_batched_tokens=64, scheduling_policy=policy)
         eng.add(14, 2, cls="offline")
         off2 = eng.add(14, 2, cls="offline")
         eng.step()
@@ -85,7 +85,7 @@ def test_online_request_preempts_offline_work(tmp_path):
 def test_sequence_cap_lets_online_in_by_preempting_offline(tmp_path):
     """max_num_seqs = 2 and two offline requests run: an online arrival takes the slot of
     the less urgent one (the sequence cap counts like missing blocks)."""
-    eng = FakeEngine(tmp_path, num_blocks=100, max_num_batched_tokens=64, max_num_seqs=2)
+    eng = SchedulerHarness(tmp_path, num_blocks=100, max_num_batched_tokens=64, max_num_seqs=2)
     eng.add(4, 10, cls="offline")
     off2 = eng.add(4, 10, cls="offline")
     eng.step()
@@ -99,7 +99,7 @@ def test_n_samples_share_the_prompt_blocks(tmp_path):
     """n=3, a 10-token prompt, blocks of 4: the leader computes blocks [0-3], [4-7], [8-9].
     Samples 1 and 2 adopt the two full blocks by reference (ref count 3) and compute only
     tokens 8 and 9 into a block of their own: 3 + 1 + 1 = 5 blocks, not 9."""
-    eng = FakeEngine(tmp_path, num_blocks=32, max_num_batched_tokens=64, enable_prefix_caching=False)
+    eng = SchedulerHarness(tmp_path, num_blocks=32, max_num_batched_tokens=64, enable_prefix_caching=False)
     st = eng.add(10, max_tokens=3, n=3)
     eng.step()   # the leader's prompt; siblings wait for it
     out = eng.step()
@@ -116,7 +116,7 @@ def test_prefix_cache_hit_reuses_blocks_and_lru_evicts_tail_first(tmp_path):
     """Blocks of 4. A 13-token prompt fills blocks 0-2 fully (12 tokens) plus one token.
     After A finishes, B with the same first 12 tokens + 3 others hits 3 blocks (12 tokens).
     A full hit stops one token short: the last token must be computed for its logits."""
-    eng = FakeEngine(tmp_path, num_blocks=16, max_num_batched_tokens=64)
+    eng = SchedulerHarness(tmp_path, num_blocks=16, max_num_batched_tokens=64)
     prompt = list(range(500, 513))
     eng.add(13, 1, prompt=prompt)
     eng.run()
@@ -136,8 +136,8 @@ def test_randomized_invariants(tmp_path, policy):
     step: no block leaked or freed twice, budgets kept, blocks match tokens, and (priority)
     no offline sequence runs while an online one waits with budget left."""
     rng = random.Random(1234)  # noqa: S311 - a seeded test workload, not a secret
-    eng = FakeEngine(tmp_path, num_blocks=40, block_size=4, max_num_batched_tokens=24,
-                     max_num_seqs=6, scheduling_policy=policy)
+    eng = SchedulerHarness(tmp_path, num_blocks=40, block_size=4, max_num_batched_tokens=24,
+                           max_num_seqs=6, scheduling_policy=policy)
     states = []
     for step in range(3000):
         if rng.random() < 0.3:
@@ -163,8 +163,8 @@ def test_running_prefill_continues_while_an_earlier_waiting_sequence_cannot_fit(
     waits for blocks that R, a later sequence in the middle of its chunked prefill, holds.
     W's admission fails, but R's prefill must go on (and finish, and free its blocks);
     stopping all prefill work there left R stuck forever."""
-    eng = FakeEngine(tmp_path, num_blocks=6, max_num_batched_tokens=13,
-                     scheduling_policy="fcfs", enable_prefix_caching=False)
+    eng = SchedulerHarness(tmp_path, num_blocks=6, max_num_batched_tokens=13,
+                           scheduling_policy="fcfs", enable_prefix_caching=False)
     eng.add(4, 8)
     eng.add(12, 10)
     eng.add(20, 11)
@@ -179,8 +179,8 @@ def test_randomized_adapters_never_exceed_max_loras_and_all_get_served(tmp_path)
     from lockgate.engine.lora import LoRARequest
 
     rng = random.Random(99)  # noqa: S311 - a seeded test workload, not a secret
-    eng = FakeEngine(tmp_path, num_blocks=48, block_size=4, max_num_batched_tokens=24, max_num_seqs=6,
-                     enable_lora=True, max_loras=2)
+    eng = SchedulerHarness(tmp_path, num_blocks=48, block_size=4, max_num_batched_tokens=24, max_num_seqs=6,
+                           enable_lora=True, max_loras=2)
     adapters = [None] + [LoRARequest(f"a{i}", i, "/unused") for i in range(1, 7)]
     weights = [2, 5, 1, 1, 1, 1, 1]
     states = []

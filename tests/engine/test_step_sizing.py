@@ -13,8 +13,8 @@ from lockgate.engine.cost_model import MIN_SAMPLES, StepCostModel, StepShape
 from lockgate.engine.engine_core import EngineCore
 from lockgate.engine.request import EngineRequest
 from lockgate.engine.sampling_params import SamplingParams
-from tests.support.fake_engine import FakeEngine
 from tests.support.helpers import assert_all_blocks_free, demo_model, hf_greedy, random_prompts
+from tests.support.scheduler_harness import SchedulerHarness
 
 # a synthetic machine: seconds per step as a function of what it does
 TRUE = {"const": 2e-3, "prefill_tokens": 5e-5, "seqs": 2e-4, "decode_kv_tokens": 1e-7,
@@ -135,8 +135,8 @@ def test_sizing_caps_offline_prefill_while_online_is_in_sight(tmp_path, monkeypa
     window and is lifted once the window has passed with no online arrival."""
     clock = Clock()
     monkeypatch.setattr(scheduler_mod.time, "monotonic", clock)
-    eng = FakeEngine(tmp_path, num_blocks=2048, block_size=16, max_num_batched_tokens=512,
-                     urgent_window_s=5.0)
+    eng = SchedulerHarness(tmp_path, num_blocks=2048, block_size=16, max_num_batched_tokens=512,
+                           urgent_window_s=5.0)
     eng.sched.cost = cost = trained()
     for _ in range(6):
         eng.add(1500, 64, cls="offline", tenant="batch")
@@ -176,7 +176,7 @@ def test_offline_decodes_and_prefill_take_turns_when_the_decodes_fill_the_target
     two steps in a row, and offline prefill keeps moving."""
     clock = Clock()
     monkeypatch.setattr(scheduler_mod.time, "monotonic", clock)
-    eng = FakeEngine(tmp_path, num_blocks=4096, block_size=16, max_num_batched_tokens=512)
+    eng = SchedulerHarness(tmp_path, num_blocks=4096, block_size=16, max_num_batched_tokens=512)
     eng.sched.cost = cost = trained()
     for _ in range(40):
         eng.add(64, 400, cls="offline", tenant="batch")
@@ -211,8 +211,8 @@ def test_a_background_prefill_step_that_can_start_nothing_runs_the_decodes(tmp_p
     so a step planned as background prefill runs the offline decodes after all (no empty
     step, no stall)."""
     monkeypatch.setattr(scheduler_mod.time, "monotonic", Clock())
-    eng = FakeEngine(tmp_path, num_blocks=4096, block_size=16, max_num_batched_tokens=512,
-                     max_num_seqs=41)
+    eng = SchedulerHarness(tmp_path, num_blocks=4096, block_size=16, max_num_batched_tokens=512,
+                           max_num_seqs=41)
     eng.sched.cost = trained()
     for _ in range(40):
         eng.add(64, 400, cls="offline", tenant="batch")
@@ -235,8 +235,8 @@ def test_explicit_slo_and_prefill_budget_override_the_default(tmp_path, monkeypa
     """`slo={"online": {"tpot_ms": 40}}`: offline prefill fills steps to 40 ms predicted;
     an explicit prefill_token_budget caps a class by tokens instead."""
     monkeypatch.setattr(scheduler_mod.time, "monotonic", Clock())
-    eng = FakeEngine(tmp_path, num_blocks=2048, block_size=16, max_num_batched_tokens=2048,
-                     slo={"online": {"tpot_ms": 40}})
+    eng = SchedulerHarness(tmp_path, num_blocks=2048, block_size=16, max_num_batched_tokens=2048,
+                           slo={"online": {"tpot_ms": 40}})
     eng.sched.cost = cost = trained()
     eng.add(8, 30, cls="online")
     eng.step()
@@ -245,8 +245,8 @@ def test_explicit_slo_and_prefill_budget_override_the_default(tmp_path, monkeypa
     out = eng.step()
     assert out.step_target_s == pytest.approx(0.040)
     assert 0.035 < cost.predict(out.shape) <= 0.040
-    eng2 = FakeEngine(tmp_path, num_blocks=2048, block_size=16, max_num_batched_tokens=2048,
-                      prefill_token_budget={"offline": 100})
+    eng2 = SchedulerHarness(tmp_path, num_blocks=2048, block_size=16, max_num_batched_tokens=2048,
+                            prefill_token_budget={"offline": 100})
     eng2.sched.cost = trained()
     eng2.add(8, 30, cls="online")
     eng2.step()
@@ -255,8 +255,8 @@ def test_explicit_slo_and_prefill_budget_override_the_default(tmp_path, monkeypa
 
 
 def test_fcfs_is_not_sized(tmp_path):
-    eng = FakeEngine(tmp_path, num_blocks=2048, block_size=16, max_num_batched_tokens=512,
-                     scheduling_policy="fcfs")
+    eng = SchedulerHarness(tmp_path, num_blocks=2048, block_size=16, max_num_batched_tokens=512,
+                           scheduling_policy="fcfs")
     eng.sched.cost = trained()
     eng.add(8, 30, cls="online")
     eng.step()
@@ -268,7 +268,7 @@ def test_priority_preempts_online_when_sequence_slots_run_out(tmp_path):
     """max_num_seqs 2, both slots held by online requests: a priority arrival preempts the
     less urgent (later) one and runs at once, alone in its prompt step; the preempted request
     keeps its place in line (ahead of a later online arrival) and finishes."""
-    eng = FakeEngine(tmp_path, num_blocks=256, max_num_seqs=2, max_num_batched_tokens=64)
+    eng = SchedulerHarness(tmp_path, num_blocks=256, max_num_seqs=2, max_num_batched_tokens=64)
     a = eng.add(8, 20, cls="online", tenant="t")
     b = eng.add(8, 20, cls="online", tenant="t")
     eng.step()
@@ -338,8 +338,8 @@ def test_an_arrivals_first_step_runs_no_less_urgent_work(tmp_path, monkeypatch):
     Outside sizing (fcfs) the offline decodes share the arrival's step."""
     monkeypatch.setattr(scheduler_mod.time, "monotonic", Clock())
     for policy in ("priority", "fcfs"):
-        eng = FakeEngine(tmp_path, num_blocks=512, block_size=16, max_num_batched_tokens=512,
-                         scheduling_policy=policy)
+        eng = SchedulerHarness(tmp_path, num_blocks=512, block_size=16, max_num_batched_tokens=512,
+                               scheduling_policy=policy)
         eng.sched.cost = trained()
         for _ in range(4):
             eng.add(20, 50, cls="offline", tenant="batch")
@@ -359,7 +359,7 @@ def test_a_stream_of_urgent_prompts_does_not_stop_less_urgent_decodes(tmp_path, 
     """An online prompt arriving before every step: offline decodes still run every other
     step (an arrival's step runs nothing less urgent, but never two in a row)."""
     monkeypatch.setattr(scheduler_mod.time, "monotonic", Clock())
-    eng = FakeEngine(tmp_path, num_blocks=1024, block_size=16, max_num_batched_tokens=512)
+    eng = SchedulerHarness(tmp_path, num_blocks=1024, block_size=16, max_num_batched_tokens=512)
     eng.sched.cost = trained()
     off = eng.add(20, 40, cls="offline", tenant="batch")
     eng.step()

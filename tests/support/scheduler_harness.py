@@ -1,4 +1,5 @@
-"""A fake engine for the scheduler tests: Scheduler + KVCacheManager driven as EngineCore drives
+"""The scheduler tests' harness (not an engine a server could hold: for that, see
+tests/support/fake_served_engine.py): Scheduler + KVCacheManager driven as EngineCore drives
 them, with a model runner whose every sampled token is 7. Shared by test_scheduler.py,
 test_fairness.py and test_step_sizing.py."""
 
@@ -13,7 +14,7 @@ from lockgate.engine.scheduler import Scheduler
 CLASSES = ("priority", "online", "offline")   # the engine's default classes
 
 
-class FakeEngine:
+class SchedulerHarness:
     """Drives Scheduler + KVCacheManager as EngineCore does, minus the model."""
 
     def __init__(self, tmp_path, *, num_blocks, block_size=4, **kwargs):
