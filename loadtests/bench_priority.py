@@ -42,7 +42,7 @@ import multiprocessing
 import random
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -145,27 +145,32 @@ def warm_up(core, allowed: list[int], prompt_len: int = 256) -> None:
 
 
 # -- one run ----------------------------------------------------------------------------------
-def online_arrivals(s: PrioritySizes, allowed: list[int]) -> list[tuple[float, list[int], int]]:
-    """(offset into the window, prompt ids, output length): the same in every run."""
-    rng = random.Random(s.seed)
+def poisson_arrivals(seed: int, rate: float, duration_s: float, allowed: list[int], prompt: tuple[int, int],
+                     output: tuple[int, int]) -> list[tuple[float, list[int], int]]:
+    """Poisson arrivals at `rate` over `duration_s`: (offset, prompt ids, output length), the
+    lengths drawn from the ranges `prompt` and `output`; the same for the same seed."""
+    rng = random.Random(seed)
     out = []
-    t = rng.expovariate(s.online_rate)
-    while t < s.duration_s:
-        n = rng.randint(*s.online_prompt)
-        out.append((t, rng.choices(allowed, k=n), rng.randint(*s.online_output)))
-        t += rng.expovariate(s.online_rate)
+    t = rng.expovariate(rate)
+    while t < duration_s:
+        n = rng.randint(*prompt)
+        out.append((t, rng.choices(allowed, k=n), rng.randint(*output)))
+        t += rng.expovariate(rate)
     return out
 
 
-def run_priority_side(model_dir: str, mode: str, sizes: dict[str, Any]) -> dict[str, Any]:
+def online_arrivals(s: PrioritySizes, allowed: list[int]) -> list[tuple[float, list[int], int]]:
+    """The online trickle, as offsets into the window: the same in every run."""
+    return poisson_arrivals(s.seed, s.online_rate, s.duration_s, allowed, s.online_prompt, s.online_output)
+
+
+def _priority_engine(model_dir: str, mode: str, s: PrioritySizes):
+    """The side's engine: the class scheduler but under `fcfs`, with the online reserve and
+    the offline prefill budget as `s` sets them."""
     from lockgate.engine.config import EngineConfig
     from lockgate.engine.engine_core import EngineCore
-    from lockgate.engine.request import EngineRequest
-    from lockgate.engine.sampling_params import SamplingParams
 
-    s = PrioritySizes(**sizes)
-    has_online, has_offline = mode != "offline", mode != "online"
-    core = EngineCore(EngineConfig(
+    return EngineCore(EngineConfig(
         model=model_dir, scheduling_policy="fcfs" if mode == "fcfs" else "priority",
         num_kv_blocks=s.num_kv_blocks, max_num_batched_tokens=s.max_num_batched_tokens,
         max_num_seqs=s.max_num_seqs, block_size=s.block_size, seed=s.seed,
@@ -175,118 +180,195 @@ def run_priority_side(model_dir: str, mode: str, sizes: dict[str, Any]) -> dict[
         prefill_token_budget=({"offline": s.offline_prefill_budget}
                               if s.offline_prefill_budget and mode != "fcfs" else {}),
     ))
-    allowed = allowed_token_ids(model_dir)
-    warm_up(core, allowed)
-    last = capture_schedules(core)
-    arrivals = online_arrivals(s, allowed) if has_online else []
-    off_rng = random.Random(s.seed + 1)
-    # the flood's requests in flight; finished ones only add to a count, so the bench holds
-    # no growing heap of finished requests for the cyclic GC to walk (its pauses, timed
-    # below, would land in the measured steps)
-    off_states: dict[str, Any] = {}
-    off_done = [0, 0]       # requests finished, their output tokens
 
-    def add_offline() -> None:
-        ids = off_rng.choices(allowed, k=off_rng.randint(*s.offline_prompt))
+
+@dataclass(slots=True, frozen=True)
+class _Window:
+    """A run's clock (`time.time()`): its start, the measured window, and the drain's end."""
+    t0: float
+    start: float
+    end: float
+    deadline: float
+
+    @classmethod
+    def from_now(cls, s: PrioritySizes, has_offline: bool) -> _Window:
+        t0 = time.time()
+        start = t0 + (s.warmup_s if has_offline else 0.0)
+        return cls(t0, start, start + s.duration_s, start + s.duration_s + s.drain_s)
+
+    def holds(self, t: float) -> bool:
+        return self.start <= t < self.end
+
+
+class _Trickle:
+    """The online requests: each added once its arrival time has passed; `on` holds
+    (arrival time, state, output length) of those added."""
+
+    def __init__(self, core, arrivals: list[tuple[float, list[int], int]]) -> None:
+        self.core, self.arrivals = core, arrivals
+        self.on: list[tuple[float, Any, int]] = []
+        self.next = 0
+
+    def add_due(self, now: float, window: _Window) -> None:
+        from lockgate.engine.request import EngineRequest
+        from lockgate.engine.sampling_params import SamplingParams
+
+        while self.next < len(self.arrivals) and window.start + self.arrivals[self.next][0] <= now:
+            offset, ids, n_out = self.arrivals[self.next]
+            sp = SamplingParams(max_tokens=n_out, min_tokens=n_out, temperature=0.0, ignore_eos=True)
+            st = self.core.add_request(EngineRequest(f"on-{self.next}", ids, sp, service_class="online",
+                                                     tenant="chat"))
+            self.on.append((window.start + offset, st, n_out))
+            self.next += 1
+
+    def all_finished(self) -> bool:
+        return self.next == len(self.arrivals) and all(st.finished_time is not None for _, st, _ in self.on)
+
+    def next_arrival(self, window: _Window) -> float:
+        """When the next request arrives; the window's end once none is left."""
+        return window.start + self.arrivals[self.next][0] if self.next < len(self.arrivals) else window.end
+
+
+class _Flood:
+    """The offline flood, kept at its size: each request that finishes is replaced at once.
+    Only the requests in flight are kept; finished ones only add to counts, so the bench holds
+    no growing heap of finished requests for the cyclic GC to walk (its pauses, timed too,
+    would land in the measured steps)."""
+
+    def __init__(self, core, s: PrioritySizes, allowed: list[int]) -> None:
+        self.core, self.s, self.allowed = core, s, allowed
+        self.rng = random.Random(s.seed + 1)
+        self.states: dict[str, Any] = {}
+        self.finished = 0
+        self.finished_tokens = 0
+
+    def fill(self) -> None:
+        for _ in range(self.s.offline_outstanding):
+            self.add()
+
+    def add(self) -> None:
+        from lockgate.engine.request import EngineRequest
+        from lockgate.engine.sampling_params import SamplingParams
+
+        s = self.s
+        ids = self.rng.choices(self.allowed, k=self.rng.randint(*s.offline_prompt))
         sp = SamplingParams(max_tokens=s.offline_output, min_tokens=s.offline_output,
                             temperature=0.0, ignore_eos=True)
-        rid = f"off-{off_done[0] + len(off_states)}"
-        off_states[rid] = core.add_request(EngineRequest(rid, ids, sp, service_class="offline",
-                                                         tenant="batch"))
+        rid = f"off-{self.requests_added}"
+        self.states[rid] = self.core.add_request(EngineRequest(rid, ids, sp, service_class="offline",
+                                                               tenant="batch"))
 
-    def offline_tokens() -> int:
-        return off_done[1] + sum(st.seqs[0].num_output_tokens for st in off_states.values())
+    def replace_finished(self, outs) -> None:
+        for o in outs:
+            if o.finished and o.request_id.startswith("off-"):
+                st = self.states.pop(o.request_id)
+                self.finished += 1
+                self.finished_tokens += st.seqs[0].num_output_tokens
+                self.add()   # keep the flood at its size, the drain included
 
-    gc_pauses: list[tuple[float, float]] = []      # (start, seconds) of each full collection
-    gc_started = [0.0]
+    @property
+    def requests_added(self) -> int:
+        return self.finished + len(self.states)
 
-    def on_gc(phase: str, info: dict) -> None:
+    def output_tokens(self) -> int:
+        return self.finished_tokens + sum(st.seqs[0].num_output_tokens for st in self.states.values())
+
+
+class _FullCollections:
+    """While installed (`with`): (start, seconds) of each full GC collection."""
+
+    def __init__(self) -> None:
+        self.pauses: list[tuple[float, float]] = []
+        self._started = 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
         if info.get("generation") != 2:
             return
         if phase == "start":
-            gc_started[0] = time.time()
+            self._started = time.time()
         else:
-            gc_pauses.append((gc_started[0], time.time() - gc_started[0]))
+            self.pauses.append((self._started, time.time() - self._started))
 
-    gc.callbacks.append(on_gc)
+    def __enter__(self) -> _FullCollections:
+        gc.callbacks.append(self)
+        return self
 
-    t0 = time.time()
-    window_start = t0 + (s.warmup_s if has_offline else 0.0)
-    window_end = window_start + s.duration_s
-    deadline = window_end + s.drain_s
-    if has_offline:
-        for _ in range(s.offline_outstanding):
-            add_offline()
-    on: list[tuple[float, Any, int]] = []           # (arrival time, state, output length)
-    # per step: (start, end, online tokens, offline tokens, prefill tokens, decode tokens)
-    steps: list[tuple[float, float, int, int, int, int]] = []
-    # per step: (t, seconds, online, offline, prefill, decode tokens, running, waiting)
-    trace: list[tuple] = []
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self)
+
+    def within(self, window: _Window) -> list[float]:
+        return [d for b, d in self.pauses if window.holds(b)]
+
+
+@dataclass(slots=True)
+class _StepLog:
+    """Every step of a run. `steps`: (start, end, online tokens, offline tokens, prefill
+    tokens, decode tokens); `predicted`: the step's time as the cost model predicted it before
+    it ran; `errors`: |predicted - measured| / measured of each step in the window; `trace`:
+    (t, seconds, online, offline, prefill, decode tokens, running, waiting)."""
+    steps: list[tuple[float, float, int, int, int, int]] = field(default_factory=list)
+    predicted: list[float | None] = field(default_factory=list)
+    errors: list[float] = field(default_factory=list)
+    trace: list[tuple] = field(default_factory=list)
+
+    def record(self, core, tokens: dict, start: float, end: float, window: _Window) -> None:
+        """One step, from its schedule's tokens by (class, "prefill" | "decode")."""
+        n_on = tokens.get(("online", "prefill"), 0) + tokens.get(("online", "decode"), 0)
+        n_off = sum(tokens.values()) - n_on
+        n_dec = tokens.get(("online", "decode"), 0) + tokens.get(("offline", "decode"), 0)
+        n_pre = sum(tokens.values()) - n_dec
+        self.steps.append((start, end, n_on, n_off, n_pre, n_dec))
+        self.predicted.append(core.last_step_predicted_s)
+        if window.holds(start) and core.last_step_predicted_s is not None:
+            self.errors.append(abs(core.last_step_predicted_s - core.last_step_s) / core.last_step_s)
+        self.trace.append((round(start - window.t0, 3), round(end - start, 4), n_on, n_off, n_pre,
+                           n_dec, len(core.scheduler.running), len(core.scheduler.waiting)))
+
+    def info(self, i: int) -> dict | None:
+        """Step i's time, tokens and prediction; None past either end (the engine was idle)."""
+        if i < 0 or i >= len(self.steps):
+            return None
+        b, e, a, f, _, _ = self.steps[i]
+        return {"seconds": e - b, "online_tokens": a, "offline_tokens": f, "predicted_s": self.predicted[i]}
+
+
+def _drive(core, last: dict, window: _Window, trickle: _Trickle, flood: _Flood, log: _StepLog,
+           ) -> tuple[tuple[float, int, float], tuple[float, int, float], float]:
+    """The run's loop in real time: add the online requests due, step, log the step, keep the
+    flood at its size; until the window ended and every online request finished (or the drain
+    ran out); `last` is `capture_schedules`'s. Returns the (time, offline output tokens, CPU
+    time) at the window's start and end, and when the loop stopped."""
     snap_start = snap_end = None
-    errors: list[float] = []     # |predicted - measured| / measured of each step in the window
-    predicted: list[float | None] = []   # per step, what the cost model said before it ran
-    next_on = 0
     while True:
         now = time.time()
-        if snap_start is None and now >= window_start:
-            snap_start = (now, offline_tokens(), time.process_time())
-        if snap_end is None and now >= window_end:
-            snap_end = (now, offline_tokens(), time.process_time())
-        while next_on < len(arrivals) and window_start + arrivals[next_on][0] <= now:
-            offset, ids, n_out = arrivals[next_on]
-            sp = SamplingParams(max_tokens=n_out, min_tokens=n_out, temperature=0.0, ignore_eos=True)
-            st = core.add_request(EngineRequest(f"on-{next_on}", ids, sp, service_class="online",
-                                                tenant="chat"))
-            on.append((window_start + offset, st, n_out))
-            next_on += 1
-        if now >= window_end:
-            if not has_online or (next_on == len(arrivals)
-                                  and all(st.finished_time is not None for _, st, _ in on)):
-                break
-            if now >= deadline:
-                break
+        if snap_start is None and now >= window.start:
+            snap_start = (now, flood.output_tokens(), time.process_time())
+        if snap_end is None and now >= window.end:
+            snap_end = (now, flood.output_tokens(), time.process_time())
+        trickle.add_due(now, window)
+        if now >= window.end and (trickle.all_finished() or now >= window.deadline):
+            break
         if not core.has_unfinished:   # idle: sleep until the next arrival (or the window's end)
-            nxt = window_start + arrivals[next_on][0] if next_on < len(arrivals) else window_end
-            time.sleep(max(0.0, min(nxt, window_end) - now))
+            time.sleep(max(0.0, min(trickle.next_arrival(window), window.end) - now))
             continue
         outs = core.step()
         end = time.time()
-        tok = last.pop("tokens", {})
-        n_on = tok.get(("online", "prefill"), 0) + tok.get(("online", "decode"), 0)
-        n_off = sum(tok.values()) - n_on
-        n_dec = tok.get(("online", "decode"), 0) + tok.get(("offline", "decode"), 0)
-        steps.append((now, end, n_on, n_off, sum(tok.values()) - n_dec, n_dec))
-        predicted.append(core.last_step_predicted_s)
-        if window_start <= now < window_end and core.last_step_predicted_s is not None:
-            errors.append(abs(core.last_step_predicted_s - core.last_step_s) / core.last_step_s)
-        trace.append((round(now - t0, 3), round(end - now, 4), n_on, n_off, sum(tok.values()) - n_dec,
-                      n_dec, len(core.scheduler.running), len(core.scheduler.waiting)))
-        for o in outs:
-            if o.finished and o.request_id.startswith("off-"):
-                st = off_states.pop(o.request_id)
-                off_done[0] += 1
-                off_done[1] += st.seqs[0].num_output_tokens
-                add_offline()   # keep the flood at its size, the drain included
+        log.record(core, last.pop("tokens", {}), now, end, window)
+        flood.replace_finished(outs)
     t_stop = time.time()
     if snap_end is None:
-        snap_end = (t_stop, offline_tokens(), time.process_time())
-    stats = core.stats()
-    drop_all(core)
-    gc.callbacks.remove(on_gc)
-    window_gc = [d for b, d in gc_pauses if window_start <= b < window_end]
+        snap_end = (t_stop, flood.output_tokens(), time.process_time())
+    return snap_start, snap_end, t_stop
 
-    # online latencies
-    starts = [row[0] for row in steps]
-    ends = [row[1] for row in steps]
+
+def _online_summary(on: list[tuple[float, Any, int]], log: _StepLog, t_stop: float) -> dict[str, Any]:
+    """The online requests' TTFT and TPOT, how many steps each waited, and the slowest three
+    with the step in flight at their arrival and the step that gave their first token. A
+    request without a first token by `t_stop` counts its wait so far (and as censored)."""
+    starts = [row[0] for row in log.steps]
+    ends = [row[1] for row in log.steps]
     ttft, tpot, waited, censored = [], [], [], 0
     anatomy = []   # (TTFT, steps waited, step in flight at arrival, step of the first token)
-
-    def step_info(i: int) -> dict | None:
-        if i < 0 or i >= len(steps):
-            return None
-        b, e, a, f, _, _ = steps[i]
-        return {"seconds": e - b, "online_tokens": a, "offline_tokens": f, "predicted_s": predicted[i]}
-
     for arrival, st, n_out in on:
         if st.first_token_time is None:
             censored += 1
@@ -302,55 +384,88 @@ def run_priority_side(model_dir: str, mode: str, sizes: dict[str, Any]) -> dict[
         waited.append(max(0, k - first))
         in_flight = first - 1 if first > 0 and ends[first - 1] > arrival else -1
         anatomy.append({"ttft_s": ttft[-1], "steps_waited": waited[-1],
-                        "in_flight": step_info(in_flight), "first_token_step": step_info(k)})
+                        "in_flight": log.info(in_flight), "first_token_step": log.info(k)})
     anatomy.sort(key=lambda x: -x["ttft_s"])
-    in_window = [(e - b, a, f, pf, dc) for b, e, a, f, pf, dc in steps if window_start <= b < window_end]
+    return {
+        "requests": len(on), "censored": censored,
+        "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
+        "ttft_max_s": max(ttft) if ttft else math.nan,
+        "tpot_p50_s": percentile(tpot, 50), "tpot_p99_s": percentile(tpot, 99),
+        "steps_waited_max": max(waited) if waited else 0,
+        "steps_waited_mean": statistics.fmean(waited) if waited else 0.0,
+        "slowest": anatomy[:3],
+    }
+
+
+def _offline_summary(snap_start: tuple[float, int, float], snap_end: tuple[float, int, float],
+                     flood: _Flood) -> dict[str, Any]:
+    """The flood's output tokens within the window, per second of wall clock and of CPU."""
+    off_tok = snap_end[1] - snap_start[1]
+    off_s = snap_end[0] - snap_start[0]
+    cpu_s = snap_end[2] - snap_start[2]
+    return {
+        "output_tokens": off_tok, "seconds": off_s,
+        "tokens_per_s": off_tok / off_s if off_s and off_s > 0 else math.nan,
+        # per second of this process's CPU time: what the machine's other load does to
+        # the wall clock mostly cancels out
+        "tokens_per_cpu_s": off_tok / cpu_s if cpu_s > 0 else math.nan,
+        "requests_added": flood.requests_added,
+    }
+
+
+def _steps_summary(log: _StepLog, window: _Window) -> dict[str, Any]:
+    """The durations of the steps that started in the window: all, those batching prefill
+    with decodes, decode-only, and those holding both classes."""
+    in_window = [(e - b, a, f, pf, dc) for b, e, a, f, pf, dc in log.steps if window.holds(b)]
     durations = [row[0] for row in in_window]
     # a mixed batch as chunked prefill (Sarathi-Serve) means it: prefill chunks batched with
     # decodes; and, separately, steps that held online and offline work together
     mixed = [row[0] for row in in_window if row[3] and row[4]]
     both_classes = [row[0] for row in in_window if row[1] and row[2]]
-    off_tok = snap_end[1] - snap_start[1] if snap_start else 0
-    off_s = snap_end[0] - snap_start[0] if snap_start else math.nan
-    cpu_s = snap_end[2] - snap_start[2] if snap_start else math.nan
+    return {
+        "in_window": len(durations),
+        "median_s": percentile(durations, 50), "p90_s": percentile(durations, 90),
+        "max_s": max(durations) if durations else math.nan,
+        "mixed_batches": len(mixed), "mixed_median_s": percentile(mixed, 50),
+        "decode_only_median_s": percentile([row[0] for row in in_window if not row[3]], 50),
+        "online_and_offline": len(both_classes),
+        "online_and_offline_median_s": percentile(both_classes, 50),
+    }
+
+
+def run_priority_side(model_dir: str, mode: str, sizes: dict[str, Any]) -> dict[str, Any]:
+    s = PrioritySizes(**sizes)
+    has_online, has_offline = mode != "offline", mode != "online"
+    core = _priority_engine(model_dir, mode, s)
+    allowed = allowed_token_ids(model_dir)
+    warm_up(core, allowed)
+    last = capture_schedules(core)
+    trickle = _Trickle(core, online_arrivals(s, allowed) if has_online else [])
+    flood = _Flood(core, s, allowed)
+    log = _StepLog()
+    with _FullCollections() as collections:
+        window = _Window.from_now(s, has_offline)
+        if has_offline:
+            flood.fill()
+        snap_start, snap_end, t_stop = _drive(core, last, window, trickle, flood, log)
+        stats = core.stats()
+        drop_all(core)
+    window_gc = collections.within(window)
     return {
         "mode": mode,
-        "online": {
-            "requests": len(on), "censored": censored,
-            "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
-            "ttft_max_s": max(ttft) if ttft else math.nan,
-            "tpot_p50_s": percentile(tpot, 50), "tpot_p99_s": percentile(tpot, 99),
-            "steps_waited_max": max(waited) if waited else 0,
-            "steps_waited_mean": statistics.fmean(waited) if waited else 0.0,
-            "slowest": anatomy[:3],
-        } if has_online else None,
-        "offline": {
-            "output_tokens": off_tok, "seconds": off_s,
-            "tokens_per_s": off_tok / off_s if off_s and off_s > 0 else math.nan,
-            # per second of this process's CPU time: what the machine's other load does to
-            # the wall clock mostly cancels out
-            "tokens_per_cpu_s": off_tok / cpu_s if cpu_s > 0 else math.nan,
-            "requests_added": off_done[0] + len(off_states),
-        } if has_offline else None,
-        "steps": {
-            "in_window": len(durations),
-            "median_s": percentile(durations, 50), "p90_s": percentile(durations, 90),
-            "max_s": max(durations) if durations else math.nan,
-            "mixed_batches": len(mixed), "mixed_median_s": percentile(mixed, 50),
-            "decode_only_median_s": percentile([row[0] for row in in_window if not row[3]], 50),
-            "online_and_offline": len(both_classes),
-            "online_and_offline_median_s": percentile(both_classes, 50),
-        },
+        "online": _online_summary(trickle.on, log, t_stop) if has_online else None,
+        "offline": _offline_summary(snap_start, snap_end, flood) if has_offline else None,
+        "steps": _steps_summary(log, window),
         "preemptions": {c: row.preemptions for c, row in stats.classes.items()},
-        "cost_model": {"prediction_error_median": percentile(errors, 50) if errors else None,
-                       "predicted_steps": len(errors),
+        "cost_model": {"prediction_error_median": percentile(log.errors, 50) if log.errors else None,
+                       "predicted_steps": len(log.errors),
                        "coefficients": stats.cost_model.coefficients},
         "gc_full_collections": {"count": len(window_gc), "max_s": max(window_gc, default=0.0),
                                 "total_s": sum(window_gc)},
         "num_kv_blocks": stats.kv.total,
-        "elapsed_s": t_stop - t0,
-        "window": (round(window_start - t0, 3), round(window_end - t0, 3)),
-        "trace": trace,
+        "elapsed_s": t_stop - window.t0,
+        "window": (round(window.start - window.t0, 3), round(window.end - window.t0, 3)),
+        "trace": log.trace,
     }
 
 
@@ -437,7 +552,8 @@ def _ms(x: float) -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x * 1000:.0f}"
 
 
-def _report(results: dict[str, Any], echo) -> dict[str, Any]:
+def _print_table(results: dict[str, Any], echo) -> None:
+    """One row per side: online latencies, offline throughput, step times, preemptions."""
     echo("")
     echo(f"{'run':<17}{'TTFT p50':>9}{'TTFT p99':>9}{'TPOT p50':>9}{'TPOT p99':>9}"
          f"{'waited':>8}{'offline tok/s':>14}{'step p50':>9}{'mixed p50':>10}{'preempt':>9}")
@@ -457,6 +573,27 @@ def _report(results: dict[str, Any], echo) -> dict[str, Any]:
     echo("(waited: most steps an online request saw start after its arrival before the one that "
          "gave its first token, 0 = always the next one; step p50: all steps in the window; mixed "
          "p50: steps batching prefill chunks with decodes)")
+
+
+def _print_slowest(prio: dict[str, Any], echo) -> None:
+    """The slowest online requests of the priority run, and the steps their TTFT spans."""
+    echo("  slowest online requests under priority (TTFT = rest of the step in flight at arrival "
+         "+ the step that gave the first token):")
+
+    def fmt(x):
+        if x is None:
+            return "none (engine idle)"
+        pred = f", predicted {_ms(x['predicted_s'])}" if x.get("predicted_s") is not None else ""
+        return f"{_ms(x['seconds'])} ms{pred} ({x['online_tokens']} online + {x['offline_tokens']} offline tokens)"
+
+    for a in prio["online"]["slowest"]:
+        echo(f"    TTFT {_ms(a['ttft_s'])} ms, waited {a['steps_waited']} steps; in flight: "
+             f"{fmt(a['in_flight'])}; own: {fmt(a['first_token_step'])}")
+
+
+def _report(results: dict[str, Any], echo) -> dict[str, Any]:
+    """The table, then each target against the figures; the targets and ratios as a dict."""
+    _print_table(results, echo)
     alone, off, fcfs, prio = (results[m] for m in MODES)
     alone_p99 = alone["online"]["ttft_p99_s"]
     st = prio["steps"]
@@ -487,16 +624,7 @@ def _report(results: dict[str, Any], echo) -> dict[str, Any]:
     echo(f"  online requests that waited past the next step: "
          f"{'none' if waited == 0 else f'some (up to {waited} steps)'}; "
          f"steps p90 {_ms(st['p90_s'])} ms, max {_ms(st['max_s'])} ms")
-    echo("  slowest online requests under priority (TTFT = rest of the step in flight at arrival "
-         "+ the step that gave the first token):")
-    for a in prio["online"]["slowest"]:
-        def fmt(x):
-            if x is None:
-                return "none (engine idle)"
-            pred = f", predicted {_ms(x['predicted_s'])}" if x.get("predicted_s") is not None else ""
-            return f"{_ms(x['seconds'])} ms{pred} ({x['online_tokens']} online + {x['offline_tokens']} offline tokens)"
-        echo(f"    TTFT {_ms(a['ttft_s'])} ms, waited {a['steps_waited']} steps; in flight: "
-             f"{fmt(a['in_flight'])}; own: {fmt(a['first_token_step'])}")
+    _print_slowest(prio, echo)
     lower = " (fcfs figure a lower bound: requests cut at the drain)" if fcfs["online"]["censored"] else ""
     echo(f"TTFT p99 fcfs / priority: {vs_fcfs:.1f}x (target >= 10): "
          f"{ok[targets['ttft_p99_10x_below_fcfs']]}{lower}")
