@@ -20,7 +20,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from lockgate.loadtests.bench_priority import allowed_token_ids, run_sides, warm_up
+from lockgate.loadtests.bench_priority import allowed_token_ids, poisson_arrivals, run_sides, warm_up
 from lockgate.loadtests.bench_throughput import default_model_dir
 from lockgate.loadtests.stats import percentile
 
@@ -53,12 +53,8 @@ def run_tiers_side(model_dir: str, mode: str, sizes: dict[str, Any]) -> dict[str
                                    seed=s.seed, num_threads=s.num_threads))
     allowed = allowed_token_ids(model_dir)
     warm_up(core, allowed)
-    rng = random.Random(s.seed)
-    arrivals, t = [], rng.expovariate(s.priority_rate)
-    while t < s.duration_s:
-        arrivals.append((t, rng.choices(allowed, k=rng.randint(*s.priority_prompt)),
-                         rng.randint(*s.priority_output)))
-        t += rng.expovariate(s.priority_rate)
+    arrivals = poisson_arrivals(s.seed, s.priority_rate, s.duration_s, allowed, s.priority_prompt,
+                                s.priority_output)
     on_rng = random.Random(s.seed + 1)
     online: list = []
 
@@ -105,11 +101,7 @@ def run_tiers_side(model_dir: str, mode: str, sizes: dict[str, Any]) -> dict[str
                 add_online()
     t_stop = time.time()
     ttft = [(st.first_token_time or t_stop) - arr for arr, st in prio]
-    # the online requests that were preempted and finished: their outputs go to the HF check
-    preempted = [{"prompt": list(st.req.prompt_token_ids), "max_tokens": st.req.sampling.max_tokens,
-                  "output": list(st.seqs[0].output_token_ids)}
-                 for st in online if st.finished_time is not None
-                 and sum(q.num_preemptions for q in st.seqs) > 0]
+    preempted = _preempted_and_finished(online)
     stats = core.stats()
     for rid in list(core.requests):
         core.abort_request(rid)
@@ -124,6 +116,15 @@ def run_tiers_side(model_dir: str, mode: str, sizes: dict[str, Any]) -> dict[str
         "online_finished": sum(1 for st in online if st.finished_time is not None),
         "preempted_online": preempted,
     }
+
+
+def _preempted_and_finished(online: list) -> list[dict[str, Any]]:
+    """The online requests that were preempted and finished, each as its prompt, length and
+    output: what the HF check decodes again."""
+    return [{"prompt": list(st.req.prompt_token_ids), "max_tokens": st.req.sampling.max_tokens,
+             "output": list(st.seqs[0].output_token_ids)}
+            for st in online if st.finished_time is not None
+            and sum(q.num_preemptions for q in st.seqs) > 0]
 
 
 def hf_check(model_dir: str, cases: list[dict]) -> tuple[int, int]:
