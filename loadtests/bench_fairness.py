@@ -77,80 +77,86 @@ def jain(xs: list[float]) -> float:
     return (sum(xs) ** 2) / (len(xs) * sq) if sq > 0 else 1.0
 
 
-def run_fairness_side(model_dir: str, policy: str, sizes: dict[str, Any]) -> dict[str, Any]:
-    from lockgate.engine.config import EngineConfig
-    from lockgate.engine.engine_core import EngineCore
-    from lockgate.engine.request import EngineRequest
-    from lockgate.engine.sampling_params import SamplingParams
+class _TwoTenants:
+    """The heavy and the light tenant, each a closed loop: a request of theirs that finishes is
+    replaced at once by their next one. `service` is a tenant's weighted service as the
+    scheduler charged it; `snapshot` one row of the run's record."""
 
-    s = FairnessSizes(**sizes)
-    core = EngineCore(EngineConfig(
-        model=model_dir, scheduling_policy=policy, num_kv_blocks=s.num_kv_blocks,
-        block_size=s.block_size, max_num_batched_tokens=s.max_num_batched_tokens,
-        max_num_seqs=s.max_num_seqs, seed=s.seed, num_threads=s.num_threads,
-    ))
-    allowed = allowed_token_ids(model_dir)
-    warm_up(core, allowed, prompt_len=min(128, s.num_kv_blocks * s.block_size // 4))
-    sched = core.scheduler
-    weights = {HEAVY: s.heavy_weight, LIGHT: s.light_weight}
-    rngs = {HEAVY: random.Random(s.seed * 2 + 1), LIGHT: random.Random(s.seed * 2 + 2)}
-    counts = {HEAVY: 0, LIGHT: 0}
-    finished = {HEAVY: 0, LIGHT: 0}
+    def __init__(self, core, s: FairnessSizes, allowed: list[int]) -> None:
+        self.core, self.s, self.allowed = core, s, allowed
+        self.sched = core.scheduler
+        self.online = core.class_rank["online"]
+        self.weights = {HEAVY: s.heavy_weight, LIGHT: s.light_weight}
+        self.rngs = {HEAVY: random.Random(s.seed * 2 + 1), LIGHT: random.Random(s.seed * 2 + 2)}
+        self.counts = {HEAVY: 0, LIGHT: 0}
+        self.finished = {HEAVY: 0, LIGHT: 0}
 
-    def add(tenant: str) -> None:
-        rng = rngs[tenant]
-        ids = rng.choices(allowed, k=rng.randint(*s.prompt))
-        n_out = rng.randint(*s.output)
+    def fill(self) -> None:
+        # interleaved, so under fcfs neither tenant's whole load is simply ahead of the other's
+        for _ in range(self.s.light_outstanding):
+            for _ in range(self.s.heavy_ratio):
+                self.add(HEAVY)
+            self.add(LIGHT)
+
+    def add(self, tenant: str) -> None:
+        from lockgate.engine.request import EngineRequest
+        from lockgate.engine.sampling_params import SamplingParams
+
+        rng = self.rngs[tenant]
+        ids = rng.choices(self.allowed, k=rng.randint(*self.s.prompt))
+        n_out = rng.randint(*self.s.output)
         sp = SamplingParams(max_tokens=n_out, min_tokens=n_out, temperature=0.0, ignore_eos=True)
-        core.add_request(EngineRequest(f"{tenant}-{counts[tenant]}", ids, sp, tenant=tenant,
-                                       tenant_weight=weights[tenant]))
-        counts[tenant] += 1
+        self.core.add_request(EngineRequest(f"{tenant}-{self.counts[tenant]}", ids, sp, tenant=tenant,
+                                            tenant_weight=self.weights[tenant]))
+        self.counts[tenant] += 1
 
-    online = core.class_rank["online"]
+    def replace_finished(self, outs) -> None:
+        for out in outs:
+            tenant = out.request_id.split("-")[0]
+            self.finished[tenant] += 1
+            self.add(tenant)
 
-    def service(tenant: str) -> float:
-        ts = sched.tenant_stats.get((online, tenant))
+    def service(self, tenant: str) -> float:
+        ts = self.sched.tenant_stats.get((self.online, tenant))
         if ts is None:
             return 0.0
-        return (ts.prefill_tokens * 1 + ts.decode_tokens * 2) / weights[tenant]
+        return (ts.prefill_tokens * 1 + ts.decode_tokens * 2) / self.weights[tenant]
 
-    # interleaved, so under fcfs neither tenant's whole load is simply ahead of the other's
-    for _ in range(s.light_outstanding):
-        for _ in range(s.heavy_ratio):
-            add(HEAVY)
-        add(LIGHT)
-    # per step boundary: (W_heavy, W_light, counter_heavy, counter_light, both backlogged, t)
+    def snapshot(self, t: float) -> tuple[float, float, float, float, bool, float]:
+        """(W_heavy, W_light, counter_heavy, counter_light, both backlogged, t) now."""
+        waiting = {HEAVY: 0, LIGHT: 0}
+        for seq in self.sched.waiting:
+            waiting[seq.state.req.tenant] = waiting.get(seq.state.req.tenant, 0) + 1
+        fair = self.sched.fair
+        return (self.service(HEAVY), self.service(LIGHT), fair.counter(self.online, HEAVY),
+                fair.counter(self.online, LIGHT), waiting[HEAVY] > 0 and waiting[LIGHT] > 0, t)
+
+
+def _run_steps(core, tenants: _TwoTenants, s: FairnessSizes) -> tuple[list[tuple], bool, float]:
+    """`s.num_steps` steps (fewer past `s.max_seconds`), a snapshot at every step boundary.
+    Returns the snapshots, whether the run stopped early, and its seconds."""
     rows: list[tuple[float, float, float, float, bool, float]] = []
     t0 = time.perf_counter()
     stopped_early = False
-
-    def snapshot() -> None:
-        waiting = {HEAVY: 0, LIGHT: 0}
-        for seq in sched.waiting:
-            waiting[seq.state.req.tenant] = waiting.get(seq.state.req.tenant, 0) + 1
-        rows.append((service(HEAVY), service(LIGHT), sched.fair.counter(online, HEAVY),
-                     sched.fair.counter(online, LIGHT), waiting[HEAVY] > 0 and waiting[LIGHT] > 0,
-                     time.perf_counter() - t0))
-
     for _ in range(s.num_steps):
-        snapshot()
-        for out in core.step():
-            tenant = out.request_id.split("-")[0]
-            finished[tenant] += 1
-            add(tenant)
+        rows.append(tenants.snapshot(time.perf_counter() - t0))
+        tenants.replace_finished(core.step())
         if time.perf_counter() - t0 > s.max_seconds:
             stopped_early = True
             break
-    snapshot()
-    elapsed = time.perf_counter() - t0
-    num_steps = len(rows) - 1
-    num_preemptions = sched.num_preemptions
-    drop_all(core)
+    rows.append(tenants.snapshot(time.perf_counter() - t0))
+    return rows, stopped_early, time.perf_counter() - t0
 
-    # segments of consecutive steps that start with both tenants backlogged
+
+def _service_gaps(rows: list[tuple], window_steps: int) -> dict[str, Any]:
+    """Over the segments of consecutive steps that start with both tenants backlogged: the
+    largest weighted-service gap over any interval, the largest gap of the virtual counters,
+    Jain's index of each whole window, and the gap's course (step, t, dW_heavy, dW_light, gap
+    so far) for the report."""
+    num_steps = len(rows) - 1
     gap_max, counter_gap_max, backlogged_steps = 0.0, 0.0, 0
     jains: list[float] = []
-    series: list[tuple[int, float, float, float, float]] = []  # (step, t, W_h, W_l, gap so far)
+    series: list[tuple[int, float, float, float, float]] = []
     i = 0
     while i < num_steps:
         if not rows[i][4]:
@@ -169,26 +175,49 @@ def run_fairness_side(model_dir: str, policy: str, sizes: dict[str, Any]) -> dic
             series.append((i + k, seg[k][5], seg[k][0] - seg[0][0], seg[k][1] - seg[0][1], hi - lo))
         gap_max = max(gap_max, hi - lo)
         counter_gap_max = max(counter_gap_max, max(abs(r[2] - r[3]) for r in seg[:-1]))
-        for w in range(i, j - s.window_steps + 1, s.window_steps):
-            a, b = rows[w], rows[w + s.window_steps]
+        for w in range(i, j - window_steps + 1, window_steps):
+            a, b = rows[w], rows[w + window_steps]
             jains.append(jain([b[0] - a[0], b[1] - a[1]]))
         i = j
+    return {"backlogged_steps": backlogged_steps, "gap_max": gap_max, "counter_gap_max": counter_gap_max,
+            "jain_windows": jains, "series": series}
+
+
+def run_fairness_side(model_dir: str, policy: str, sizes: dict[str, Any]) -> dict[str, Any]:
+    from lockgate.engine.config import EngineConfig
+    from lockgate.engine.engine_core import EngineCore
+
+    s = FairnessSizes(**sizes)
+    core = EngineCore(EngineConfig(
+        model=model_dir, scheduling_policy=policy, num_kv_blocks=s.num_kv_blocks,
+        block_size=s.block_size, max_num_batched_tokens=s.max_num_batched_tokens,
+        max_num_seqs=s.max_num_seqs, seed=s.seed, num_threads=s.num_threads,
+    ))
+    allowed = allowed_token_ids(model_dir)
+    warm_up(core, allowed, prompt_len=min(128, s.num_kv_blocks * s.block_size // 4))
+    tenants = _TwoTenants(core, s, allowed)
+    tenants.fill()
+    rows, stopped_early, elapsed = _run_steps(core, tenants, s)
+    num_preemptions = core.scheduler.num_preemptions
+    drop_all(core)
+    gaps = _service_gaps(rows, s.window_steps)
+    jains = gaps["jain_windows"]
     total_h, total_l = rows[-1][0] - rows[0][0], rows[-1][1] - rows[0][1]
     return {
         "policy": policy,
-        "num_steps": num_steps,
+        "num_steps": len(rows) - 1,
         "stopped_early": stopped_early,
         "elapsed_s": elapsed,
-        "backlogged_steps": backlogged_steps,
+        "backlogged_steps": gaps["backlogged_steps"],
         "service": {HEAVY: total_h, LIGHT: total_l},
         "heavy_share": total_h / (total_h + total_l) if total_h + total_l else math.nan,
-        "finished": finished,
-        "gap_max": gap_max,
-        "counter_gap_max": counter_gap_max,
+        "finished": tenants.finished,
+        "gap_max": gaps["gap_max"],
+        "counter_gap_max": gaps["counter_gap_max"],
         "jain_windows": jains,
         "jain_min": min(jains) if jains else math.nan,
         "jain_mean": statistics.fmean(jains) if jains else math.nan,
-        "series": series,
+        "series": gaps["series"],
         "num_preemptions": num_preemptions,
         "max_model_len": core.max_model_len,
     }
