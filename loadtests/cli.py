@@ -153,6 +153,33 @@ def _dump(path: Path | None, out: dict) -> None:
         path.write_text(json.dumps(out, indent=2, default=str))
 
 
+def _check_ranges(*ranges: tuple[str, tuple[int, int]]) -> None:
+    """Each (option, (MIN, MAX)) a range of lengths: 1 <= MIN <= MAX, else BadParameter."""
+    for name, (lo, hi) in ranges:
+        if not 1 <= lo <= hi:
+            raise typer.BadParameter(f"{name}: expected 1 <= MIN <= MAX, got {lo} {hi}")
+
+
+def _bench_tiers(model: Path | None, duration: float, seed: int, num_threads: int,
+                 json_out: Path | None) -> None:
+    """`bench priority --tiers`: its window 20 s unless --duration is given."""
+    from lockgate.loadtests.bench_tiers import TierSizes, bench_tiers
+
+    out = bench_tiers(str(model) if model else None, sizes=TierSizes(
+        duration_s=duration if duration != 40.0 else 20.0, seed=seed,
+        num_threads=num_threads or None), echo=typer.echo)
+    _dump(json_out, out)
+
+
+def _bench_priority_http(duration: float, seed: int, json_out: Path | None) -> None:
+    """`bench priority --http`: its window 30 s unless --duration is given."""
+    from lockgate.loadtests.bench_priority_http import HttpSizes, bench_priority_http
+
+    out = bench_priority_http(sizes=HttpSizes(duration_s=duration if duration != 40.0 else 30.0,
+                                              seed=seed), echo=typer.echo)
+    _dump(json_out, out)
+
+
 @bench_app.command("priority")
 def bench_priority(
     model: Annotated[Path | None, typer.Option(help="model directory (default: the small llama demo model)")] = None,
@@ -211,27 +238,15 @@ def bench_priority(
     if tiers and http:
         raise typer.BadParameter("--tiers and --http: pick one")
     if tiers:
-        from lockgate.loadtests.bench_tiers import TierSizes, bench_tiers
-
-        out = bench_tiers(str(model) if model else None, sizes=TierSizes(
-            duration_s=duration if duration != 40.0 else 20.0, seed=seed,
-            num_threads=num_threads or None), echo=typer.echo)
-        _dump(json_out, out)
+        _bench_tiers(model, duration, seed, num_threads, json_out)
         return
     if http:
-        from lockgate.loadtests.bench_priority_http import HttpSizes, bench_priority_http
-
-        out = bench_priority_http(sizes=HttpSizes(duration_s=duration if duration != 40.0 else 30.0,
-                                                  seed=seed), echo=typer.echo)
-        _dump(json_out, out)
+        _bench_priority_http(duration, seed, json_out)
         return
     if defaults:
         online_kv_reserve, offline_prefill_budget = 0.0, 0
-
-    for name, (lo, hi) in (("--online-prompt", online_prompt), ("--online-output", online_output),
-                           ("--offline-prompt", offline_prompt)):
-        if not 1 <= lo <= hi:
-            raise typer.BadParameter(f"{name}: expected 1 <= MIN <= MAX, got {lo} {hi}")
+    _check_ranges(("--online-prompt", online_prompt), ("--online-output", online_output),
+                  ("--offline-prompt", offline_prompt))
     sizes = PrioritySizes(
         duration_s=duration, warmup_s=warmup, drain_s=drain, online_rate=online_rate,
         online_prompt=tuple(online_prompt), online_output=tuple(online_output),
@@ -272,9 +287,7 @@ def bench_fairness(
     from lockgate.loadtests.bench_fairness import FairnessSizes
     from lockgate.loadtests.bench_fairness import bench_fairness as run
 
-    for name, (lo, hi) in (("--prompt", prompt), ("--output", output)):
-        if not 1 <= lo <= hi:
-            raise typer.BadParameter(f"{name}: expected 1 <= MIN <= MAX, got {lo} {hi}")
+    _check_ranges(("--prompt", prompt), ("--output", output))
     sizes = FairnessSizes(
         num_steps=num_steps, window_steps=window_steps, light_outstanding=light_outstanding,
         heavy_ratio=heavy_ratio, prompt=tuple(prompt), output=tuple(output),
@@ -307,8 +320,7 @@ def bench_prefix(
     from lockgate.loadtests.bench_prefix import PrefixSizes
     from lockgate.loadtests.bench_prefix import bench_prefix as run
 
-    if not 1 <= suffix[0] <= suffix[1]:
-        raise typer.BadParameter(f"--suffix: expected 1 <= MIN <= MAX, got {suffix[0]} {suffix[1]}")
+    _check_ranges(("--suffix", suffix))
     sizes = PrefixSizes(
         num_requests=num_requests, prefix_len=prefix_len, suffix=tuple(suffix), output_len=output_len,
         sequential=sequential, max_num_batched_tokens=max_num_batched_tokens,
