@@ -239,6 +239,29 @@ def _floor(run: _Run, pool: Clients, env: dict[str, str], log_path: Path,
     return floor_res
 
 
+def _echo_setup(db_dsn: str, redis_url: str, prefix: str, model_dir: str, duration: float, clients: int,
+                echo) -> None:
+    """What the gateway runs on, and the load it is sent."""
+    echo(f"gateway benchmark: 1 uvicorn worker, PostgreSQL {db_dsn}, "
+         f"Redis {redis_url} (prefix {prefix}), instant engine on {model_dir}")
+    echo(f"load: open loop, non-streaming chat completions, max_tokens {MAX_TOKENS}, "
+         f"{duration:g} s per rate, {clients} client process{'es' if clients > 1 else ''} "
+         f"(aiohttp: up to {MAX_CONNECTIONS} kept-alive connections, uvloop); {os.cpu_count()} CPUs on this machine")
+
+
+def _drop_scratch(admin_dsn: str, db_name: str, redis_url: str, prefix: str, echo) -> None:
+    """Drop the scratch database and delete the Redis keys under `prefix`; a failure warns,
+    never masks the run's outcome."""
+    try:
+        pg_execute(admin_dsn, f'DROP DATABASE IF EXISTS "{db_name}" WITH (FORCE)')
+    except Exception as exc:  # noqa: BLE001 - cleanup warns, never masks the run's outcome
+        echo(f"warning: could not drop the scratch database {db_name}: {exc!r}")
+    try:
+        redis_keys(redis_url, prefix, delete=True)
+    except Exception as exc:  # noqa: BLE001
+        echo(f"warning: could not delete the Redis keys under {prefix}: {exc!r}")
+
+
 def bench_gateway(
     *,
     database_url: str = "postgresql://postgres@127.0.0.1:5432/test",
@@ -269,11 +292,7 @@ def bench_gateway(
     admin_dsn = pg_dsn(database_url)
     db_url = pg_dsn(database_url, db_name).replace("postgresql://", "postgresql+asyncpg://", 1)
     admin_key = "lg-" + secrets.token_urlsafe(32)
-    echo(f"gateway benchmark: 1 uvicorn worker, PostgreSQL {pg_dsn(database_url, db_name)}, "
-         f"Redis {redis_url} (prefix {prefix}), instant engine on {model_dir}")
-    echo(f"load: open loop, non-streaming chat completions, max_tokens {MAX_TOKENS}, "
-         f"{duration:g} s per rate, {clients} client process{'es' if clients > 1 else ''} "
-         f"(aiohttp: up to {MAX_CONNECTIONS} kept-alive connections, uvloop); {os.cpu_count()} CPUs on this machine")
+    _echo_setup(pg_dsn(database_url, db_name), redis_url, prefix, model_dir, duration, clients, echo)
 
     # 1. the direct baseline, before anything else runs
     direct_raw = run_loop(_direct_steps(model_dir, run.rates, min(duration, 3.0)))
@@ -309,14 +328,7 @@ def bench_gateway(
             client_pool.close()
         if server is not None:
             server.stop()
-        try:
-            pg_execute(admin_dsn, f'DROP DATABASE IF EXISTS "{db_name}" WITH (FORCE)')
-        except Exception as exc:  # noqa: BLE001 - cleanup warns, never masks the run's outcome
-            echo(f"warning: could not drop the scratch database {db_name}: {exc!r}")
-        try:
-            redis_keys(redis_url, prefix, delete=True)
-        except Exception as exc:  # noqa: BLE001
-            echo(f"warning: could not delete the Redis keys under {prefix}: {exc!r}")
+        _drop_scratch(admin_dsn, db_name, redis_url, prefix, echo)
         tmp.cleanup()
 
     report = print_report(run.results, direct, floor_res, ref_rate, clients, usage_rows, run.ok_total,

@@ -77,6 +77,42 @@ def jsonable(x: Any) -> Any:
 def print_report(results: list[dict], direct: dict[float, dict], floor_res: dict | None, ref_rate: float,
             clients: int, usage_rows: int | None, ok_total: int, redis_keys: int | None,
             notes: list[str], echo) -> dict[str, Any]:
+    """The table of rate steps, then the verdicts: added latency at the reference rate, the
+    highest rate held, the load generator's state; the report as a dict."""
+    _print_table(results, echo)
+    report: dict[str, Any] = {"rates": results, "direct": list(direct.values()), "floor": floor_res,
+                              "clients": clients, "notes": notes}
+    echo("")
+    if floor_res is not None:
+        echo(f"HTTP floor (bare uvicorn, same client) at {floor_res['target_rps']:g} req/s: "
+             f"p50 {floor_res['p50_ms']:.2f} ms, p99 {floor_res['p99_ms']:.2f} ms, "
+             f"errors {floor_res['errors']}, server CPU {floor_res['server_cpu'] * 100:.0f}%, "
+             f"others {floor_res['others_cpu'] * 100:.0f}%")
+    report.update(_added_latency(results, floor_res, ref_rate, echo))
+    held = [r["target_rps"] for r in results
+            if r["errors"] == 0 and r["achieved_rps"] >= 0.95 * r["target_rps"]
+            and r["p99_ms"] < HELD_P99_MS]
+    report["max_rate_p99_under_25ms"] = max(held) if held else None
+    tried = ", ".join(f"{r['target_rps']:g}" for r in results)
+    at_top = held and max(held) == results[-1]["target_rps"]
+    echo(f"highest rate held with p99 < {HELD_P99_MS:g} ms: "
+         f"{f'{max(held):g} req/s' if held else 'none'} (of {tried}"
+         f"{'; the highest tried, so the gateway may hold more' if at_top else ''})")
+    report["generator_limited_rates"] = _generator_verdict(results, floor_res, echo)
+    report["usage_rows"] = usage_rows
+    report["ok_responses"] = ok_total
+    report["redis_keys"] = redis_keys
+    if usage_rows is not None:
+        echo(f"usage rows committed: {usage_rows} for {ok_total} successful responses; "
+             f"limiter keys in Redis: {redis_keys}")
+    for n in notes:
+        echo(f"note: {n}")
+    return report
+
+
+def _print_table(results: list[dict], echo) -> None:
+    """A row per rate step: rates, gateway and direct latency, what the gateway added, the
+    generator's lag and the CPU of each party; then warnings of other load and the errors."""
     echo("")
     echo("gateway (HTTP, PostgreSQL, Redis, instant engine) vs the same engine called directly; ms")
     echo(f"{'target':>7}{'sent/s':>8}{'done/s':>8}{'errors':>7} |{'gw p50':>8}{'gw p99':>9} |"
@@ -99,46 +135,40 @@ def print_report(results: list[dict], direct: dict[float, dict], floor_res: dict
     for r in results:
         if r["errors"]:
             echo(f"  errors at {r['target_rps']:g} req/s: {r['error_kinds']} e.g. {r['error_examples'][:1]}")
-    report: dict[str, Any] = {"rates": results, "direct": list(direct.values()), "floor": floor_res,
-                              "clients": clients, "notes": notes}
-    echo("")
-    if floor_res is not None:
-        echo(f"HTTP floor (bare uvicorn, same client) at {floor_res['target_rps']:g} req/s: "
-             f"p50 {floor_res['p50_ms']:.2f} ms, p99 {floor_res['p99_ms']:.2f} ms, "
-             f"errors {floor_res['errors']}, server CPU {floor_res['server_cpu'] * 100:.0f}%, "
-             f"others {floor_res['others_cpu'] * 100:.0f}%")
+
+
+def _added_latency(results: list[dict], floor_res: dict | None, ref_rate: float, echo) -> dict[str, Any]:
+    """The added latency at the step nearest `ref_rate` against its targets, and how far it is
+    above the bare-HTTP floor (when that ran at the same rate); {} when no step ran."""
     ref = next((r for r in results if r["target_rps"] == nearest([x["target_rps"] for x in results],
                                                                       ref_rate)), None) if results else None
-    if ref is not None:
-        ok50 = ref["added_p50_ms"] <= TARGET_P50_MS
-        ok99 = ref["added_p99_ms"] <= TARGET_P99_MS
-        report["reference"] = {
-            "rate": ref["target_rps"], "added_p50_ms": ref["added_p50_ms"],
-            "added_p99_ms": ref["added_p99_ms"], "p50_target_ms": TARGET_P50_MS,
-            "p99_target_ms": TARGET_P99_MS, "p50_met": ok50, "p99_met": ok99,
-        }
-        if ref["target_rps"] != ref_rate:
-            echo(f"({ref_rate:g} req/s was not run; the nearest rate, {ref['target_rps']:g}, stands in)")
-        echo(f"added latency at {ref['target_rps']:g} req/s, p50: {ref['added_p50_ms']:6.2f} ms "
-             f"(target <= {TARGET_P50_MS:g}: {'met' if ok50 else 'MISSED'})")
-        echo(f"added latency at {ref['target_rps']:g} req/s, p99: {ref['added_p99_ms']:6.2f} ms "
-             f"(target <= {TARGET_P99_MS:g}: {'met' if ok99 else 'MISSED'})")
-        if floor_res is not None and floor_res["target_rps"] == ref["target_rps"]:
-            report["over_floor_p50_ms"] = ref["p50_ms"] - floor_res["p50_ms"]
-            report["over_floor_p99_ms"] = ref["p99_ms"] - floor_res["p99_ms"]
-            echo(f"  of which above the bare-HTTP floor: p50 {report['over_floor_p50_ms']:.2f} ms, "
-                 f"p99 {report['over_floor_p99_ms']:.2f} ms")
-    held = [r["target_rps"] for r in results
-            if r["errors"] == 0 and r["achieved_rps"] >= 0.95 * r["target_rps"]
-            and r["p99_ms"] < HELD_P99_MS]
-    report["max_rate_p99_under_25ms"] = max(held) if held else None
-    tried = ", ".join(f"{r['target_rps']:g}" for r in results)
-    at_top = held and max(held) == results[-1]["target_rps"]
-    echo(f"highest rate held with p99 < {HELD_P99_MS:g} ms: "
-         f"{f'{max(held):g} req/s' if held else 'none'} (of {tried}"
-         f"{'; the highest tried, so the gateway may hold more' if at_top else ''})")
+    if ref is None:
+        return {}
+    ok50 = ref["added_p50_ms"] <= TARGET_P50_MS
+    ok99 = ref["added_p99_ms"] <= TARGET_P99_MS
+    out: dict[str, Any] = {"reference": {
+        "rate": ref["target_rps"], "added_p50_ms": ref["added_p50_ms"],
+        "added_p99_ms": ref["added_p99_ms"], "p50_target_ms": TARGET_P50_MS,
+        "p99_target_ms": TARGET_P99_MS, "p50_met": ok50, "p99_met": ok99,
+    }}
+    if ref["target_rps"] != ref_rate:
+        echo(f"({ref_rate:g} req/s was not run; the nearest rate, {ref['target_rps']:g}, stands in)")
+    echo(f"added latency at {ref['target_rps']:g} req/s, p50: {ref['added_p50_ms']:6.2f} ms "
+         f"(target <= {TARGET_P50_MS:g}: {'met' if ok50 else 'MISSED'})")
+    echo(f"added latency at {ref['target_rps']:g} req/s, p99: {ref['added_p99_ms']:6.2f} ms "
+         f"(target <= {TARGET_P99_MS:g}: {'met' if ok99 else 'MISSED'})")
+    if floor_res is not None and floor_res["target_rps"] == ref["target_rps"]:
+        out["over_floor_p50_ms"] = ref["p50_ms"] - floor_res["p50_ms"]
+        out["over_floor_p99_ms"] = ref["p99_ms"] - floor_res["p99_ms"]
+        echo(f"  of which above the bare-HTTP floor: p50 {out['over_floor_p50_ms']:.2f} ms, "
+             f"p99 {out['over_floor_p99_ms']:.2f} ms")
+    return out
+
+
+def _generator_verdict(results: list[dict], floor_res: dict | None, echo) -> list[float]:
+    """How the load generator fared at each rate, and whether it was the bottleneck; the
+    rates where it was."""
     limited = [r["target_rps"] for r in results if r["generator_limited"]]
-    report["generator_limited_rates"] = limited
     if results:
         echo("load generator: " + "; ".join(
             f"{r['target_rps']:g} req/s {r['generator']} (sent {r['sent_rps']:.0f}/s, lag p99 "
@@ -151,12 +181,4 @@ def print_report(results: list[dict], direct: dict[float, dict], floor_res: dict
                         f"{floor_res['target_rps']:g} req/s with {floor_res['client_cpu'] * 100:.0f}% "
                         f"CPU, lag p99 {floor_res['lag_p99_ms']:.1f} ms")
         echo(f"  verdict: {verdict}")
-    report["usage_rows"] = usage_rows
-    report["ok_responses"] = ok_total
-    report["redis_keys"] = redis_keys
-    if usage_rows is not None:
-        echo(f"usage rows committed: {usage_rows} for {ok_total} successful responses; "
-             f"limiter keys in Redis: {redis_keys}")
-    for n in notes:
-        echo(f"note: {n}")
-    return report
+    return limited
