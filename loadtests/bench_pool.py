@@ -108,23 +108,97 @@ def _best(runs: list[dict], key: str) -> dict:
     return min(runs, key=lambda r: r[key])
 
 
+async def _compare_routing(make: Callable, dirs: dict[str, str], repeats: int, tenants: int,
+                           per_tenant: int, prefix: int) -> dict:
+    """1. model a on both workers, routed by prefix affinity and round-robin in turn; each
+    side's run with the best TTFT p99, with the fewest prompt tokens any of its runs computed."""
+    pool = await make(2, {"a": dirs["a"]})
+    pool.assigned = {"a": list(pool.names)}
+    pool.placement = None                  # keep both workers on it
+    affinity_router = pool.router
+    runs: dict[str, list[dict]] = {"affinity": [], "round_robin": []}
+    for _ in range(repeats):
+        for side in ("affinity", "round_robin"):
+            pool.router = affinity_router if side == "affinity" else RoundRobin()
+            runs[side].append(await _routing(pool, dirs["a"], tenants, per_tenant, prefix))
+    await pool.destroy()
+    return {s: _best(r, "ttft_p99_ms") | {"computed_tokens": min(x["computed_tokens"] for x in r)}
+            for s, r in runs.items()}
+
+
+async def _compare_two_models(make: Callable, dirs: dict[str, str], repeats: int, requests: int) -> dict:
+    """2. both models on one worker vs on two: each side's best time, once both are loaded.
+    The cluster lends two devices: each side's pool is made and destroyed in its turn."""
+    times: dict[str, list[float]] = {"one_worker": [], "two_workers": []}
+    for _ in range(repeats):
+        for side, n in (("one_worker", 1), ("two_workers", 2)):
+            p = await make(n, dirs)
+            try:
+                await _two_models(p, dirs, 2)               # warm: both models loaded once
+                times[side].append(await _two_models(p, dirs, requests))
+            finally:
+                await p.destroy()
+    return {s: min(t) for s, t in times.items()}
+
+
+async def _compare_latency(make: Callable, dirs: dict[str, str], engine_kwargs: dict[str, Any],
+                           repeats: int, requests: int) -> dict:
+    """3. TTFT p50 of short sequential requests, pooled vs an embedded `AsyncEngine`; each
+    side's best."""
+    from lockgate.engine import AsyncEngine, PoolEngine
+    from lockgate.loadtests.workload import prompts_for
+
+    pool = await make(1, {"a": dirs["a"]})
+    local = AsyncEngine(dirs["a"], **{k: v for k, v in engine_kwargs.items() if k != "memory_budget"})
+    await local.start()
+    ids = prompts_for(dirs["a"], [16] * requests, seed=9)
+    lat: dict[str, list[float]] = {"embedded": [], "pooled": []}
+    for _ in range(repeats):
+        for side, eng in (("embedded", local), ("pooled", PoolEngine(pool, "a"))):
+            ts = sorted([(await _one(eng, p, f"l{secrets.token_hex(4)}", "t", 2))[0] for p in ids])
+            lat[side].append(percentile(ts, 50) * 1e3)
+    await local.shutdown()
+    await pool.destroy()
+    return {s: min(v) for s, v in lat.items()}
+
+
+def _one_model_budget(dirs: dict[str, str]) -> int:
+    """A memory budget that holds the larger model and half the smaller: one at a time."""
+    from lockgate.engine.config import EngineConfig
+    from lockgate.engine.model_pool import ModelPool
+
+    probe = ModelPool(EngineConfig(model=dirs["a"], models={"b": dirs["b"]}, dtype="float32",
+                                   num_kv_blocks=256))
+    sizes = [s.memory_bytes for s in probe.stats().pool.models.values()]
+    return max(sizes) + min(sizes) // 2
+
+
+def _print_comparisons(out: dict, echo: Callable[[str], None]) -> None:
+    r, t, lat = out["routing"], out["two_models"], out["latency_ttft_p50_ms"]
+    echo("routing (shared-prefix tenants)      affinity      round-robin   ratio")
+    echo(f"  prompt tokens computed           {r['affinity']['computed_tokens']:>9}     "
+         f"{r['round_robin']['computed_tokens']:>9}     "
+         f"{r['round_robin']['computed_tokens'] / max(1, r['affinity']['computed_tokens']):.2f}x")
+    for k in ("ttft_p50_ms", "ttft_p99_ms"):
+        echo(f"  {k:<30} {r['affinity'][k]:>9.1f}     {r['round_robin'][k]:>9.1f}     "
+             f"{r['round_robin'][k] / max(1e-9, r['affinity'][k]):.2f}x")
+    echo(f"two models, one-model budgets      one worker {t['one_worker']:.2f} s   two workers "
+         f"{t['two_workers']:.2f} s   {t['one_worker'] / t['two_workers']:.2f}x")
+    echo(f"TTFT p50 of a short request        embedded {lat['embedded']:.1f} ms   pooled "
+         f"{lat['pooled']:.1f} ms   added {lat['pooled'] - lat['embedded']:.1f} ms")
+
+
 def bench_pool(*, repeats: int = 3, tenants: int = 4, per_tenant: int = 8, prefix: int = 512,
                two_model_requests: int = 12, latency_requests: int = 30,
                echo: Callable[[str], None] = print) -> dict:
     import ray
     from ray.cluster_utils import Cluster
 
-    from lockgate.engine import AsyncEngine, Pool, PoolConfig, PoolEngine
-    from lockgate.engine.config import EngineConfig
-    from lockgate.engine.model_pool import ModelPool
-    from lockgate.loadtests.workload import demo_dir, prompts_for
+    from lockgate.engine import Pool, PoolConfig
+    from lockgate.loadtests.workload import demo_dir
 
     dirs = {"a": demo_dir("llama", "tiny", 0), "b": demo_dir("qwen2", "tiny", 1)}
-    probe = ModelPool(EngineConfig(model=dirs["a"], models={"b": dirs["b"]}, dtype="float32",
-                                   num_kv_blocks=256))
-    sizes = [s.memory_bytes for s in probe.stats().pool.models.values()]
-    budget = max(sizes) + min(sizes) // 2
-    kw = {"dtype": "float32", "num_kv_blocks": 256, "memory_budget": budget}
+    kw = {"dtype": "float32", "num_kv_blocks": 256, "memory_budget": _one_model_budget(dirs)}
     args = {"num_cpus": 1, "resources": {"lockgate_device": 1}}
     cluster = Cluster(initialize_head=True, head_node_args={**args, "include_dashboard": False})
     cluster.add_node(**args)
@@ -139,60 +213,14 @@ def bench_pool(*, repeats: int = 3, tenants: int = 4, per_tenant: int = 8, prefi
             await p.start()
             return p
 
-        # 1. routing, one model on both workers
-        pool = await make(2, {"a": dirs["a"]})
-        pool.assigned = {"a": list(pool.names)}
-        pool.placement = None                  # keep both workers on it
-        affinity_router = pool.router
-        runs: dict[str, list[dict]] = {"affinity": [], "round_robin": []}
-        for _ in range(repeats):
-            for side in ("affinity", "round_robin"):
-                pool.router = affinity_router if side == "affinity" else RoundRobin()
-                runs[side].append(await _routing(pool, dirs["a"], tenants, per_tenant, prefix))
-        await pool.destroy()
-        out["routing"] = {s: _best(r, "ttft_p99_ms") | {"computed_tokens": min(x["computed_tokens"] for x in r)}
-                          for s, r in runs.items()}
-        # 2. two models: one worker vs two
-        # (the cluster lends two devices: each side's pool is made and destroyed in its turn)
-        times: dict[str, list[float]] = {"one_worker": [], "two_workers": []}
-        for _ in range(repeats):
-            for side, n in (("one_worker", 1), ("two_workers", 2)):
-                p = await make(n, dirs)
-                try:
-                    await _two_models(p, dirs, 2)               # warm: both models loaded once
-                    times[side].append(await _two_models(p, dirs, two_model_requests))
-                finally:
-                    await p.destroy()
-        out["two_models"] = {s: min(t) for s, t in times.items()}
-        # 3. added latency: pooled vs embedded
-        pool = await make(1, {"a": dirs["a"]})
-        local = AsyncEngine(dirs["a"], **{k: v for k, v in kw.items() if k != "memory_budget"})
-        await local.start()
-        ids = prompts_for(dirs["a"], [16] * latency_requests, seed=9)
-        lat: dict[str, list[float]] = {"embedded": [], "pooled": []}
-        for _ in range(repeats):
-            for side, eng in (("embedded", local), ("pooled", PoolEngine(pool, "a"))):
-                ts = sorted([(await _one(eng, p, f"l{secrets.token_hex(4)}", "t", 2))[0] for p in ids])
-                lat[side].append(percentile(ts, 50) * 1e3)
-        await local.shutdown()
-        await pool.destroy()
-        out["latency_ttft_p50_ms"] = {s: min(v) for s, v in lat.items()}
+        out["routing"] = await _compare_routing(make, dirs, repeats, tenants, per_tenant, prefix)
+        out["two_models"] = await _compare_two_models(make, dirs, repeats, two_model_requests)
+        out["latency_ttft_p50_ms"] = await _compare_latency(make, dirs, kw, repeats, latency_requests)
 
     try:
         asyncio.run(main())
     finally:
         ray.shutdown()
         cluster.shutdown()
-    r, t, lat = out["routing"], out["two_models"], out["latency_ttft_p50_ms"]
-    echo("routing (shared-prefix tenants)      affinity      round-robin   ratio")
-    echo(f"  prompt tokens computed           {r['affinity']['computed_tokens']:>9}     "
-         f"{r['round_robin']['computed_tokens']:>9}     "
-         f"{r['round_robin']['computed_tokens'] / max(1, r['affinity']['computed_tokens']):.2f}x")
-    for k in ("ttft_p50_ms", "ttft_p99_ms"):
-        echo(f"  {k:<30} {r['affinity'][k]:>9.1f}     {r['round_robin'][k]:>9.1f}     "
-             f"{r['round_robin'][k] / max(1e-9, r['affinity'][k]):.2f}x")
-    echo(f"two models, one-model budgets      one worker {t['one_worker']:.2f} s   two workers "
-         f"{t['two_workers']:.2f} s   {t['one_worker'] / t['two_workers']:.2f}x")
-    echo(f"TTFT p50 of a short request        embedded {lat['embedded']:.1f} ms   pooled "
-         f"{lat['pooled']:.1f} ms   added {lat['pooled'] - lat['embedded']:.1f} ms")
+    _print_comparisons(out, echo)
     return out
