@@ -36,6 +36,7 @@ from typing import Any
 from locust import FastHttpUser, between, events, task
 
 from lockgate.loadtests.loadtest_batch import TERMINAL_BATCH, collect_batch
+from lockgate.loadtests.sse import read_sse
 
 CONFIG: dict[str, Any] = json.loads(os.environ.get("LOCKGATE_LOADTEST", "{}"))
 WORDS = ("river", "stone", "cloud", "harbour", "lantern", "meadow", "copper", "signal", "garden",
@@ -63,33 +64,6 @@ def record(cls: str, tenant: str, name: str, status: int, outcome: str, start: f
 
 def words(rng: random.Random, n: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(n))
-
-
-def read_sse(response) -> tuple[list[float], dict | None, object, bool]:
-    """A stream's content-chunk arrival times (perf_counter), its usage chunk, its error
-    event (or None) and whether it ended with `[DONE]`."""
-    times: list[float] = []
-    usage = error = None
-    done = False
-    buf = b""
-    for chunk in response.iter_content(chunk_size=512, decode_content=False):
-        buf += chunk
-        while b"\n\n" in buf:
-            event, buf = buf.split(b"\n\n", 1)
-            if not event.startswith(b"data: "):
-                continue
-            payload = event[6:]
-            if payload == b"[DONE]":
-                done = True
-                continue
-            data = json.loads(payload)
-            if "error" in data:
-                error = data["error"]
-            elif data.get("usage"):
-                usage = data["usage"]
-            if any((c.get("delta") or {}).get("content") or c.get("text") for c in data.get("choices") or ()):
-                times.append(time.perf_counter())
-    return times, usage, error, done
 
 
 class GatewayUser(FastHttpUser):

@@ -36,6 +36,8 @@ from locust import FastHttpUser, between, events, task
 from locust.exception import StopUser
 from locust.runners import LocalRunner
 
+from lockgate.loadtests.sse import read_sse
+
 KEY = os.environ.get("LOCKGATE_KEY", "")
 MAX_TOKENS = max(1, min(64, int(os.environ.get("LOCKGATE_MAX_TOKENS", "16"))))
 REQUESTS_PER_USER = int(os.environ.get("LOCKGATE_REQUESTS_PER_USER", "0"))
@@ -157,34 +159,14 @@ class TenantUser(FastHttpUser):
             if r.status_code != 200:
                 r.failure(f"{r.status_code}: {r.text[:200]}")
                 return
-            done = usage = False
-            error = None
-            buf = b""
-            for chunk in r.iter_content(chunk_size=512, decode_content=False):
-                buf += chunk
-                while b"\n\n" in buf:
-                    event, buf = buf.split(b"\n\n", 1)
-                    if not event.startswith(b"data: "):
-                        continue
-                    payload = event[6:]
-                    if payload == b"[DONE]":
-                        done = True
-                        continue
-                    data = json.loads(payload)
-                    if "error" in data:
-                        error = data["error"]
-                    elif data.get("usage"):
-                        usage = True
-                    elif first is None and any(
-                            (c.get("delta") or {}).get("content") or c.get("text")
-                            for c in data.get("choices", [])):
-                        first = time.perf_counter()
+            times, usage, error, done = read_sse(r)
+            first = times[0] if times else None
             r.request_meta["response_time"] = (time.perf_counter() - t0) * 1000  # to the end
             if error is not None:
                 r.failure(f"error event: {error}")
             elif not done:
                 r.failure("the stream ended without [DONE]")
-            elif not usage:
+            elif usage is None:
                 r.failure("no usage chunk")
         if first is not None:
             events.request.fire(request_type="SSE", name=f"{name} TTFT",
