@@ -91,17 +91,25 @@ class TenantUser(FastHttpUser):
     def _prompt(self) -> str:
         return PROMPTS[self.sent % len(PROMPTS)]
 
+    def _not_answered(self, r, name: str) -> bool:
+        """A 429 (a limit) counts as a success under its own name, any other status but 200
+        as a failure: True for either, and the caller reads no further."""
+        if r.status_code == 429:
+            _ = r.content     # read it: a stream's connection goes back to the pool
+            r.success()
+            r.request_meta["name"] = f"{name} (429)"
+            return True
+        if r.status_code != 200:
+            r.failure(f"{r.status_code}: {r.text[:200]}")
+            return True
+        return False
+
     # -- non-streaming ---------------------------------------------------------------------
     def _post(self, path: str, body: dict, name: str, expect_object: str) -> None:
         self._count()
         with self.client.post(path, data=json.dumps(body), headers=self.headers, name=name,
                               catch_response=True) as r:
-            if r.status_code == 429:
-                r.success()
-                r.request_meta["name"] = f"{name} (429)"
-                return
-            if r.status_code != 200:
-                r.failure(f"{r.status_code}: {r.text[:200]}")
+            if self._not_answered(r, name):
                 return
             try:
                 data = r.json()
@@ -113,34 +121,30 @@ class TenantUser(FastHttpUser):
             elif not data.get("usage", {}).get("total_tokens"):
                 r.failure("no usage in the response")
 
+    def _body(self, tier: str, **fields) -> dict:
+        """A request's body: this user's model, MAX_TOKENS, `tier`, then `fields`."""
+        return {"model": self.model, "max_tokens": MAX_TOKENS, "service_tier": tier, **fields}
+
     @task(4)
     def chat_online(self) -> None:
-        self._post("/v1/chat/completions", {
-            "model": self.model, "max_tokens": MAX_TOKENS, "service_tier": "default",
-            "messages": [{"role": "user", "content": self._prompt()}],
-        }, "chat (online)", "chat.completion")
+        self._post("/v1/chat/completions", self._body("default", messages=[
+            {"role": "user", "content": self._prompt()}]), "chat (online)", "chat.completion")
 
     @task(1)
     def chat_flex(self) -> None:
-        self._post("/v1/chat/completions", {
-            "model": self.model, "max_tokens": MAX_TOKENS, "service_tier": "flex",
-            "messages": [{"role": "system", "content": "Be brief."},
-                         {"role": "user", "content": self._prompt()}],
-        }, "chat (flex)", "chat.completion")
+        self._post("/v1/chat/completions", self._body("flex", messages=[
+            {"role": "system", "content": "Be brief."}, {"role": "user", "content": self._prompt()}]),
+            "chat (flex)", "chat.completion")
 
     @task(2)
     def completion_online(self) -> None:
-        self._post("/v1/completions", {
-            "model": self.model, "max_tokens": MAX_TOKENS, "service_tier": "default",
-            "prompt": self._prompt(),
-        }, "completion (online)", "text_completion")
+        self._post("/v1/completions", self._body("default", prompt=self._prompt()),
+                   "completion (online)", "text_completion")
 
     @task(1)
     def completion_flex(self) -> None:
-        self._post("/v1/completions", {
-            "model": self.model, "max_tokens": MAX_TOKENS, "service_tier": "flex",
-            "prompt": self._prompt(),
-        }, "completion (flex)", "text_completion")
+        self._post("/v1/completions", self._body("flex", prompt=self._prompt()),
+                   "completion (flex)", "text_completion")
 
     # -- streaming ---------------------------------------------------------------------------
     def _stream(self, path: str, body: dict, name: str) -> None:
@@ -151,13 +155,7 @@ class TenantUser(FastHttpUser):
                                                       "stream_options": {"include_usage": True}}),
                               headers=self.headers, name=name, stream=True,
                               catch_response=True) as r:
-            if r.status_code == 429:
-                _ = r.content     # read it: the connection goes back to the pool
-                r.success()
-                r.request_meta["name"] = f"{name} (429)"
-                return
-            if r.status_code != 200:
-                r.failure(f"{r.status_code}: {r.text[:200]}")
+            if self._not_answered(r, name):
                 return
             times, usage, error, done = read_sse(r)
             first = times[0] if times else None
@@ -175,14 +173,10 @@ class TenantUser(FastHttpUser):
 
     @task(2)
     def chat_stream_online(self) -> None:
-        self._stream("/v1/chat/completions", {
-            "model": self.model, "max_tokens": MAX_TOKENS, "service_tier": "default",
-            "messages": [{"role": "user", "content": self._prompt()}],
-        }, "chat stream (online)")
+        self._stream("/v1/chat/completions", self._body("default", messages=[
+            {"role": "user", "content": self._prompt()}]), "chat stream (online)")
 
     @task(1)
     def completion_stream_flex(self) -> None:
-        self._stream("/v1/completions", {
-            "model": self.model, "max_tokens": MAX_TOKENS, "service_tier": "flex",
-            "prompt": self._prompt(),
-        }, "completion stream (flex)")
+        self._stream("/v1/completions", self._body("flex", prompt=self._prompt()),
+                     "completion stream (flex)")
