@@ -119,7 +119,7 @@ def bench_kernels(
     return rows
 
 
-# the GPU targets (issue 19), each judged on the rows of the case it names
+# the GPU targets, each judged on the rows of the case it names
 def judge(rows: list[dict[str, Any]]) -> list[str]:
     out = []
     for r in rows:

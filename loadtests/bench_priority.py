@@ -481,7 +481,7 @@ def bench_priority(
 ) -> dict[str, Any]:
     """`repeats`: the four sides run in turn that many times (each in a fresh process); per
     side the run with the lowest online TTFT p99 is shown, with the highest offline tokens/s
-    any of its runs reached (these machines are shared: one run can be 20% off the next)."""
+    any of its runs reached (these machines are shared: one run can be well off the next)."""
     model_dir = str(model_dir or default_model_dir())
     s = sizes or PrioritySizes()
     n_arrivals = len(online_arrivals(s, list(range(16))))

@@ -235,8 +235,8 @@ def bench_throughput(
     if not skip_hf:
         sides["hf_static"] = (run_hf_static, (model_dir, num_requests, seed))
     # Each side `repeats` times, interleaved, each run in a fresh process; the fastest run of
-    # each side counts. These machines are shared: one run can be 15% off another (seen: the
-    # same side 909 and 1070 tok/s in one bench), so three runs, not two.
+    # each side counts. These machines are shared and one run can be well off another, so
+    # three runs, not two.
     results: dict[str, Any] = {}
     for rep in range(repeats):
         for name, (fn, args) in sides.items():

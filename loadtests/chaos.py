@@ -1,9 +1,9 @@
-"""The chaos run (issue 14's acceptance): two `lockgate serve` replicas on a PostgreSQL and a
-redis-server of the run's own, tenants with a concurrency limit and a daily token budget,
-`num_requests` chat completions with client-side ids (streaming and not), while a fault
-driver kills a replica with SIGKILL `kills` times (restarting it on its port and data
-directory after `restart_pause_s`), hangs Redis (SIGSTOP ... SIGCONT) for `redis_hang_s`
-once and stops the database for `db_stop_s` once, one fault at a time. Then the checks of
+"""The chaos run: two `lockgate serve` replicas on a PostgreSQL and a redis-server of the
+run's own, tenants with a concurrency limit and a daily token budget, `num_requests` chat
+completions with client-side ids (streaming and not), while a fault driver kills a replica
+with SIGKILL `kills` times (restarting it on its port and data directory after
+`restart_pause_s`), hangs Redis (SIGSTOP ... SIGCONT) for `redis_hang_s` once and stops the
+database for `db_stop_s` once, one fault at a time. Then the checks of
 `harness.chaos_checks`: usage rows against attempts, the killed replicas' leases from the
 limiter's own state, budgets against rows; and the time to recover from each fault.
 

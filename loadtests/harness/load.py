@@ -108,8 +108,7 @@ def gateway_call(session: Any, key: str):
 
 
 # The client is aiohttp: its C parser and lean connection pool make the HTTP floor and the
-# generator's CPU a fraction of httpx's (this bench at 300 req/s: floor p50 0.28 vs 0.69 ms,
-# generator 8-11% vs 24-26% of a core): what the client spends is not the gateway's latency,
+# generator's CPU a fraction of httpx's: what the client spends is not the gateway's latency,
 # and on a small machine the client's CPU is taken from the gateway.
 MAX_CONNECTIONS = 256
 
