@@ -308,3 +308,72 @@ def test_disconnect_frees_concurrency_lease(pair):
     assert time.monotonic() - t0 < 5
     rows = pair.a.admin.get("/usage", params={"tenant_id": t["id"]}).json()["data"]
     assert rows[0]["cancelled"] == 1 and rows[0]["ok"] == 1
+
+
+def poll(fn, timeout: float = 5.0, every: float = 0.25) -> tuple[bool, float]:
+    """Call `fn` until it returns true or `timeout` passes: (succeeded, elapsed seconds)."""
+    t0 = time.monotonic()
+    while True:
+        if fn():
+            return True, time.monotonic() - t0
+        if time.monotonic() - t0 > timeout:
+            return False, time.monotonic() - t0
+        time.sleep(every)
+
+
+def test_revocation_and_suspension_reach_the_other_replica(pair):
+    """A key cached on both replicas and revoked on one is refused (`revoked`) by that one at
+    once and by the other within seconds; the other serves the admin API off the same
+    database; a tenant suspended on one is refused by the other, then let back in; and a key
+    revoked through the second replica is refused by the first."""
+    a, b = pair.servers
+    t, _ = pair.tenant()
+    r = a.admin.post(f"/tenants/{t['id']}/keys", json={"name": "to-revoke"})
+    assert r.status_code == 201, r.text
+    k = r.json()
+    t2, key2 = pair.tenant()
+
+    def status(srv: GatewayServer, key: str) -> httpx.Response:
+        return httpx.get(srv.url + "/v1/models", timeout=30, headers=auth(key))
+
+    def err(r: httpx.Response) -> dict:
+        return r.json().get("error") or {}
+
+    # warm: every replica has the keys cached
+    for srv in pair.servers:
+        assert status(srv, k["key"]).status_code == 200
+        assert status(srv, key2).status_code == 200
+    r = a.admin.delete(f"/keys/{k['id']}")
+    assert r.status_code == 200 and r.json()["revoked"] is True
+    times = {}
+    for srv in pair.servers:
+        ok, elapsed = poll(lambda srv=srv: status(srv, k["key"]).status_code == 401)
+        times[srv.url] = round(elapsed, 2)
+        assert ok and elapsed < 5, f"revoked key still accepted by {srv.url} after {elapsed:.2f}s"
+        assert err(status(srv, k["key"]))["code"] == "revoked"
+    assert times[a.url] < 0.5, times        # the revoking replica forgets it at once
+    got = a.admin.get(f"/keys/{k['id']}").json()
+    assert got["revoked_at"] is not None
+    # revoking again changes nothing
+    assert a.admin.delete(f"/keys/{k['id']}").status_code == 200
+    assert a.admin.get(f"/keys/{k['id']}").json()["revoked_at"] == got["revoked_at"]
+
+    # the second replica serves the admin API off the same database
+    assert b.admin.get(f"/tenants/{t2['id']}").status_code == 200
+    # a tenant suspended on one replica is refused by the other, then let back in
+    assert a.admin.patch(f"/tenants/{t2['id']}", json={"status": "suspended"}).status_code == 200
+    ok, elapsed = poll(lambda: status(b, key2).status_code == 401)
+    assert ok and elapsed < 5, elapsed
+    assert err(status(b, key2))["code"] == "tenant_suspended"
+    assert a.admin.patch(f"/tenants/{t2['id']}", json={"status": "active"}).status_code == 200
+    ok, elapsed = poll(lambda: status(b, key2).status_code == 200)
+    assert ok and elapsed < 5, elapsed
+    # and a key revoked through the second replica is refused by the first
+    r = a.admin.post(f"/tenants/{t2['id']}/keys", json={"name": "via-replica"})
+    assert r.status_code == 201, r.text
+    k3 = r.json()
+    assert status(a, k3["key"]).status_code == 200
+    assert b.admin.delete(f"/keys/{k3['id']}").status_code == 200
+    ok, elapsed = poll(lambda: status(a, k3["key"]).status_code == 401)
+    assert ok and elapsed < 5, elapsed
+    print(f"revocation seen after (s): {times}")

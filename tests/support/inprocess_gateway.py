@@ -52,14 +52,16 @@ REAL_ENGINE_KWARGS = {"kv_cache_memory": 32 << 20, "max_num_seqs": 64}
 class LogCapture(logging.Handler):
     """Every log record of the process while it is installed, formatted as `lockgate serve`
     logs them (`... LEVEL logger: message`); `level` lowers the root logger's level too (as
-    `lockgate -v serve` does), for the capture's life."""
+    `lockgate -v serve` does), and that of each of `loggers` (those that set their own, as
+    SQLAlchemy's do), for the capture's life."""
 
-    def __init__(self, level: int | None = None) -> None:
+    def __init__(self, level: int | None = None, loggers: tuple[str, ...] = ()) -> None:
         super().__init__(logging.DEBUG)
         self.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
         self.buffer = io.StringIO()
         self.root_level = level
-        self._saved: int | None = None
+        self.loggers = ("", *loggers) if level is not None else ()
+        self._saved: dict[str, int] = {}
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
@@ -71,18 +73,17 @@ class LogCapture(logging.Handler):
         return self.buffer.getvalue()
 
     def __enter__(self) -> LogCapture:
-        root = logging.getLogger()
-        root.addHandler(self)
-        if self.root_level is not None:
-            self._saved = root.level
-            root.setLevel(self.root_level)
+        logging.getLogger().addHandler(self)
+        for name in self.loggers:
+            logger = logging.getLogger(name)
+            self._saved[name] = logger.level
+            logger.setLevel(self.root_level)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        root = logging.getLogger()
-        root.removeHandler(self)
-        if self._saved is not None:
-            root.setLevel(self._saved)
+        logging.getLogger().removeHandler(self)
+        for name, level in self._saved.items():
+            logging.getLogger(name).setLevel(level)
 
 
 @dataclass
@@ -168,12 +169,14 @@ async def running_gateway(
     engine_kwargs: dict[str, Any] | None = None,
     admin_key: str | None = None,
     log_level: int | None = None,
+    log_loggers: tuple[str, ...] = (),
     umask: int | None = None,
     **settings: Any,
 ) -> AsyncIterator[InProcessGateway]:
     """The app on `backend`, started (its lifespan entered) and stopped afterwards. `settings`:
     any other `Settings` field (`database_url`, `redis_url`... given, they win over the
-    backend's own). `log_level`: capture the process's logs from this level (`gw.log()`).
+    backend's own). `log_level`: capture the process's logs from this level (`gw.log()`), the
+    loggers `log_loggers` (which set their own level) lowered to it too.
     `umask`: the process's umask while the app starts (what it creates must not follow it)."""
     from tests.support.services import check_redis, drop_redis_prefix, fresh_pg_database
 
@@ -197,7 +200,8 @@ async def running_gateway(
                      models=[f"{name}={path}" for name, path in models.items()],
                      private_models=list(private_models), **settings)
         app = create_app(s, engine_factory=_factory(engine, made))
-        logs = stack.enter_context(LogCapture(log_level)) if log_level is not None else None
+        logs = (stack.enter_context(LogCapture(log_level, log_loggers)) if log_level is not None
+                else None)
         old = os.umask(umask) if umask is not None else None
         try:
             await stack.enter_async_context(app.router.lifespan_context(app))
