@@ -12,7 +12,8 @@ finished by the time the test sees its headers. This one hands the response back
   them the app's `send` waits for the client to read, as uvicorn's does on a full socket;
 - closing the response before its end (leaving an `async with client.stream(...)` block,
   or `aclose()`) is the client going away: the app's `receive` answers `http.disconnect`
-  and what it sends afterwards is dropped (uvicorn's behaviour at ASGI spec 2.3);
+  and what it sends afterwards is dropped (uvicorn's behaviour at ASGI spec 2.3); the close
+  returns once the app has finished with the request (5 s at most);
 - the request's read timeout (httpx's `timeout`) applies to the headers and to each chunk:
   past it, httpx.ReadTimeout is raised and the app sees the client leave;
 - an exception the app raises is logged, as uvicorn logs it, and answered 500 when no
@@ -123,8 +124,10 @@ class _Exchange:
 
 
 class _Body(httpx.AsyncByteStream):
-    def __init__(self, exchange: _Exchange, request: httpx.Request, read_timeout: float | None) -> None:
+    def __init__(self, exchange: _Exchange, task: asyncio.Task, request: httpx.Request,
+                 read_timeout: float | None) -> None:
         self.exchange = exchange
+        self.task = task
         self.request = request
         self.read_timeout = read_timeout
 
@@ -145,7 +148,14 @@ class _Body(httpx.AsyncByteStream):
             yield item
 
     async def aclose(self) -> None:
+        """Closing the connection: when the client leaves before the end, this returns once
+        the app has finished with the request (5 s at most), so that what it holds (a lease,
+        an engine request) is released before the client's next request, as a server that
+        reads the connection's end has done by the time a new connection's request arrives."""
+        left = not self.exchange.complete
         self.exchange.leave()
+        if left:
+            await asyncio.wait({self.task}, timeout=5)
 
 
 class StreamingASGITransport(httpx.AsyncBaseTransport):
@@ -185,7 +195,7 @@ class StreamingASGITransport(httpx.AsyncBaseTransport):
             ex.leave()
             raise
         assert ex.status is not None
-        return httpx.Response(ex.status, headers=ex.headers, stream=_Body(ex, request, read_timeout),
+        return httpx.Response(ex.status, headers=ex.headers, stream=_Body(ex, task, request, read_timeout),
                               extensions={"http_version": b"HTTP/1.1"})
 
     async def aclose(self) -> None:
