@@ -1,7 +1,8 @@
-"""Plans and overload at the gateway: a live `lockgate serve` and the official `openai` client,
-on both backends (SQLite + the in-process limiter, PostgreSQL + Redis).
+"""Plans and overload at the gateway: the gateway in process with the real engine (its
+admission bound is the behaviour under test) and the official `openai` client, on both
+backends (SQLite + the in-process limiter, PostgreSQL + Redis).
 
-The server's engine runs one sequence at a time (`max_num_seqs=1`) and queues at most
+The gateway's engine runs one sequence at a time (`max_num_seqs=1`) and queues at most
 `max_waiting_tokens=4096` tokens, counting prompt + max_tokens of every request that has sent
 nothing yet (engine/admission.py). Each overload test first starts a long flex stream, the
 *hold*: 4 prompt tokens + 4092 output tokens (exactly the bound; it leaves the queue with its
@@ -12,16 +13,18 @@ request's queue tokens are known exactly. Nothing below is timed.
 
 from __future__ import annotations
 
-import json
+import asyncio
 import re
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
+import pytest_asyncio
 
-from tests.support.gateway_server import running_server
 from tests.support.helpers import demo_model
+from tests.support.inprocess_gateway import running_gateway
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 MODEL = "small"                 # llama small: a 4096-token context, ~7 ms per decode step on CPU
 QUEUE_TOKENS = 4096             # max_waiting_tokens
@@ -30,16 +33,16 @@ FLEX = {"service_tier": "flex"}
 ENGINE = {"kv_cache_memory": 64 << 20, "max_num_seqs": 1, "max_waiting_tokens": QUEUE_TOKENS}
 
 
-@pytest.fixture(scope="module", params=["embedded", "services"])
-def server(request, tmp_path_factory):
+@pytest_asyncio.fixture(scope="module", loop_scope="module", params=["embedded", "services"])
+async def server(request, tmp_path_factory):
     models = {MODEL: demo_model("llama", "small", 0)}
-    with running_server(tmp_path_factory.mktemp(request.param), request.param, models=models,
-                        extra_env={"LOCKGATE_ENGINE_KWARGS": json.dumps(ENGINE)}) as srv:
-        yield srv
+    async with running_gateway(tmp_path_factory.mktemp(request.param), request.param, engine="real",
+                               models=models, engine_kwargs=ENGINE) as gw:
+        yield gw
 
 
-def client(server, key) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0, timeout=120)
+def client(server, key) -> openai.AsyncOpenAI:
+    return server.openai(key, timeout=120)
 
 
 def ids(k: int, n: int = 4) -> list[int]:
@@ -47,88 +50,88 @@ def ids(k: int, n: int = 4) -> list[int]:
     return [100 + (k * 97 + j) % 8000 for j in range(n)]
 
 
-def overload(server) -> dict:
-    return server.admin.get("/engine").json()["models"][MODEL]["overload"]
+async def overload(server) -> dict:
+    return (await server.admin.get("/engine")).json()["models"][MODEL]["overload"]
 
 
-def wait_queued(server, num: int, tokens: int) -> None:
+async def wait_queued(server, num: int, tokens: int) -> None:
     """Until the engine's queue holds `num` offline requests of `tokens` tokens in all."""
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        q = overload(server)
+        q = await overload(server)
         if (q["queued"]["offline"], q["queued_tokens"]) == (num, tokens):
             return
-        time.sleep(0.02)
+        await asyncio.sleep(0.02)
     raise AssertionError(f"queue never held {num} requests / {tokens} tokens: {q}")
 
 
-def hold(c: openai.OpenAI):
+async def hold(c: openai.AsyncOpenAI):
     """The long flex stream, once it is running (its first token arrived)."""
-    stream = c.completions.create(model=MODEL, prompt=ids(0), max_tokens=HOLD_TOKENS, stream=True,
-                                  extra_body={**FLEX, "ignore_eos": True})
-    next(iter(stream))
+    stream = await c.completions.create(model=MODEL, prompt=ids(0), max_tokens=HOLD_TOKENS, stream=True,
+                                        extra_body={**FLEX, "ignore_eos": True})
+    await anext(aiter(stream))
     return stream
 
 
-def refusals(server, tenant_name: str) -> dict[tuple[str, str], float]:
+async def refusals(server, tenant_name: str) -> dict[tuple[str, str], float]:
     """lockgate_overload_refusals_total of one tenant: (service_tier, reason) -> count."""
     out = {}
-    for line in server.admin.get(server.url + "/metrics").text.splitlines():
+    for line in (await server.admin.get(server.url + "/metrics")).text.splitlines():
         if line.startswith("lockgate_overload_refusals_total{") and f'tenant="{tenant_name}"' in line:
             labels = dict(re.findall(r'(\w+)="([^"]*)"', line))
             out[(labels["service_tier"], labels["reason"])] = float(line.rsplit(" ", 1)[1])
     return out
 
 
-def usage_of(server, tenant_id: str, requests: int) -> dict:
+async def usage_of(server, tenant_id: str, requests: int) -> dict:
     """The tenant's usage totals, once `requests` rows are in (10 s at most)."""
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
-        rows = server.admin.get("/usage", params={"tenant_id": tenant_id}).json()["data"]
+        rows = (await server.admin.get("/usage", params={"tenant_id": tenant_id})).json()["data"]
         if rows and rows[0]["requests"] >= requests:
             return rows[0]
-        time.sleep(0.05)
+        await asyncio.sleep(0.05)
     raise AssertionError(f"usage rows of {tenant_id}: {rows}")
 
 
-def released(server) -> None:
+async def released(server) -> None:
     """Wait (10 s at most) until no request holds a lease and the KV cache is empty."""
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
-        eng = server.admin.get("/engine").json()
+        eng = (await server.admin.get("/engine")).json()
         if eng["inflight_requests"] == 0 and eng["models"][MODEL]["kv_blocks"]["used"] == 0:
             break
-        time.sleep(0.05)
+        await asyncio.sleep(0.05)
     assert eng["inflight_requests"] == 0 and eng["models"][MODEL]["kv_blocks"]["used"] == 0
     assert sum(eng["models"][MODEL]["overload"]["queued"].values()) == 0
 
 
-def test_new_tenant_plan_is_default_and_flex_until_priority_is_granted(server):
-    t, key = server.tenant()
+async def test_new_tenant_plan_is_default_and_flex_until_priority_is_granted(server):
+    t, key = await server.tenant()
     assert t["service_tiers"] == ["default", "flex"] and t["default_tier"] == "default"
     c = client(server, key)
     msgs = [{"role": "user", "content": "plan"}]
     with pytest.raises(openai.PermissionDeniedError) as e:
-        c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2, service_tier="priority")
+        await c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2, service_tier="priority")
     assert e.value.code == "service_tier_not_allowed" and e.value.body["param"] == "service_tier"
-    assert c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2,
-                                     service_tier="flex").service_tier == "flex"
+    assert (await c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2,
+                                            service_tier="flex")).service_tier == "flex"
 
-    r = server.admin.patch(f"/tenants/{t['id']}",
-                           json={"service_tiers": ["default", "priority", "flex"]})
+    r = await server.admin.patch(f"/tenants/{t['id']}",
+                                 json={"service_tiers": ["default", "priority", "flex"]})
     assert r.status_code == 200 and r.json()["service_tiers"] == ["default", "priority", "flex"]
-    r = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2, service_tier="priority")
+    r = await c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2, service_tier="priority")
     assert r.service_tier == "priority" and r.usage.completion_tokens == 2
-    assert c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2).service_tier == "default"
+    assert (await c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2)).service_tier == "default"
 
     # granted at creation too
-    _, key2 = server.tenant(service_tiers=["priority", "default"])
-    r = client(server, key2).chat.completions.create(model=MODEL, messages=msgs, max_tokens=2,
-                                                     service_tier="priority")
+    _, key2 = await server.tenant(service_tiers=["priority", "default"])
+    r = await client(server, key2).chat.completions.create(model=MODEL, messages=msgs, max_tokens=2,
+                                                           service_tier="priority")
     assert r.service_tier == "priority"
 
 
-def test_flex_refused_then_shed_for_default_and_nothing_counted(server):
+async def test_flex_refused_then_shed_for_default_and_nothing_counted(server):
     """The queue after the hold starts, request by request (tokens = prompt + max_tokens):
 
         F2  flex, 2 prompts, JSON   2 x (4 + 1980) = 3968   queue 3968
@@ -146,32 +149,31 @@ def test_flex_refused_then_shed_for_default_and_nothing_counted(server):
     each (the usage rule for requests that end early), F4, refused at submit, none; and the
     tenant's 6 requests a minute still admit 3 more after the hold, S and D (had the
     refusals counted, none would pass)."""
-    t, key = server.tenant(quota={"requests_per_minute": 6})
+    t, key = await server.tenant(quota={"requests_per_minute": 6})
     c = client(server, key)
-    with ThreadPoolExecutor(3) as pool:
-        h = hold(c)
-        try:
-            f2 = pool.submit(c.completions.create, model=MODEL, prompt=[ids(1), ids(2)],
-                             max_tokens=1980, extra_body=FLEX)
-            wait_queued(server, 2, 3968)
-            f3 = pool.submit(c.completions.create, model=MODEL, prompt=ids(3), max_tokens=60,
-                             extra_body=FLEX)
-            wait_queued(server, 3, 4032)
-            s = c.completions.create(model=MODEL, prompt=ids(4), max_tokens=60, stream=True,
-                                     extra_body=FLEX)
-            wait_queued(server, 4, 4096)
-            with pytest.raises(openai.RateLimitError) as refused:
-                c.completions.create(model=MODEL, prompt=ids(5), max_tokens=8, extra_body=FLEX)
-            d = pool.submit(c.completions.create, model=MODEL, prompt=ids(6), max_tokens=100)
-            shed = []
-            for f in (f2, f3):
-                with pytest.raises(openai.RateLimitError) as e:
-                    f.result(timeout=60)
-                shed.append(e.value)
-        finally:
-            h.close()
-        answer = d.result(timeout=120)
-    chunks = list(s)
+    h = await hold(c)
+    try:
+        f2 = asyncio.ensure_future(c.completions.create(model=MODEL, prompt=[ids(1), ids(2)],
+                                                        max_tokens=1980, extra_body=FLEX))
+        await wait_queued(server, 2, 3968)
+        f3 = asyncio.ensure_future(c.completions.create(model=MODEL, prompt=ids(3), max_tokens=60,
+                                                        extra_body=FLEX))
+        await wait_queued(server, 3, 4032)
+        s = await c.completions.create(model=MODEL, prompt=ids(4), max_tokens=60, stream=True,
+                                       extra_body=FLEX)
+        await wait_queued(server, 4, 4096)
+        with pytest.raises(openai.RateLimitError) as refused:
+            await c.completions.create(model=MODEL, prompt=ids(5), max_tokens=8, extra_body=FLEX)
+        d = asyncio.ensure_future(c.completions.create(model=MODEL, prompt=ids(6), max_tokens=100))
+        shed = []
+        for f in (f2, f3):
+            with pytest.raises(openai.RateLimitError) as e:
+                await asyncio.wait_for(f, 60)
+            shed.append(e.value)
+    finally:
+        await h.close()
+    answer = await asyncio.wait_for(d, 120)
+    chunks = [ch async for ch in s]
 
     for exc in (refused.value, *shed):
         assert exc.code == "resource_unavailable", exc.body
@@ -179,54 +181,54 @@ def test_flex_refused_then_shed_for_default_and_nothing_counted(server):
     assert answer.usage.completion_tokens >= 1 and answer.choices[0].finish_reason
     assert "".join(ch.choices[0].text for ch in chunks)
     assert chunks[-1].choices[0].finish_reason in ("length", "stop")
-    q = overload(server)
+    q = await overload(server)
     assert q["refused"]["offline"] == {t["id"]: 1}
     assert q["shed"]["offline"] == {t["id"]: 2}          # F3 and F2's second prompt
-    assert refusals(server, t["name"]) == {("flex", "refused"): 1.0, ("flex", "shed"): 2.0}
+    assert await refusals(server, t["name"]) == {("flex", "refused"): 1.0, ("flex", "shed"): 2.0}
 
     # the limiter: the hold, S and D took 3 of the 6; the refusals none
     for i in range(3):
-        c.completions.create(model=MODEL, prompt=ids(10 + i), max_tokens=1)
+        await c.completions.create(model=MODEL, prompt=ids(10 + i), max_tokens=1)
     with pytest.raises(openai.RateLimitError) as e:
-        c.completions.create(model=MODEL, prompt=ids(13), max_tokens=1)
+        await c.completions.create(model=MODEL, prompt=ids(13), max_tokens=1)
     assert e.value.code == "rate_limit_exceeded"
     # usage: the hold (cancelled), S, D and the 3 after; F2 and F3 cancelled with 0 tokens;
     # no row for F4
-    u = usage_of(server, t["id"], 8)
+    u = await usage_of(server, t["id"], 8)
     assert (u["requests"], u["ok"], u["cancelled"], u["errors"]) == (8, 5, 3, 0), u
-    released(server)
+    await released(server)
 
 
-def test_streams_are_never_shed_so_default_is_refused_with_503(server):
+async def test_streams_are_never_shed_so_default_is_refused_with_503(server):
     """After the hold, two flex streams fill the queue: 2 x (1990 + 58) = 4096 tokens. A
     default request of 4 + 8 = 12 tokens is over the bound and nothing it may shed is
     queued (streams are not sheddable): 503 `engine_overloaded`, unbilled. Both streams,
     whose 200 went out at once, complete once the hold is closed."""
-    t, key = server.tenant(quota={"requests_per_minute": 4})
+    t, key = await server.tenant(quota={"requests_per_minute": 4})
     c = client(server, key)
-    h = hold(c)
+    h = await hold(c)
     try:
         streams = []
         for k in (1, 2):
-            streams.append(c.completions.create(model=MODEL, prompt=ids(k, 1990), max_tokens=58,
-                                                stream=True, extra_body=FLEX))
-            wait_queued(server, k, 2048 * k)
+            streams.append(await c.completions.create(model=MODEL, prompt=ids(k, 1990), max_tokens=58,
+                                                      stream=True, extra_body=FLEX))
+            await wait_queued(server, k, 2048 * k)
         with pytest.raises(openai.InternalServerError) as e:
-            c.completions.create(model=MODEL, prompt=ids(3), max_tokens=8)
+            await c.completions.create(model=MODEL, prompt=ids(3), max_tokens=8)
     finally:
-        h.close()
+        await h.close()
     assert e.value.status_code == 503 and e.value.code == "engine_overloaded", e.value.body
     assert int(e.value.response.headers["retry-after"]) >= 1
     for s in streams:
-        chunks = list(s)
+        chunks = [ch async for ch in s]
         assert chunks[-1].choices[0].finish_reason in ("length", "stop")
-    q = overload(server)
+    q = await overload(server)
     assert q["refused"]["online"] == {t["id"]: 1} and t["id"] not in q["shed"]["offline"]
-    assert refusals(server, t["name"]) == {("default", "refused"): 1.0}
+    assert await refusals(server, t["name"]) == {("default", "refused"): 1.0}
     # the hold and the two streams took 3 of the 4 requests a minute; the refusal none
-    c.completions.create(model=MODEL, prompt=ids(4), max_tokens=1)
+    await c.completions.create(model=MODEL, prompt=ids(4), max_tokens=1)
     with pytest.raises(openai.RateLimitError):
-        c.completions.create(model=MODEL, prompt=ids(5), max_tokens=1)
-    u = usage_of(server, t["id"], 4)
+        await c.completions.create(model=MODEL, prompt=ids(5), max_tokens=1)
+    u = await usage_of(server, t["id"], 4)
     assert (u["requests"], u["ok"], u["cancelled"], u["errors"]) == (4, 3, 1, 0), u
-    released(server)
+    await released(server)
