@@ -21,7 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from lockgate.engine import AsyncEngine, ModelBinding, WorkerPoolStats
-from lockgate.gateway import admin, batches, metrics_api, openai_api, tokenize_api
+from lockgate.gateway import admin, batch_api, metrics_api, openai_api, tokenize_api
 from lockgate.gateway.admin import vllm_lora
 from lockgate.gateway.authenticator import Authenticator
 from lockgate.gateway.background import Background
@@ -345,7 +345,7 @@ def create_app(settings: Settings | None = None, engine_factory: EngineFactory =
     app.state.lifecycle = Lifecycle()
     install_error_handlers(app)
     app.include_router(openai_api.router)
-    app.include_router(batches.router)
+    app.include_router(batch_api.router)
     app.include_router(admin.router)
     app.include_router(vllm_lora.router)          # vLLM's adapter routes, admin keys only
     app.include_router(tokenize_api.router)       # vLLM's /tokenize and /detokenize

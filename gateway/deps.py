@@ -15,7 +15,7 @@ from typing import Annotated
 from fastapi import Depends, Request
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from lockgate.gateway.auth import admin_principal, tenant_principal
+from lockgate.gateway.caller import admin_principal, tenant_principal
 from lockgate.gateway.errors import APIError, database_unavailable, is_database_down
 from lockgate.gateway.model_directory import ModelDirectory
 from lockgate.gateway.state import AppState, app_state

@@ -18,7 +18,7 @@ from lockgate.engine.outputs import RequestOutput
 from lockgate.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from lockgate.engine.pool.client import Pool
+    from lockgate.engine.pool.replica import Pool
 
 logger = logging.getLogger(__name__)
 
