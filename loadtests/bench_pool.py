@@ -65,10 +65,9 @@ class RoundRobin:
 
 
 async def _routing(pool: Any, model_dir: str, tenants: int, per_tenant: int, prefix: int) -> dict:
-    from lockgate.engine import PoolEngine
     from lockgate.loadtests.workload import prompts_for
 
-    engine = PoolEngine(pool, "a")
+    engine = pool.for_model("a")
     systems = prompts_for(model_dir, [prefix] * tenants, seed=secrets.randbelow(10**6))
     tails = prompts_for(model_dir, [16] * (tenants * per_tenant), seed=secrets.randbelow(10**6))
     jobs = [(f"t{k}", systems[k] + tails[k * per_tenant + j])
@@ -88,10 +87,9 @@ async def _routing(pool: Any, model_dir: str, tenants: int, per_tenant: int, pre
 
 
 async def _two_models(pool: Any, dirs: dict[str, str], n: int) -> float:
-    from lockgate.engine import PoolEngine
     from lockgate.loadtests.workload import prompts_for
 
-    engines = {m: PoolEngine(pool, m) for m in dirs}
+    engines = {m: pool.for_model(m) for m in dirs}
     prompts = {m: prompts_for(d, [24] * n, seed=3) for m, d in dirs.items()}
     t0 = time.perf_counter()
     sem = asyncio.Semaphore(4)
@@ -114,7 +112,7 @@ def bench_pool(*, repeats: int = 3, tenants: int = 4, per_tenant: int = 8, prefi
     import ray
     from ray.cluster_utils import Cluster
 
-    from lockgate.engine import AsyncEngine, Pool, PoolConfig, PoolEngine
+    from lockgate.engine import AsyncEngine, Pool, PoolConfig
     from lockgate.engine.config import EngineConfig
     from lockgate.engine.model_pool import ModelPool
     from lockgate.loadtests.workload import demo_dir, prompts_for
@@ -171,7 +169,7 @@ def bench_pool(*, repeats: int = 3, tenants: int = 4, per_tenant: int = 8, prefi
         ids = prompts_for(dirs["a"], [16] * latency_requests, seed=9)
         lat: dict[str, list[float]] = {"embedded": [], "pooled": []}
         for _ in range(repeats):
-            for side, eng in (("embedded", local), ("pooled", PoolEngine(pool, "a"))):
+            for side, eng in (("embedded", local), ("pooled", pool.for_model("a"))):
                 ts = sorted([(await _one(eng, p, f"l{secrets.token_hex(4)}", "t", 2))[0] for p in ids])
                 lat[side].append(percentile(ts, 50) * 1e3)
         await local.shutdown()

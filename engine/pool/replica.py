@@ -46,7 +46,7 @@ class PoolConfig:
 
 
 class Pool:
-    """The workers as this replica sees them; one per process, shared by its PoolEngines."""
+    """The workers as this replica sees them; one per process, shared by its models' bindings."""
 
     def __init__(self, config: PoolConfig) -> None:
         self.config = config
