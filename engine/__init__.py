@@ -1,13 +1,14 @@
 """Lockgate's inference engine: paged KV cache, continuous batching, chunked prefill.
 
 The public face, and all a server imports (tests/gateway/test_imports.py holds the gateway
-to it): the engine (`AsyncEngine`, a `ModelView` of one of its models, `LLM` for offline
-batches) behind the `EngineClient` / `EngineAdmin` protocols and their `RequestStream`;
+to it): the engines (`AsyncEngine` in this process, a Ray `Pool` of workers, `LLM` for
+offline batches), each model of one bound as a `ServedEngine` by a `ModelBinding`, behind
+the `EngineClient` / `EngineAdmin` protocols and their `RequestStream`;
 requests (`SamplingParams`, `StructuredOutputsParams`, `LoRARequest`), outputs, stats and
 errors; the grammar compiler structured outputs share (`grammar_compiler`); the model
 directory's own `ModelConfig` and `Tokenizer`; and the model tools the command line runs
 (`write_demo_model`, `write_demo_adapter`, `quantize_model`). Everything else in
-`engine.*` is the engine's inside.
+`lockgate.engine.*` is the engine's inside.
 """
 
 if not __name__.startswith("lockgate."):
@@ -16,7 +17,16 @@ if not __name__.startswith("lockgate."):
     raise ImportError(f"{__name__!r} is part of Lockgate: import it as 'lockgate.{__name__}'")
 
 from lockgate.engine.async_engine import AsyncEngine
-from lockgate.engine.client import EngineAdmin, EngineClient, Prompt, RequestStream, ServedEngine
+from lockgate.engine.binding import ModelBinding
+from lockgate.engine.client import (
+    EngineAdmin,
+    EngineClient,
+    ModelEngine,
+    Prompt,
+    RequestStream,
+    ServedEngine,
+    SubmitOptions,
+)
 from lockgate.engine.config import EngineConfig, ModelConfig
 from lockgate.engine.demo_model import write_demo_model
 from lockgate.engine.errors import (
@@ -34,9 +44,8 @@ from lockgate.engine.grammar import CompiledGrammar, GrammarCompiler, grammar_co
 from lockgate.engine.llm import LLM
 from lockgate.engine.lora import Adapter, LoRARequest
 from lockgate.engine.lora_demo import parse_targets, write_demo_adapter
-from lockgate.engine.model_view import ModelView
 from lockgate.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from lockgate.engine.pool import Pool, PoolConfig, PoolEngine
+from lockgate.engine.pool import Pool, PoolConfig
 from lockgate.engine.quant.quantize import QuantizeSpec, default_group_size, quantize_model
 from lockgate.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from lockgate.engine.stats import (
@@ -50,17 +59,17 @@ from lockgate.engine.stats import (
     QueueBounds,
     QueueStats,
     TenantClassStats,
+    WorkerPoolStats,
 )
 from lockgate.engine.tokenizer import Tokenizer
 
 __all__ = [
     "LLM", "Adapter", "AdapterInUse", "AsyncEngine", "CompiledGrammar", "CompletionOutput", "CostModelStats",
     "EngineAdmin", "EngineClient", "EngineConfig", "EngineDead", "EngineError", "EngineOverloaded", "EngineStats",
-    "GrammarCompiler", "GrammarError", "InvalidRequest",
-    "KVStats", "LoRAError", "LoRARequest", "LoRAStats", "Logprob", "ModelConfig", "ModelView", "OverloadStats",
-    "Pool", "PoolConfig", "PoolEngine",
-    "PoolStats", "PooledModelStats", "Prompt", "PromptTooLong", "QuantizeSpec", "QueueBounds", "QueueStats",
-    "RequestMetrics", "RequestOutput", "RequestStream", "SamplingParams", "ServedEngine", "StructuredOutputsParams",
-    "TenantClassStats", "Tokenizer", "UnknownModel", "default_group_size", "grammar_compiler", "parse_targets",
-    "quantize_model", "write_demo_adapter", "write_demo_model",
+    "GrammarCompiler", "GrammarError", "InvalidRequest", "KVStats", "LoRAError", "LoRARequest", "LoRAStats",
+    "Logprob", "ModelBinding", "ModelConfig", "ModelEngine", "OverloadStats", "Pool", "PoolConfig", "PoolStats",
+    "PooledModelStats", "Prompt", "PromptTooLong", "QuantizeSpec", "QueueBounds", "QueueStats", "RequestMetrics",
+    "RequestOutput", "RequestStream", "SamplingParams", "ServedEngine", "StructuredOutputsParams", "SubmitOptions",
+    "TenantClassStats", "Tokenizer", "UnknownModel", "WorkerPoolStats", "default_group_size", "grammar_compiler",
+    "parse_targets", "quantize_model", "write_demo_adapter", "write_demo_model",
 ]

@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from lockgate.engine.admission import Admission, Queued
+from lockgate.engine.binding import ModelBinding
 from lockgate.engine.client import EngineAdmin, EngineClient, Prompt, RequestStream
 from lockgate.engine.config import EngineConfig, ModelConfig
 from lockgate.engine.cost_model import StepShape
@@ -26,7 +27,6 @@ from lockgate.engine.errors import EngineDead, EngineOverloaded, InvalidRequest,
 from lockgate.engine.llm import to_token_ids
 from lockgate.engine.lora import Adapter, LoRARequest
 from lockgate.engine.model_pool import ModelPool, make_core
-from lockgate.engine.model_view import ModelView
 from lockgate.engine.outputs import RequestOutput
 from lockgate.engine.request import EngineRequest
 from lockgate.engine.sampling_params import SamplingParams
@@ -165,10 +165,10 @@ class AsyncEngine(EngineClient, EngineAdmin):
             lora.remove(req.lora_int_id)
         return True
 
-    def for_model(self, name: str) -> ModelView:
-        """A view of one of the engine's models (see ModelView)."""
+    def for_model(self, name: str) -> ModelBinding:
+        """One of the engine's models as a `ServedEngine` of its own (see ModelBinding)."""
         self._core.core_for(name)   # UnknownModel if it is not served
-        return ModelView(self, name)
+        return ModelBinding(self, name)
 
     def core_for_model(self, name: str | None) -> EngineCore:
         """The core serving model `name` (None: the default); UnknownModel if none does."""
@@ -191,6 +191,15 @@ class AsyncEngine(EngineClient, EngineAdmin):
             overload = self._admission.stats()
             stats = self._stats
         return dataclasses.replace(stats, overload=overload)
+
+    def model_stats(self, model: str) -> EngineStats:
+        """One model's stats, with the engine's queue (`overload`: one for every model), the
+        pool of models and this model's residency in it; an engine of one model: its stats."""
+        s = self.stats()
+        if s.pool is None:
+            return s
+        own = s.by_model.get(model, EngineStats())
+        return dataclasses.replace(own, overload=s.overload, pool=s.pool, residency=s.pool.models.get(model))
 
     # -- requests ---------------------------------------------------------------------------
     async def generate(

@@ -1,16 +1,19 @@
 """The engine's face to a server: `EngineClient` (submit a request and read its stream of
-outputs, abort, stats, readiness) and `EngineAdmin` (life cycle, adapters, tenant weights).
+outputs, abort, stats, readiness) and `EngineAdmin` (life cycle, adapters, tenant weights);
+`ServedEngine`, both, is what a server holds for each model it serves.
 
-`AsyncEngine`, a `ModelView` of one of its models and the gateway benchmark's instant
-engine implement both. Tokenizers, chat templates and context limits are not part of the
-face: a server reads them from the model directory (`ModelConfig`, `Tokenizer`).
+A `ModelEngine` serves several models (and their adapters), each request naming its model:
+`AsyncEngine` in this process, a Ray `Pool` of workers. A `ModelBinding`
+(engine/binding.py) binds one of its models, or one adapter, as a `ServedEngine`.
+Tokenizers, chat templates and context limits are not part of the face: a server reads
+them from the model directory (`ModelConfig`, `Tokenizer`).
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, TypedDict, Unpack, runtime_checkable
 
 from lockgate.engine.outputs import RequestOutput
 
@@ -20,6 +23,20 @@ if TYPE_CHECKING:
     from lockgate.engine.stats import EngineStats
 
 Prompt = str | list[int] | dict[str, Any]
+
+
+class SubmitOptions(TypedDict, total=False):
+    """A request's placement in the engine, as `submit` takes it by keyword: its tenant (the
+    fairness and cache-isolation key), service class and priority within the tenant, the
+    model or adapter it runs on (None: the engine's default), its cache salt, and whether a
+    queued request may be shed for more urgent work (see engine/admission.py)."""
+
+    tenant: str
+    service_class: str
+    priority: int
+    model: str | None
+    cache_salt: str | None
+    sheddable: bool
 
 
 class RequestStream:
@@ -72,19 +89,8 @@ class RequestStream:
 class EngineClient(Protocol):
     """Requests in, streams out."""
 
-    def submit(
-        self,
-        prompt: Prompt,
-        sampling_params: SamplingParams,
-        request_id: str,
-        *,
-        tenant: str = "default",
-        service_class: str = "online",
-        priority: int = 0,
-        model: str | None = None,
-        cache_salt: str | None = None,
-        sheddable: bool = True,
-    ) -> RequestStream:
+    def submit(self, prompt: Prompt, sampling_params: SamplingParams, request_id: str,
+               **options: Unpack[SubmitOptions]) -> RequestStream:
         """Queue a request now and return its stream. Raises at once, with nothing queued:
         InvalidRequest (its `field`; PromptTooLong, UnknownModel, LoRAError among them),
         EngineOverloaded (the queue is full), EngineDead (not running)."""
@@ -137,3 +143,12 @@ class EngineAdmin(Protocol):
 @runtime_checkable
 class ServedEngine(EngineClient, EngineAdmin, Protocol):
     """Both faces: what a server holds for each model it serves."""
+
+
+@runtime_checkable
+class ModelEngine(EngineClient, EngineAdmin, Protocol):
+    """An engine of several models: `submit(..., model=name)` picks one (or an adapter),
+    `add_lora` takes the adapter's base model from `lora_request.base_model_name`, and
+    `model_stats(name)` is one model's share of `stats()`."""
+
+    def model_stats(self, model: str) -> EngineStats: ...

@@ -114,6 +114,10 @@ class Scheduler:
     def cost(self, model: StepCostModel) -> None:
         self.sizer.cost = model
 
+    def class_active(self, rank: int) -> bool:
+        """Whether the class of rank `rank` has work (step sizing's `QueueView`)."""
+        return bool(self.fair.active[rank])
+
     def key(self, seq: Sequence) -> tuple:
         """Urgency, smallest first: under `priority` (class, tenant's counter, priority,
         arrival, sample); under `fcfs` (arrival, sample)."""

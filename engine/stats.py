@@ -113,6 +113,17 @@ class PoolStats:
 
 
 @dataclass(slots=True)
+class WorkerPoolStats:
+    """A Ray pool's workers as the gateway replica sees them: each worker's latest report
+    (`down`, `restarts`, its models, queue and KV use) and the placement (which workers serve
+    which model, and the placement's recent decisions with their reasons)."""
+
+    workers: dict[str, dict[str, Any]] = field(default_factory=dict)
+    assigned: dict[str, list[str]] = field(default_factory=dict)
+    decisions: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
 class EngineStats:
     """One model's engine (or, for a pool, the totals over its models)."""
 
@@ -135,6 +146,7 @@ class EngineStats:
     pool: PoolStats | None = None                # the pool the model is in
     residency: PooledModelStats | None = None    # a pooled model's own row in `pool`
     by_model: dict[str, EngineStats] = field(default_factory=dict)   # a pool's: each model's
+    workers: WorkerPoolStats | None = None       # served by a Ray pool: its workers and placement
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -23,20 +23,31 @@ such a class computes no prefill in a step where a more urgent class does.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from lockgate.engine.config import EngineConfig
 from lockgate.engine.cost_model import StepCostModel, StepShape
 from lockgate.engine.request import Sequence
-
-if TYPE_CHECKING:
-    from lockgate.engine.scheduler import Scheduler
 
 # less urgent prefill per step while the cost model has not yet seen enough steps to predict
 FALLBACK_BACKGROUND_PREFILL = 256
 # steps pending less urgent prefill waits, beside decodes that leave it no room, before it
 # gets a background prefill step that it does not fill
 BACKGROUND_PREFILL_WAIT = 4
+
+
+class QueueView(Protocol):
+    """What step sizing reads of its scheduler at the start of a step: the running and
+    waiting sequences, whether admission is paused, which classes (by rank) have work, and
+    whether an adapter is loaded. The Scheduler is one."""
+
+    running: list[Sequence]
+    waiting: list[Sequence]
+    admission_paused: bool
+
+    def class_active(self, rank: int) -> bool: ...
+
+    def lora_ready(self, lora_id: int) -> bool: ...
 
 
 class StepSizer:
@@ -77,7 +88,7 @@ class StepSizer:
     def arrival(self, rank: int) -> None:
         self.last_arrival[rank] = time.monotonic()
 
-    def begin(self, sched: Scheduler) -> None:
+    def begin(self, sched: QueueView) -> None:
         """Reset for a new step of `sched`: find the urgent class, and whether this step is
         the one that gives urgent work its prompt (and so carries no less urgent work)."""
         self.prefill_left = list(self.prefill_cap_by_rank)
@@ -104,7 +115,7 @@ class StepSizer:
         self.steps_since_background = 0 if self.background_prefill_step else self.steps_since_background + 1
         self.skipped_decodes = False
 
-    def _plan_background_prefill(self, sched: Scheduler) -> None:
+    def _plan_background_prefill(self, sched: QueueView) -> None:
         """Make this a background prefill step when the running decodes fill the step-time
         target (no room for a chunk of less urgent prefill beside them) and less urgent
         prefill is pending: the less urgent decodes sit out, their prefill fills the target."""
@@ -144,7 +155,7 @@ class StepSizer:
         self.skip_background_decodes = False
         self.skipped_decodes = False
 
-    def _background_prefill_pending(self, sched: Scheduler) -> int:
+    def _background_prefill_pending(self, sched: QueueView) -> int:
         """Prompt tokens that classes less urgent than the step's urgent one have to compute
         (running prefills, and waiting sequences unless admission is paused)."""
         urgent = self.urgent_rank
@@ -214,11 +225,11 @@ class StepSizer:
             room = max(room, self.block_size)   # background work always moves, a block at least
         return room
 
-    def _urgent_prefill_pending(self, sched: Scheduler) -> bool:
+    def _urgent_prefill_pending(self, sched: QueueView) -> bool:
         """Has the urgent class prompt tokens to compute that can start this step? (A waiting
         sequence whose adapter is still being read, or any while admission is paused, cannot.)"""
         urgent = self.urgent_rank
-        if urgent >= self.num_classes or not any(sched.fair.active[r] for r in range(urgent + 1)):
+        if urgent >= self.num_classes or not any(sched.class_active(r) for r in range(urgent + 1)):
             return False
         if any(s.state.class_rank <= urgent and not s.is_decode for s in sched.running):
             return True
@@ -228,12 +239,12 @@ class StepSizer:
                    and (not s.state.req.lora_id or sched.lora_ready(s.state.req.lora_id))
                    for s in sched.waiting)
 
-    def _urgent_class(self, sched: Scheduler) -> int:
+    def _urgent_class(self, sched: QueueView) -> int:
         """The most urgent class with work in sight: sequences running or waiting, or an
         arrival within `urgent_window_s`."""
         now = time.monotonic()
         for rank in range(self.num_classes):
-            if sched.fair.active[rank] or now - self.last_arrival[rank] <= self.urgent_window_s:
+            if sched.class_active(rank) or now - self.last_arrival[rank] <= self.urgent_window_s:
                 return rank
         return self.num_classes
 

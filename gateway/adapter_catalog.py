@@ -21,7 +21,7 @@ from lockgate.tenancy import adapters
 from lockgate.tenancy.models import new_adapter_id
 
 if TYPE_CHECKING:
-    from lockgate.gateway.state import ModelEntry
+    from lockgate.gateway.model_directory import ModelEntry
 
 logger = logging.getLogger(__name__)
 

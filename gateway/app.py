@@ -6,11 +6,10 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 import logging
 import os
-import re
-import secrets
 import sys
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -18,30 +17,33 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-import anyio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from lockgate.engine import AsyncEngine, PoolEngine
-from lockgate.gateway import admin, batches, metrics_api, openai_api, tokenize_api
+from lockgate.engine import AsyncEngine, ModelBinding, WorkerPoolStats
+from lockgate.gateway import admin, batch_api, metrics_api, openai_api, tokenize_api
 from lockgate.gateway.admin import vllm_lora
+from lockgate.gateway.authenticator import Authenticator
+from lockgate.gateway.background import Background
 from lockgate.gateway.batch_runner import BatchRunner
 from lockgate.gateway.draining import DrainGate
-from lockgate.gateway.errors import APIError, install_error_handlers
-from lockgate.gateway.metrics import CountResponses
+from lockgate.gateway.errors import install_error_handlers
+from lockgate.gateway.metrics import CountResponses, Metrics
 from lockgate.gateway.model_catalog import read_catalog
+from lockgate.gateway.model_directory import ModelDirectory, ModelEntry
 from lockgate.gateway.openapi import install_openapi
 from lockgate.gateway.reconciler import reconcile_once
+from lockgate.gateway.request_context import RequestContext
 from lockgate.gateway.settings import Settings, parse_model_specs
-from lockgate.gateway.state import AppState, Lifecycle, ModelEntry
+from lockgate.gateway.state import AppState, Lifecycle
+from lockgate.gateway.tokenize_pool import TokenizePool
 from lockgate.tenancy import api_keys, db, keys, tenants
 from lockgate.tenancy.limiter import FailoverLimiter, InProcessLimiter, Limiter, RedisLimiter
+from lockgate.tenancy.usage.refusals import RefusalCounter
 from lockgate.tenancy.usage.writer import UsageWriter
 
 logger = logging.getLogger(__name__)
 
-_REQUEST_ID = re.compile(r"^[\x21-\x7e]{1,128}$")
 DEMO_MODEL = "demo"
 EngineFactory = Callable[..., Any]     # (model_dir, **engine_kwargs) -> an engine
 
@@ -50,100 +52,6 @@ class SchemaBehind(RuntimeError):
     """The configured database is not at the migrations' head."""
 
 
-# -- middleware (plain ASGI: streaming responses pass straight through) ------------------------------
-class RequestContext:
-    """Gives every response an `x-request-id` (the client's own when it sent a sane one) and
-    refuses bodies over `max_body_bytes` with 413 before any route reads them (on the
-    `Content-Length` alone when there is one). Uploads to `/v1/files` have their own limit,
-    `max_upload_bytes` (a file and its multipart framing)."""
-
-    UPLOAD_PATHS = frozenset({"/v1/files"})
-
-    def __init__(self, app: ASGIApp, max_body_bytes: int, linger_s: float = 5.0,
-                 max_upload_bytes: int | None = None) -> None:
-        self.app = app
-        self.max_body = max_body_bytes
-        self.max_upload = max_upload_bytes or max_body_bytes
-        self.linger_s = linger_s
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        headers = dict(scope.get("headers") or [])
-        rid = headers.get(b"x-request-id", b"").decode("latin-1")
-        if not _REQUEST_ID.match(rid):
-            rid = "req_" + secrets.token_hex(12)
-        scope.setdefault("state", {})["request_id"] = rid
-        rid_header = (b"x-request-id", rid.encode())
-
-        async def send_with_id(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                message["headers"] = [*message.get("headers", []), rid_header]
-            await send(message)
-
-        length = headers.get(b"content-length")
-        limit = self.max_upload if scope.get("path") in self.UPLOAD_PATHS else self.max_body
-        too_big = False
-        if length is not None:
-            try:
-                too_big = int(length) > limit
-            except ValueError:
-                too_big = True
-        body_chunks: list[bytes] | None = None
-        if not too_big and scope["method"] in ("POST", "PUT", "PATCH") and length is None:
-            # chunked upload: read it here, within the limit, then replay it
-            body_chunks, size = [], 0
-            while True:
-                msg = await receive()
-                if msg["type"] == "http.disconnect":
-                    return
-                chunk = msg.get("body", b"")
-                size += len(chunk)
-                if size > limit:
-                    too_big = True
-                    break
-                body_chunks.append(chunk)
-                if not msg.get("more_body"):
-                    break
-        if too_big:
-            await self.refuse_too_large(receive, send_with_id, limit)
-            return
-        if body_chunks is not None:
-            body = b"".join(body_chunks)
-            replayed = False
-
-            async def replay() -> Message:
-                nonlocal replayed
-                if not replayed:
-                    replayed = True
-                    return {"type": "http.request", "body": body, "more_body": False}
-                return await receive()
-
-            await self.app(scope, replay, send_with_id)
-            return
-        await self.app(scope, receive, send_with_id)
-
-
-    async def refuse_too_large(self, receive: Receive, send: Send, limit: int) -> None:
-        """413 at once and whole (its length given), then the rest of the upload read and
-        dropped for up to `linger_s` before the connection is closed: closing under a client
-        still sending would reset the connection, and the client would never read the 413."""
-        body = APIError(413, f"The request body exceeds {limit} bytes.",
-                        code="request_too_large").response().body
-        await send({"type": "http.response.start", "status": 413, "headers": [
-            (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-            (b"connection", b"close")]})
-        await send({"type": "http.response.body", "body": body, "more_body": True})
-        with anyio.move_on_after(self.linger_s):
-            while True:
-                message = await receive()
-                if message["type"] != "http.request" or not message.get("more_body"):
-                    break
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-
-# -- start-up ----------------------------------------------------------------------------------------
 def show_secret(settings: Settings, name: str, label: str, secret: str,
                 hint: Callable[[str], str] | None = None) -> None:
     """Shown once: on the terminal (outside logging); or, when stdout is not one, the bare
@@ -194,11 +102,11 @@ async def load_models(s: Settings, engine_factory: EngineFactory) -> dict[str, M
     unknown = private - set(specs)
     if unknown:
         raise ValueError(f"private_models: {sorted(unknown)} are not served models")
-    engines: dict[str, Any]
+    engines: dict[str, ModelBinding]
     if s.pool:
         # workers on Ray, each serving every model under its budget; placement and routing
         # decide which worker runs which request
-        from lockgate.engine import Pool, PoolConfig, PoolEngine
+        from lockgate.engine import Pool, PoolConfig
 
         pool = Pool(PoolConfig(address=s.pool, models={n: str(p) for n, p in specs.items()},
                                engine_kwargs={**({"memory_budget": s.memory_budget} if s.memory_budget else {}),
@@ -207,7 +115,7 @@ async def load_models(s: Settings, engine_factory: EngineFactory) -> dict[str, M
                                threads=s.pool_threads, call_timeout_s=s.pool_call_timeout_s,
                                owner_ttl_s=s.lease_ttl_s))
         await pool.start()
-        engines = {name: PoolEngine(pool, name) for name in specs}
+        engines = {name: pool.for_model(name) for name in specs}
     elif s.shared_engine and len(specs) > 1:
         # one engine, one memory budget: the models take turns on the device by demand
         (first, first_path), *rest = specs.items()
@@ -219,8 +127,9 @@ async def load_models(s: Settings, engine_factory: EngineFactory) -> dict[str, M
     else:
         engines = {}
         for name, path in specs.items():
-            engines[name] = engine_factory(str(path), **s.lora_engine_kwargs())
-            await engines[name].start()
+            engine = engine_factory(str(path), served_model_name=name, **s.lora_engine_kwargs())
+            await engine.start()
+            engines[name] = ModelBinding(engine, name)
     # tokenizers, chat templates (their renderers loaded now, not on the first request) and
     # context lengths, from the model directories: the gateway's own, not the engine's
     infos = await read_catalog(specs, max_model_len=s.lora_engine_kwargs().get("max_model_len"))
@@ -264,7 +173,7 @@ async def bootstrap_keys(state: AppState) -> None:
         while True:
             page = await tenants.list_tenants(session, limit=500, after=after)
             for t in page:
-                state.push_weight(t.id, t.weight)
+                state.models.push_weight(t.id, t.weight)
             if len(page) < 500:
                 break
             after = page[-1].id
@@ -324,6 +233,64 @@ def database_engine(s: Settings, url: str) -> Any:
     return db.make_engine(url, pool_timeout=t, connect_args={"timeout": t, "command_timeout": t})
 
 
+def build_state(s: Settings, entries: dict[str, ModelEntry], database: Any, sessions: Any, limiter: Limiter,
+                usage: UsageWriter, pepper: bytes, lifecycle: Lifecycle) -> AppState:
+    """The services, built at once from the parts `lifespan` started."""
+    background = Background()
+    models = ModelDirectory(entries, sessions, s.resolved_adapter_root(), s.adapter_cache_ttl_s)
+    return AppState(
+        settings=s, models=models, db=database, sessions=sessions, limiter=limiter, usage=usage,
+        auth=Authenticator(sessions, pepper, s.key_cache_ttl_s, background), lifecycle=lifecycle,
+        background=background, metrics=Metrics(models.engine_stats),
+        # its worker processes start on the first large prompt, never at start-up
+        tokenize=TokenizePool(workers=s.tokenizer_workers, inline_chars=s.tokenizer_inline_chars),
+        refusals=RefusalCounter(sessions, interval_s=s.refusal_flush_interval_s, timeout_s=s.database_timeout_s,
+                                max_buckets=s.refusal_max_buckets))
+
+
+async def start_serving(state: AppState) -> tuple[BatchRunner, list[asyncio.Task[None]]]:
+    """What a built state starts before the first request: metrics of the pool and the
+    limiter, the bootstrap keys, the refusal counts' flushes and the background loops."""
+    pooled = [m for m in state.models.values() if m.engine.stats().workers is not None]
+    if pooled:
+        engine = pooled[0].engine     # one pool serves every model: its workers once
+        state.metrics.watch_pool(lambda: dataclasses.asdict(engine.stats().workers or WorkerPoolStats()))
+    limiter = state.limiter
+    if isinstance(limiter, FailoverLimiter):
+        state.metrics.watch_limiter(lambda: limiter.counts)
+    await bootstrap_keys(state)
+    state.refusals.start()     # 429 counts to the database every refusal_flush_interval_s
+    loop = asyncio.get_running_loop()
+    runner = BatchRunner(state)
+    tasks = [loop.create_task(heartbeat(state)), loop.create_task(reconciler(state)),
+             loop.create_task(state.models.adapters.watch()), loop.create_task(runner.run())]
+    return runner, tasks
+
+
+async def stop_serving(state: AppState | None, runner: BatchRunner | None, tasks: list[asyncio.Task[None]],
+                       lifecycle: Lifecycle, grace_s: float) -> None:
+    for task in tasks:
+        task.cancel()
+    if runner is not None:
+        await runner.stop()      # batch lines in flight abandoned, the batches handed back
+    if state is not None:
+        await state.background.wait()
+        await state.tokenize.close()
+    # runs still open (a shutdown without the server's drain) are cut and write their rows
+    # before the writer closes
+    await lifecycle.drain(0, grace_s)
+    if state is not None:
+        await state.refusals.close()     # the last 429 counts, within database_timeout_s
+
+
+def usage_writer(s: Settings, sessions: Any) -> UsageWriter:
+    # rows the database cannot take (down, or no answer within database_timeout_s) are
+    # spooled under the data directory and replayed once it is back
+    return UsageWriter(sessions, max_batch=s.usage_batch_max, max_delay_s=s.usage_batch_delay_s,
+                       synchronous_commit=s.usage_synchronous_commit, spool_dir=s.data_dir / "usage-spool",
+                       timeout_s=s.database_timeout_s, replay_interval_s=s.usage_replay_interval_s)
+
+
 @asynccontextmanager
 async def lifespan(app: FastAPI, settings: Settings, engine_factory: EngineFactory) -> AsyncIterator[None]:
     """Build the parts (database, pepper, limiter, usage writer, models), then the `AppState`
@@ -332,38 +299,21 @@ async def lifespan(app: FastAPI, settings: Settings, engine_factory: EngineFacto
     lifecycle: Lifecycle = app.state.lifecycle
     s.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     s.resolved_adapter_root().mkdir(parents=True, exist_ok=True)
-    url = await prepare_database(s)
-    database = database_engine(s, url)
+    database = database_engine(s, await prepare_database(s))
     sessions = db.make_sessionmaker(database)
     pepper = load_pepper(s)
     limiter = make_limiter(s)
-    # rows the database cannot take (down, or no answer within database_timeout_s) are
-    # spooled under the data directory and replayed once it is back
-    usage = UsageWriter(sessions, max_batch=s.usage_batch_max, max_delay_s=s.usage_batch_delay_s,
-                        synchronous_commit=s.usage_synchronous_commit,
-                        spool_dir=s.data_dir / "usage-spool", timeout_s=s.database_timeout_s,
-                        replay_interval_s=s.usage_replay_interval_s)
+    usage = usage_writer(s, sessions)
     await usage.start()
-    models: dict[str, ModelEntry] = {}
+    entries: dict[str, ModelEntry] = {}
     state: AppState | None = None
     runner: BatchRunner | None = None
     tasks: list[asyncio.Task[None]] = []
     try:
-        models = await load_models(s, engine_factory)
-        state = AppState(settings=s, models=models, db=database, sessions=sessions,
-                         limiter=limiter, usage=usage, pepper=pepper, lifecycle=lifecycle)
+        entries = await load_models(s, engine_factory)
+        state = build_state(s, entries, database, sessions, limiter, usage, pepper, lifecycle)
         app.state.lockgate = state
-        pools = {id(m.engine.pool): m.engine.pool for m in models.values() if isinstance(m.engine, PoolEngine)}
-        for pool in pools.values():
-            state.metrics.watch_pool(pool.snapshot)
-        if isinstance(limiter, FailoverLimiter):
-            state.metrics.watch_limiter(lambda: limiter.counts)
-        await bootstrap_keys(state)
-        state.refusals.start()     # 429 counts to the database every refusal_flush_interval_s
-        loop = asyncio.get_running_loop()
-        runner = BatchRunner(state)
-        tasks = [loop.create_task(heartbeat(state)), loop.create_task(reconciler(state)),
-                 loop.create_task(state.adapters.watch()), loop.create_task(runner.run())]
+        runner, tasks = await start_serving(state)
         # Everything made so far (torch, transformers, the models' tables: hundreds of
         # thousands of objects) lives as long as the server. Frozen, the cyclic GC stops
         # walking it: otherwise each full collection stalls every request and engine step.
@@ -375,21 +325,10 @@ async def lifespan(app: FastAPI, settings: Settings, engine_factory: EngineFacto
         gc.unfreeze()     # what this app made may be collected once it stops
         lifecycle.ready = False
         lifecycle.draining = True
-        for task in tasks:
-            task.cancel()
-        if runner is not None:
-            await runner.stop()      # batch lines in flight abandoned, the batches handed back
-        if state is not None:
-            await state.wait_background()
-            await state.close()
-        # runs still open (a shutdown without the server's drain) are cut and write their rows
-        # before the writer closes
-        await lifecycle.drain(0, s.shutdown_grace_s)
-        if state is not None:
-            await state.refusals.close()     # the last 429 counts, within database_timeout_s
+        await stop_serving(state, runner, tasks, lifecycle, s.shutdown_grace_s)
         await usage.close()
         await limiter.close()
-        for m in models.values():
+        for m in entries.values():
             await m.engine.shutdown()
         await database.dispose()
 
@@ -406,7 +345,7 @@ def create_app(settings: Settings | None = None, engine_factory: EngineFactory =
     app.state.lifecycle = Lifecycle()
     install_error_handlers(app)
     app.include_router(openai_api.router)
-    app.include_router(batches.router)
+    app.include_router(batch_api.router)
     app.include_router(admin.router)
     app.include_router(vllm_lora.router)          # vLLM's adapter routes, admin keys only
     app.include_router(tokenize_api.router)       # vLLM's /tokenize and /detokenize

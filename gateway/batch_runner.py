@@ -29,18 +29,21 @@ import time
 from datetime import UTC, datetime
 from typing import Any
 
-from pydantic import BaseModel
-
-from lockgate.gateway.admission import Ticket
+from lockgate.gateway.batch_line import BatchLineRun
 from lockgate.gateway.errors import APIError
-from lockgate.gateway.jobs import RunCut
-from lockgate.gateway.openai_api import chat_job, completion_job, open_body
 from lockgate.gateway.protocol import (
     UNSUPPORTED_CHAT,
     UNSUPPORTED_COMPLETION,
     ChatCompletionRequest,
     CompletionRequest,
+    SamplingBody,
 )
+from lockgate.gateway.serving.chat import chat_job
+from lockgate.gateway.serving.completion import completion_job
+from lockgate.gateway.serving.prepare import prepare
+from lockgate.gateway.serving.run import Job, JobMaker
+from lockgate.gateway.serving.ticket import Ticket
+from lockgate.gateway.serving.tiers import RunCut
 from lockgate.gateway.state import AppState
 from lockgate.gateway.tokenize_pool import TokenizerError
 from lockgate.tenancy import batches as store
@@ -51,7 +54,7 @@ from lockgate.tenancy.usage.writer import UsageRow
 
 logger = logging.getLogger(__name__)
 
-ENDPOINTS: dict[str, tuple[type[BaseModel], tuple[str, ...], Any]] = {
+ENDPOINTS: dict[str, tuple[type[SamplingBody], tuple[str, ...], JobMaker]] = {
     "/v1/chat/completions": (ChatCompletionRequest, UNSUPPORTED_CHAT, chat_job),
     "/v1/completions": (CompletionRequest, UNSUPPORTED_COMPLETION, completion_job),
 }
@@ -316,9 +319,9 @@ class BatchRunner:
         async with self.slots:
             ticket = Ticket(self.state, principal, request_id, time.time(), None, count_refusals=False)
             try:
-                req, entry, tier = await open_body(self.state, principal, ln.body or {}, model, unsupported,
-                                                   tier="flex")
-                job = await make_job(ticket, req, entry, tier)
+                req, entry, tier = await prepare(self.state.models, s, principal, ln.body or {}, model, unsupported,
+                                                 tier="flex")
+                job = await make_job(s, self.state.tokenize, req, entry)
             except TokenizerError as exc:
                 raise Retry(f"tokenizer busy: {exc}", 1.0, paused=False) from None
             except APIError as exc:
@@ -326,8 +329,7 @@ class BatchRunner:
                     raise Retry(exc.message, retry_after(exc, s.batch_pause_poll_s), paused=False) from None
                 await self._refused(batch, ln, exc, request_id)
                 return
-            run = job.run
-            run.batch_id = batch.id
+            run = BatchLineRun(ticket, entry, tier, job.inputs, batch.id)
             run.client_request_id = ln.custom_id[:128] if ln.custom_id else None
             try:
                 await run.admit()
@@ -338,12 +340,10 @@ class BatchRunner:
                                 paused=exc.status == 429) from None
                 await self._refused(batch, ln, exc, request_id)
                 return
-            await self._run(batch, ln, job, req.model, tier, request_id)
+            await self._run(batch, ln, job, run, req.model, request_id)
 
-    async def _run(self, batch: Batch, ln: BatchLine, job: Any, model: str, tier: str, request_id: str) -> None:
-        run = job.run
-
-        run.abandon_on_submit_error = True      # a refusal at submit ran nothing: no row, not counted
+    async def _run(self, batch: Batch, ln: BatchLine, job: Job, run: BatchLineRun, model: str,
+                   request_id: str) -> None:
         try:
             try:
                 await run.submit(sheddable=False)
@@ -377,7 +377,7 @@ class BatchRunner:
             raise
 
         def answer() -> dict:
-            return {"status_code": 200, "request_id": request_id, "body": job.body(model, tier)}
+            return {"status_code": 200, "request_id": request_id, "body": job.body(run, model, run.tier)}
 
         written = await asyncio.shield(run.finish_recorded("ok", self._recorder(batch, ln, 200, answer, request_id)))
         if not written:

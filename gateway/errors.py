@@ -12,6 +12,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from sqlalchemy.exc import DBAPIError, OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 logger = logging.getLogger(__name__)
@@ -109,3 +110,18 @@ def install_error_handlers(app: FastAPI) -> None:
         logger.exception("unhandled error on %s %s", request.method, request.url.path)
         return APIError(500, "The server had an error while processing your request.",
                         code="internal_error").response()
+
+
+def database_unavailable() -> APIError:
+    """The one 503 for a database that does not answer."""
+    return APIError(503, "The database is unavailable; retry shortly.", code="database_unavailable",
+                    headers={"retry-after": "2"})
+
+
+def is_database_down(exc: BaseException) -> bool:
+    """A database that is down or does not answer (refused or dropped connections, a bounded
+    wait run out), not a statement it refused."""
+    if isinstance(exc, (OperationalError, OSError, TimeoutError)):
+        return True
+    return isinstance(exc, DBAPIError) and (exc.connection_invalidated
+                                            or isinstance(exc.orig, (OSError, TimeoutError)))

@@ -10,7 +10,7 @@ import hmac
 from fastapi import APIRouter, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from lockgate.gateway.auth import admin_principal, bearer
+from lockgate.gateway.caller import admin_principal, bearer
 from lockgate.gateway.deps import StateDep
 from lockgate.gateway.errors import APIError
 from lockgate.gateway.state import AppState

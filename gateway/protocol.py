@@ -11,7 +11,7 @@ import itertools
 import json
 import logging
 import re
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
@@ -37,6 +37,9 @@ UNSUPPORTED_COMPLETION = ("logit_bias", "suffix", "best_of", "echo")
 
 # neutral values of unsupported completion fields that clients send by default
 _NEUTRAL = {"best_of": (1,), "echo": (False,)}
+
+
+B = TypeVar("B", bound=BaseModel)
 
 
 def refuse_unsupported(body: dict[str, Any], names: tuple[str, ...]) -> None:
@@ -150,7 +153,9 @@ class StructuredOutputsBody(_Strict):
     choice: list[str] | None = None
 
 
-class _Sampling(_Strict):
+class SamplingBody(_Strict):
+    """The sampling fields chat and completions share (OpenAI's and vLLM's)."""
+
     model: str = Field(min_length=1, max_length=256)
     temperature: Float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: Float | None = Field(default=None, gt=0.0, le=1.0)
@@ -199,7 +204,7 @@ class _Sampling(_Strict):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
 
-class ChatCompletionRequest(_Sampling):
+class ChatCompletionRequest(SamplingBody):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: Int | None = Field(default=None, ge=1)
     max_completion_tokens: Int | None = Field(default=None, ge=1)
@@ -219,7 +224,7 @@ class ChatCompletionRequest(_Sampling):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
-class CompletionRequest(_Sampling):
+class CompletionRequest(SamplingBody):
     prompt: str | list[str] | list[Int] | list[list[Int]]
     max_tokens: Int | None = Field(default=16, ge=1)
     logprobs: Int | None = Field(default=None, ge=0, le=5)
@@ -323,7 +328,7 @@ async def read_json(request: Request) -> dict[str, Any]:
     return data
 
 
-def parse(model: type[BaseModel], data: dict[str, Any]) -> Any:
+def parse(model: type[B], data: dict[str, Any]) -> B:
     try:
         return model.model_validate(data)
     except ValidationError as exc:

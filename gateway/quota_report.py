@@ -23,9 +23,9 @@ from typing import Any
 from fastapi import Request
 from pydantic import BaseModel
 
-from lockgate.gateway.admission import key_scope, tenant_scope
-from lockgate.gateway.errors import APIError
-from lockgate.gateway.state import AppState, database_unavailable, is_database_down
+from lockgate.gateway.errors import APIError, database_unavailable, is_database_down
+from lockgate.gateway.serving.ticket import key_scope, tenant_scope
+from lockgate.gateway.state import AppState
 from lockgate.gateway.usage_api import parse_limit, parse_time
 from lockgate.tenancy import api_keys, tenants
 from lockgate.tenancy.errors import Invalid, LimiterUnavailable, NotFound

@@ -100,7 +100,7 @@ class Settings(BaseSettings):
     shared_engine: bool = True
     memory_budget: int | None = None   # bytes for all models of the shared engine (None: all fit)
 
-    # the Batch API (gateway/batches.py, gateway/batch_runner.py)
+    # the Batch API (gateway/batch_api.py, gateway/batch_runner.py)
     max_file_bytes: int = Field(default=64 << 20, ge=1024)     # an uploaded file (POST /v1/files)
     batch_max_lines: int = Field(default=50_000, ge=1)         # requests in one batch's input file
     batch_poll_s: float = Field(default=1.0, gt=0)             # how often a replica looks for batches

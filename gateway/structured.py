@@ -21,11 +21,12 @@ from typing import Any
 from lockgate.engine import GrammarError, InvalidRequest, StructuredOutputsParams, grammar_compiler
 from lockgate.gateway.errors import APIError
 from lockgate.gateway.model_catalog import ModelInfo
+from lockgate.gateway.protocol import SamplingBody
 from lockgate.gateway.settings import Settings
 from lockgate.gateway.tool_calls import ToolPlan, parameters_of
 
 
-def requested(req: Any) -> tuple[StructuredOutputsParams, str] | None:
+def requested(req: SamplingBody) -> tuple[StructuredOutputsParams, str] | None:
     """The constraint the request's structured-output fields ask for, with the field that
     asked; None for none. 400 when two ask, or one is malformed."""
     found: list[tuple[StructuredOutputsParams, str]] = []
@@ -34,9 +35,10 @@ def requested(req: Any) -> tuple[StructuredOutputsParams, str] | None:
         found.append((_spec("response_format", json_object=True), "response_format"))
     elif rf is not None and rf.type == "json_schema":
         param = "response_format.json_schema.schema"
-        if rf.json_schema.schema_ is None:
+        schema = rf.json_schema.schema_ if rf.json_schema is not None else None
+        if schema is None:
             raise APIError(400, f"{param}: required with type json_schema", param=param)
-        found.append((_spec(param, json=rf.json_schema.schema_), param))
+        found.append((_spec(param, json=schema), param))
     if req.guided_json is not None:
         found.append((_spec("guided_json", json=_schema(req.guided_json, "guided_json")), "guided_json"))
     if req.guided_regex is not None:
@@ -50,7 +52,7 @@ def requested(req: Any) -> tuple[StructuredOutputsParams, str] | None:
             raise APIError(400, "structured_outputs: set exactly one of json, regex, choice",
                            param="structured_outputs")
         param = f"structured_outputs.{set_[0]}"
-        value = _schema(so.json_, param) if set_[0] == "json" else getattr(so, set_[0])
+        value = _schema(so.json_, param) if so.json_ is not None else getattr(so, set_[0])
         found.append((_spec(param, **{set_[0]: value}), param))
     if len(found) > 1:
         raise APIError(400, f"{found[1][1]}: cannot be combined with {found[0][1]}", param=found[1][1])
@@ -75,7 +77,7 @@ def _spec(param: str, **kwargs: Any) -> StructuredOutputsParams:
         raise APIError(400, f"{param}: {str(exc).split(': ', 1)[-1]}", param=param) from None
 
 
-async def constraint(settings: Settings, info: ModelInfo, req: Any,
+async def constraint(settings: Settings, info: ModelInfo, req: SamplingBody,
                      plan: ToolPlan | None = None) -> StructuredOutputsParams | None:
     """The request's constraint, checked and compiled (see the module's docstring)."""
     asked = requested(req)

@@ -18,13 +18,13 @@ from typing import Any
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from lockgate.gateway.admission import admitted
 from lockgate.gateway.deps import StateDep, TenantDep
 from lockgate.gateway.errors import APIError
 from lockgate.gateway.model_catalog import ModelInfo
-from lockgate.gateway.openai_api import resolve_model, tokenizer_error
 from lockgate.gateway.openapi import error_responses, json_body
 from lockgate.gateway.protocol import Bool, ChatMessage, Int, parse, read_json
+from lockgate.gateway.serving.prepare import resolve_model, tokenizer_error
+from lockgate.gateway.serving.ticket import admitted
 from lockgate.gateway.state import AppState
 from lockgate.gateway.tokenize_pool import TokenizerError
 from lockgate.gateway.tool_calls import prompt_messages
@@ -86,7 +86,7 @@ async def tokenize_body(state: AppState, info: ModelInfo, req: TokenizeRequest) 
 async def tokenize(request: Request, principal: TenantDep, state: StateDep) -> dict:
     async with admitted(state, principal, request) as ticket:
         req = parse(TokenizeRequest, await read_json(request))
-        entry = await resolve_model(state, principal, req.model)
+        entry = await resolve_model(state.models, principal, req.model)
         info = entry.info
         try:
             ids = await tokenize_body(state, info, req)
@@ -109,7 +109,7 @@ async def tokenize(request: Request, principal: TenantDep, state: StateDep) -> d
 async def detokenize(request: Request, principal: TenantDep, state: StateDep) -> dict:
     async with admitted(state, principal, request) as ticket:
         req = parse(DetokenizeRequest, await read_json(request))
-        info = (await resolve_model(state, principal, req.model)).info
+        info = (await resolve_model(state.models, principal, req.model)).info
         vocab = info.vocab_size
         bad = next((k for k, t in enumerate(req.tokens) if not 0 <= t < vocab), None)
         if bad is not None:

@@ -65,10 +65,9 @@ class RoundRobin:
 
 
 async def _routing(pool: Any, model_dir: str, tenants: int, per_tenant: int, prefix: int) -> dict:
-    from lockgate.engine import PoolEngine
     from lockgate.loadtests.workload import prompts_for
 
-    engine = PoolEngine(pool, "a")
+    engine = pool.for_model("a")
     systems = prompts_for(model_dir, [prefix] * tenants, seed=secrets.randbelow(10**6))
     tails = prompts_for(model_dir, [16] * (tenants * per_tenant), seed=secrets.randbelow(10**6))
     jobs = [(f"t{k}", systems[k] + tails[k * per_tenant + j])
@@ -88,10 +87,9 @@ async def _routing(pool: Any, model_dir: str, tenants: int, per_tenant: int, pre
 
 
 async def _two_models(pool: Any, dirs: dict[str, str], n: int) -> float:
-    from lockgate.engine import PoolEngine
     from lockgate.loadtests.workload import prompts_for
 
-    engines = {m: PoolEngine(pool, m) for m in dirs}
+    engines = {m: pool.for_model(m) for m in dirs}
     prompts = {m: prompts_for(d, [24] * n, seed=3) for m, d in dirs.items()}
     t0 = time.perf_counter()
     sem = asyncio.Semaphore(4)
@@ -145,7 +143,7 @@ async def _compare_latency(make: Callable, dirs: dict[str, str], engine_kwargs: 
                            repeats: int, requests: int) -> dict:
     """3. TTFT p50 of short sequential requests, pooled vs an embedded `AsyncEngine`; each
     side's best."""
-    from lockgate.engine import AsyncEngine, PoolEngine
+    from lockgate.engine import AsyncEngine
     from lockgate.loadtests.workload import prompts_for
 
     pool = await make(1, {"a": dirs["a"]})
@@ -154,7 +152,7 @@ async def _compare_latency(make: Callable, dirs: dict[str, str], engine_kwargs: 
     ids = prompts_for(dirs["a"], [16] * requests, seed=9)
     lat: dict[str, list[float]] = {"embedded": [], "pooled": []}
     for _ in range(repeats):
-        for side, eng in (("embedded", local), ("pooled", PoolEngine(pool, "a"))):
+        for side, eng in (("embedded", local), ("pooled", pool.for_model("a"))):
             ts = sorted([(await _one(eng, p, f"l{secrets.token_hex(4)}", "t", 2))[0] for p in ids])
             lat[side].append(percentile(ts, 50) * 1e3)
     await local.shutdown()

@@ -35,8 +35,6 @@ from typing import Any
 from lockgate.engine import (
     Adapter,
     CompletionOutput,
-    EngineAdmin,
-    EngineClient,
     EngineDead,
     EngineOverloaded,
     EngineStats,
@@ -45,6 +43,7 @@ from lockgate.engine import (
     LoRAError,
     LoRARequest,
     ModelConfig,
+    ModelEngine,
     Prompt,
     RequestMetrics,
     RequestOutput,
@@ -60,7 +59,7 @@ SENTENCE = (" The quick brown fox jumps over the lazy dog, and the gateway answe
             " request at once so that only its own overhead is left to measure.")
 
 
-class InstantEngine(EngineClient, EngineAdmin):
+class InstantEngine(ModelEngine):
     def __init__(self, model: str | Path, *, max_output_tokens: int = 16,
                  per_token_outputs: bool = True, max_model_len: int | None = None,
                  max_waiting_per_class: int = 100_000,
@@ -167,6 +166,10 @@ class InstantEngine(EngineClient, EngineAdmin):
     @property
     def is_ready(self) -> bool:
         return self._loaded
+
+    def model_stats(self, model: str) -> EngineStats:
+        """An engine of one model: its stats."""
+        return self.stats()
 
     def stats(self) -> EngineStats:
         """Requests count as running while their stream is open; nothing waits, no KV."""

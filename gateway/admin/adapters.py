@@ -26,7 +26,7 @@ router = admin_router()
 def _registered(a: Any, state: AppState) -> bool:
     """Whether this replica's engine serves the adapter row `a` now."""
     entry = state.models.get(a.base_model)
-    return entry is not None and state.adapters.is_current(entry.engine, a.name, a.id)
+    return entry is not None and state.models.adapters.is_current(entry.engine, a.name, a.id)
 
 
 def adapter_public(a: Any, state: AppState) -> AdapterPublic:
@@ -64,7 +64,7 @@ async def register_adapter(state: AppState, session: Any, body: AdapterCreate, *
         raise APIError(400, f"base_model: {body.base_model!r} is not served here (served: "
                        f"{', '.join(sorted(state.models))})", param="base_model")
     try:
-        row = await state.adapters.create(session, base, name=body.name, path=body.path,
+        row = await state.models.adapters.create(session, base, name=body.name, path=body.path,
                                           owner_tenant_id=body.owner_tenant_id, actor=actor)
     except AdapterInUse as exc:
         raise in_use_error(exc, body.name) from None
@@ -91,7 +91,7 @@ async def unload_adapter(adapter_id: str, state: StateDep, session: SessionDep) 
     a = await adapter_rows.get_adapter(session, adapter_id)
     entry = state.models.get(a.base_model)
     unloaded = False
-    if entry is not None and state.adapters.is_current(entry.engine, a.name, a.id):
+    if entry is not None and state.models.adapters.is_current(entry.engine, a.name, a.id):
         try:
             unloaded = entry.engine.unload_lora(a.name)
         except LoRAError as exc:
@@ -106,7 +106,7 @@ async def delete_adapter(adapter_id: str, state: StateDep, session: SessionDep,
     other replicas stop serving it within `adapter_cache_ttl_s`."""
     a = await adapter_rows.get_adapter(session, adapter_id)
     try:
-        await state.adapters.delete(session, a, actor=admin.key_id)
+        await state.models.adapters.delete(session, a, actor=admin.key_id)
     except AdapterInUse as exc:
         raise in_use_error(exc, a.name) from None
     return AdapterDeletedPublic(id=adapter_id, name=a.name)

@@ -8,7 +8,7 @@ from typing import Annotated
 from fastapi import Query
 
 from lockgate.gateway.admin.route import admin_router
-from lockgate.gateway.batches import batch_object, batch_page, file_object, page
+from lockgate.gateway.batch_api import batch_object, batch_page, file_object, page
 from lockgate.gateway.deps import SessionDep
 from lockgate.tenancy import batches as store
 

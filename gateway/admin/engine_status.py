@@ -8,7 +8,7 @@ from typing import Any
 
 from fastapi import Request
 
-from lockgate.engine import EngineStats, PoolEngine
+from lockgate.engine import EngineStats
 from lockgate.gateway.admin.route import admin_router
 from lockgate.gateway.state import app_state
 
@@ -46,7 +46,7 @@ def engine_json(s: EngineStats) -> dict:
 async def engine(request: Request) -> dict:
     state = app_state(request)
     out = {}
-    for name, stats in state.engine_stats():
+    for name, stats in state.models.engine_stats():
         out[name] = engine_json(stats)
     return {"object": "engine", "models": out, "inflight_requests": len(state.inflight),
             "draining": state.draining}
@@ -61,9 +61,9 @@ async def models(request: Request) -> dict:
     data = []
     pool = None
     for m in state.models.values():
-        if isinstance(m.engine, PoolEngine):    # the pool's workers, placement and its reasons
-            pool = m.engine.pool.snapshot()
         stats = m.engine.stats() if m.engine.is_ready else EngineStats()
+        if stats.workers is not None:     # a Ray pool's workers, placement and its reasons
+            pool = asdict(stats.workers)
         own = stats.residency
         data.append({
             "id": m.name, "object": "model", "path": str(m.path), "private": m.private,

@@ -52,5 +52,5 @@ async def get_key(key_id: str, session: SessionDep) -> KeyPublic:
 @router.delete("/keys/{key_id}")
 async def revoke_key(key_id: str, state: StateDep, session: SessionDep, admin: AdminDep) -> RevokedPublic:
     await api_keys.revoke_key(session, key_id, actor=admin.key_id)
-    state.keys.invalidate_key_id(key_id)
+    state.auth.keys.invalidate_key_id(key_id)
     return RevokedPublic(id=key_id)

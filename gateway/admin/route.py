@@ -9,7 +9,7 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 from fastapi.routing import APIRoute
 
-from lockgate.gateway.auth import admin_principal
+from lockgate.gateway.caller import admin_principal
 
 
 class AdminRoute(APIRoute):

@@ -27,9 +27,9 @@ router = admin_router()
 
 def _after_tenant_change(state: AppState, t: Any) -> None:
     """Cached principals of the tenant forgotten; its fairness weight pushed to the engines."""
-    state.keys.invalidate_tenant(t.id)
+    state.auth.keys.invalidate_tenant(t.id)
     if t.deleted_at is None:
-        state.push_weight(t.id, t.weight)
+        state.models.push_weight(t.id, t.weight)
 
 
 async def check_model_names(state: AppState, session: Any, names: list[str] | None) -> None:
@@ -94,9 +94,9 @@ async def delete_tenant(tenant_id: str, state: StateDep, session: SessionDep,
     """Soft delete: keys revoked, private adapters deleted (off this replica's engines now,
     unless a request still uses one: then at the next sweep, as on other replicas)."""
     await tenants.delete_tenant(session, tenant_id, actor=admin.key_id)
-    state.keys.invalidate_tenant(tenant_id)
+    state.auth.keys.invalidate_tenant(tenant_id)
     try:
-        await state.adapters.sweep()
+        await state.models.adapters.sweep()
     except Exception:  # any failure, logged: the periodic sweep tries again; the rows are gone
         logger.warning("adapter sweep after deleting tenant %s failed", tenant_id, exc_info=True)
     return DeletedPublic(id=tenant_id, object="tenant")

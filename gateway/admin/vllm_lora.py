@@ -94,7 +94,7 @@ async def unload_lora_adapter(body: UnloadLoRAAdapter, state: StateDep, session:
         raise APIError(404, f"lora_name: no adapter named {body.lora_name!r}", param="lora_name",
                        code="not_found")
     try:
-        await state.adapters.delete(session, row, actor=admin.key_id)
+        await state.models.adapters.delete(session, row, actor=admin.key_id)
     except AdapterInUse as exc:
         raise in_use_error(exc, row.name) from None
     return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")

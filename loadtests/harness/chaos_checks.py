@@ -49,7 +49,7 @@ def lease_key(prefix: str, scope: str, tag: str | None = None) -> str:
     """A scope's lease set (tenancy/limiter/keys.py): ``P{tag}scope:lease``; a scope that is its
     own tag (a tenant) ``P{scope}:lease``. The gateway tags an API key's scope by its tenant."""
     from lockgate.tenancy.limiter import LimitScope
-    from lockgate.tenancy.limiter.keys import scope_key
+    from lockgate.tenancy.limiter.redis_keys import scope_key
     from lockgate.tenancy.quota import Quota
 
     return scope_key(prefix, LimitScope(scope, Quota(), tag=tag), "lease")
@@ -78,7 +78,7 @@ class LeaseWatch:
         self.all_keys = self.tenant_keys + [k for keys in self.replica_keys for k in keys]
         self.max_score: dict[str, int] = {}
         self.kills: list[KillSnapshot] = []
-        from lockgate.tenancy.limiter.keys import pending_keys
+        from lockgate.tenancy.limiter.redis_keys import pending_keys
 
         # the pending index is per tenant (the request's hash tag)
         index = [pending_keys(prefix, f"tenant:{t}") for t in tenant_ids]

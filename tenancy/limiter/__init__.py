@@ -88,7 +88,7 @@ from lockgate.tenancy.limiter.base import (
     LimitScope,
 )
 from lockgate.tenancy.limiter.failover import FailoverLimiter
-from lockgate.tenancy.limiter.memory import InProcessLimiter
+from lockgate.tenancy.limiter.in_process import InProcessLimiter
 from lockgate.tenancy.limiter.redis import RedisLimiter
 
 __all__ = [

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 from lockgate.tenancy.errors import Invalid, LimiterUnavailable
 from lockgate.tenancy.limiter.base import Decision, Lease, Limiter, LimitScope, ScopeUsage
-from lockgate.tenancy.limiter.memory import InProcessLimiter
+from lockgate.tenancy.limiter.in_process import InProcessLimiter
 from lockgate.tenancy.limiter.redis import RedisLimiter
 from lockgate.tenancy.validation import check_count
 

@@ -3,7 +3,7 @@ of `limiter.lua` per acquire / reserve / settle / cancel, and per tag for heartb
 Redis's own clock. Redis is one node, a Redis Cluster or Sentinel's master (`redis_conn`).
 
 All keys are passed in ``KEYS``, every key of one call sharing one hash tag ``{T}``, the
-request's tag (`tenancy.limiter.keys`: the group of its first limited scope; on Redis Cluster
+request's tag (`tenancy.limiter.redis_keys`: the group of its first limited scope; on Redis Cluster
 all its limited scopes must share it), and the time is taken from ``redis.call('TIME')``,
 never from the caller. Per scope ``S`` of group ``T`` (``B`` = ``P{T}`` when ``S`` is ``T``
 itself, else ``P{T}S``; ``P`` the prefix):
@@ -47,7 +47,7 @@ from time import monotonic
 from typing import Any
 
 from lockgate.tenancy.errors import Invalid, LimiterUnavailable
-from lockgate.tenancy.limiter import keys as K
+from lockgate.tenancy.limiter import redis_keys as K
 from lockgate.tenancy.limiter.base import (
     BUDGET_GRACE,
     PENDING_TTL,

@@ -5,7 +5,7 @@
 - ``redis+cluster://[user:password@]host:port[,host:port...]`` (``rediss+cluster://`` for
   TLS): a Redis Cluster, any of its nodes to start from. redis-py's asyncio `RedisCluster`
   learns the slots, sends each script to the node that owns its keys' slot and follows
-  MOVED and ASK redirects; one request's keys share a hash tag (`tenancy.limiter.keys`).
+  MOVED and ASK redirects; one request's keys share a hash tag (`tenancy.limiter.redis_keys`).
 - ``redis+sentinel://[user:password@]host:port[,host:port...]/service[/db]``
   (``rediss+sentinel://``: TLS to the master): the master of Sentinel's ``service``, asked of
   the sentinels and asked again after a failover (redis-py's asyncio `Sentinel`). The URL's

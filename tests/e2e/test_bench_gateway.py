@@ -150,7 +150,7 @@ def test_instant_engine_behaves_like_async_engine_for_the_gateway(kind):
             assert final.metrics.first_token_time and final.metrics.finished_time
 
             # what the gateway renders from logprobs works on its outputs
-            from lockgate.gateway.output_shapes import chat_logprobs
+            from lockgate.gateway.responses import chat_logprobs
 
             stream = engine.submit(ids, SamplingParams(max_tokens=3, n=2, logprobs=2), "r2", **kw)
             final = [o async for o in stream][-1]

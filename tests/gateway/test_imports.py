@@ -69,3 +69,46 @@ def test_the_walk_sees_every_kind_of_import(tmp_path, source, expected):
     f.write_text(source)
     found = any(_is_engine_inside(mod, set(engine.__all__)) for _, mod in imported_modules(f))
     assert found is expected
+
+
+# The gateway's layers, outermost first: route handlers (HTTP in, one call to a service out),
+# the serving layer (a parsed request -> an engine submission -> an answer, for every API that
+# runs inference), the engine's face. Routes reach the engine only through serving; serving
+# and the batch runner know no route module.
+ROUTE_MODULES = ("gateway/openai_api.py", "gateway/batch_api.py", "gateway/tokenize_api.py",
+                 "gateway/usage_api.py", "gateway/metrics_api.py")
+INFERENCE_ROUTES = ("gateway/openai_api.py", "gateway/batch_api.py", "gateway/tokenize_api.py")
+ROUTE_NAMES = {"lockgate." + m.removesuffix(".py").replace("/", ".") for m in ROUTE_MODULES} | {
+    "lockgate.gateway.admin", "lockgate.gateway.app", "lockgate.gateway.cli", "lockgate.gateway.server"}
+
+
+def _is_route(module: str) -> bool:
+    return any(module == r or module.startswith(r + ".") for r in ROUTE_NAMES)
+
+
+def test_inference_routes_reach_the_engine_only_through_serving():
+    bad = [f"{where}:{line} imports {mod}" for where, line, mod in gateway_imports()
+           if where in INFERENCE_ROUTES and (mod == "lockgate.engine" or mod.startswith("lockgate.engine."))]
+    assert not bad, "a route imports the engine instead of calling the serving layer:\n" + "\n".join(bad)
+    serving_users = {where for where, _, mod in gateway_imports() if mod.startswith("lockgate.gateway.serving")}
+    assert {"gateway/openai_api.py", "gateway/tokenize_api.py"} <= serving_users   # batch_api only stores rows
+
+
+def test_serving_and_the_batch_runner_import_no_route():
+    inner = ("gateway/serving/", "gateway/batch_runner.py", "gateway/batch_line.py")
+    bad = [f"{where}:{line} imports {mod}" for where, line, mod in gateway_imports()
+           if where.startswith(inner) and _is_route(mod)]
+    assert not bad, "the serving layer reaches back into the routes:\n" + "\n".join(bad)
+
+
+def test_the_layer_checks_see_a_violation(tmp_path, monkeypatch):
+    """The two checks above, on a gateway tree that breaks each rule once."""
+    (tmp_path / "gateway" / "serving").mkdir(parents=True)
+    (tmp_path / "gateway" / "openai_api.py").write_text("from lockgate.engine import SamplingParams\n")
+    (tmp_path / "gateway" / "tokenize_api.py").write_text("from lockgate.gateway.serving import prepare\n")
+    (tmp_path / "gateway" / "serving" / "run.py").write_text("from lockgate.gateway.openai_api import router\n")
+    monkeypatch.setattr(__import__(__name__, fromlist=["GATEWAY"]), "GATEWAY", tmp_path / "gateway")
+    with pytest.raises(AssertionError, match="imports the engine"):
+        test_inference_routes_reach_the_engine_only_through_serving()
+    with pytest.raises(AssertionError, match="reaches back"):
+        test_serving_and_the_batch_runner_import_no_route()

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from lockgate.engine import EngineDead, Pool, PoolConfig, PoolEngine, SamplingParams
+from lockgate.engine import EngineDead, ModelBinding, Pool, PoolConfig, SamplingParams
 from lockgate.engine.config import EngineConfig
 from lockgate.engine.model_pool import ModelPool
 from tests.support.helpers import demo_model, hf_greedy, random_prompts
@@ -48,7 +48,7 @@ def greedy(n: int) -> SamplingParams:
     return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
 
 
-async def run(engine: PoolEngine, ids: list[int], rid: str, n: int = 8, tenant: str = "t1"):
+async def run(engine: ModelBinding, ids: list[int], rid: str, n: int = 8, tenant: str = "t1"):
     stream = engine.submit(ids, greedy(n), rid, tenant=tenant)
     await stream.accepted()
     outs = [o async for o in stream]
@@ -59,7 +59,7 @@ async def run(engine: PoolEngine, ids: list[int], rid: str, n: int = 8, tenant: 
 async def test_two_models_on_budgets_of_one_are_served_at_once_and_equal_hf(pool, dirs):
     assert sorted(pool.assigned) == ["a", "b"]
     assert {tuple(w) for w in pool.assigned.values()} == {("lockgate-worker-0",), ("lockgate-worker-1",)}
-    ea, eb = PoolEngine(pool, "a"), PoolEngine(pool, "b")
+    ea, eb = pool.for_model("a"), pool.for_model("b")
     pa = random_prompts(dirs["a"], [9, 23, 40], seed=1)
     pb = random_prompts(dirs["b"], [11, 31], seed=2)
     jobs = [run(ea, p, f"a{i}") for i, p in enumerate(pa)] + [run(eb, p, f"b{i}") for i, p in enumerate(pb)]
@@ -73,7 +73,7 @@ async def test_two_models_on_budgets_of_one_are_served_at_once_and_equal_hf(pool
         s.close()                                   # closed before its end: aborted
     assert all(v == 0 for v in pool.inflight.values()), pool.inflight   # counted down once each
     await pool.refresh()
-    workers = pool.snapshot()["workers"]
+    workers = pool.snapshot().workers
     # each worker kept its own model resident the whole time: no switching
     assert {w: [m for m, r in v["models"].items() if r] for w, v in workers.items()} == \
         {pool.assigned["a"][0]: ["a"], pool.assigned["b"][0]: ["b"]}
@@ -81,7 +81,7 @@ async def test_two_models_on_budgets_of_one_are_served_at_once_and_equal_hf(pool
 
 
 async def test_a_shared_prefix_stays_on_one_worker_and_tenants_never_share_it(pool, dirs):
-    engine = PoolEngine(pool, "a")
+    engine = pool.for_model("a")
     pool.assigned = {"a": list(pool.names), "b": list(pool.names)}   # both may serve a
     pool.placement = None                                             # and stay so here
     (system,) = random_prompts(dirs["a"], [512], seed=3)
@@ -115,11 +115,11 @@ async def test_a_second_replica_finds_prefixes_the_first_placed_from_the_workers
             p.assigned = {"a": list(p.names), "b": list(p.names)}
             p.placement = None
         p1, p2 = random_prompts(dirs["a"], [256, 256], seed=7)
-        (_, w1), (_, w2) = [await run(PoolEngine(pool, "a"), p, f"a{i}", n=2, tenant=f"t{i}")
+        (_, w1), (_, w2) = [await run(pool.for_model("a"), p, f"a{i}", n=2, tenant=f"t{i}")
                             for i, p in enumerate((p1, p2))]
         assert w1 != w2
         await replica_b.refresh()
-        engine_b = PoolEngine(replica_b, "a")
+        engine_b = replica_b.for_model("a")
         # B's own turn would send its first request to lockgate-worker-0: p2 first shows the
         # summary, not the turn, decides
         out2, where2 = await run(engine_b, [*p2, 5, 6, 7], "b2", n=2, tenant="t1")
@@ -131,7 +131,7 @@ async def test_a_second_replica_finds_prefixes_the_first_placed_from_the_workers
 
 
 async def test_a_killed_worker_fails_or_retries_its_requests_and_comes_back(pool, dirs):
-    engine = PoolEngine(pool, "a")
+    engine = pool.for_model("a")
     victim = pool.assigned["a"][0]
     pid = pool.reports[victim].pid
     prompts = random_prompts(dirs["a"], [20] * 5, seed=6)

@@ -258,14 +258,14 @@ async def test_a_restarted_or_returning_worker_gets_the_pools_adapters_and_weigh
     restarted (new pid, engine not started) and one that missed calls while unreachable,
     before either is routed to again."""
     from lockgate.engine.lora_files import LoRARequest
-    from lockgate.engine.pool import Pool, PoolConfig, PoolEngine
+    from lockgate.engine.pool import Pool, PoolConfig
 
     pool = Pool(PoolConfig(address="auto", models={"a": "/m/a"}, engine_kwargs={}))
     workers = {n: _FakeWorker(n) for n in ("w0", "w1")}
     pool.names, pool.handles = list(workers), dict(workers)
     pool.failures = ()
     await pool.refresh()
-    engine = PoolEngine(pool, "a")
+    engine = pool.for_model("a")
     await engine.add_lora(LoRARequest("sql", 1, "/adapters/sql"))
     engine.set_tenant_weight("acme", 2.0)
     sent = {n: [c for c in w.calls if c[0] in ("add_lora", "set_tenant_weight")] for n, w in workers.items()}

@@ -223,7 +223,7 @@ async def test_an_admission_whose_marker_expired_leaves_the_index(redis_lim):
     assert d.lease is not None
     await asyncio.sleep(0.3)
     (lease,) = await lim.expired()
-    from lockgate.tenancy.limiter.keys import marker
+    from lockgate.tenancy.limiter.redis_keys import marker
     await lim._redis.execute("DEL", marker(lim.prefix, "tenant:t1", "r1"))   # as if it expired
     assert await lim.abandon(lease) is False
     assert await lim.expired() == []

@@ -45,7 +45,7 @@ async def principal(request: Request) -> Principal:
         raise APIError(401, _AUTH_MESSAGES["missing"], code="missing_api_key")
     state = app_state(request)
     try:
-        p = await state.authenticate(key)
+        p = await state.auth.authenticate(key)
     except AuthError as exc:
         code = "invalid_api_key" if exc.reason in ("invalid", "missing") else exc.reason
         raise APIError(401, _AUTH_MESSAGES.get(exc.reason, "Invalid API key."), code=code) from None

@@ -1,14 +1,13 @@
-"""The API's service tiers (`TIERS`) and `RequestRun`: one admitted HTTP request's life
-(limiter admission, engine requests, settlement and usage).
+"""`RequestRun`: one admitted HTTP request's life (limiter admission, engine requests,
+settlement and usage).
 
     async with admitted(state, principal) as ticket:   # 429 here, before the body is read
         ...                                          # parse, tokenize
-        run = RequestRun(ticket, entry, tier, prompts, params, reserve_tokens)
+        run = RequestRun(ticket, entry, tier, job.inputs)
         await run.admit()                       # tokens reserved (429 here); nothing queued yet
     await run.submit(sheddable=not stream)      # 400/429/503 here; the engine has the request(s)
     async for i, out in run.events(): ...       # 429/503 here if the engine shed it
     usage = await run.finish("ok")              # usage row committed, reservation settled
-
 A run ends exactly once, in one of two ways. `finish` (success, error, disconnect, a cut):
 exactly one usage row is written and the lease is settled to exactly what the row says.
 `refuse`, when the engine is overloaded (it refused a prompt at submit, or shed a queued one
@@ -27,9 +26,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
@@ -41,67 +40,32 @@ from lockgate.engine import (
     RequestOutput,
     RequestStream,
     SamplingParams,
+    UnknownModel,
 )
-from lockgate.gateway.admission import Ticket
 from lockgate.gateway.errors import APIError
-from lockgate.gateway.state import ModelEntry
+from lockgate.gateway.model_directory import ModelEntry, not_found
+from lockgate.gateway.responses import Head, Kind, Usage, answer, head
+from lockgate.gateway.serving.ticket import Ticket
+from lockgate.gateway.serving.tiers import TIERS, RunCut, cut_error, engine_unavailable, overloaded, submit_error
+from lockgate.gateway.settings import Settings
+from lockgate.gateway.tokenize_pool import TokenizePool
 from lockgate.tenancy.limiter import Decision, Lease
 from lockgate.tenancy.usage.writer import UsageRow
 
 logger = logging.getLogger(__name__)
 
-# The one place the API's service tiers meet the engine's service classes (most urgent first:
-# priority, online, offline): tier -> (service class, priority within the tenant). A waiting
-# `priority` request preempts online and offline work; `flex` is background work, the first to
-# be refused when the engine's queue is full (429 `resource_unavailable`, as OpenAI's flex tier
-# answers), and its queued non-streaming requests the first shed to make room for more urgent
-# arrivals. The other tiers' refusals are 503 `engine_overloaded`.
-TIERS = {"priority": ("priority", 0), "default": ("online", 0), "flex": ("offline", 0)}
 
+@dataclass(slots=True)
+class RunInputs:
+    """What a run hands the engine: a prompt's token ids and sampling parameters each, the
+    tokens to reserve (prompts + every completion's max_tokens), and the request's own cache
+    salt and priority."""
 
-class RunCut(APIError):
-    """The gateway ended the run (shutdown, `request_timeout_s`): its row is `cancelled`."""
-
-    usage_status = "cancelled"
-
-
-def usage_status(exc: BaseException) -> str:
-    """The usage status of a run that ended with `exc`: `cancelled` for a cut, else `error`."""
-    return getattr(exc, "usage_status", "error")
-
-
-def cut_error(reason: str, timeout_s: float) -> RunCut:
-    if reason == "timeout":
-        return RunCut(504, f"The request exceeded request_timeout_s ({timeout_s:g} s) and was ended.",
-                      code="request_timeout")
-    return RunCut(503, "The server is shutting down; the request was ended. Retry on another replica.",
-                  code="server_shutdown", headers={"retry-after": "5"})
-
-
-def engine_unavailable(exc: EngineDead, what: str) -> APIError:
-    """The answer when the engine cannot serve: it `what` ("stopped", "is not running")."""
-    return APIError(503, f"The engine {what}: {exc}", code="engine_unavailable",
-                    headers={"retry-after": "5"})
-
-
-def overloaded(tier: str, exc: EngineOverloaded) -> APIError:
-    """The answer to an engine refusal or shed: flex 429 `resource_unavailable`, the other
-    tiers 503 `engine_overloaded`; Retry-After as the engine estimates it."""
-    headers = {"retry-after": str(max(1, math.ceil(exc.retry_after)))}
-    if tier == "flex":
-        return APIError(429, "Resource unavailable: the flex tier has no capacity right now; "
-                        "retry later.", code="resource_unavailable", headers=headers)
-    return APIError(503, f"The engine is busy: {exc}. Retry shortly.", code="engine_overloaded",
-                    headers=headers)
-
-
-def submit_error(exc: PromptTooLong | EngineDead | InvalidRequest) -> APIError:
-    """The answer to an engine's refusal of a prompt at submit."""
-    if isinstance(exc, PromptTooLong):
-        return APIError(400, str(exc), param="messages", code="context_length_exceeded")
-    if isinstance(exc, EngineDead):
-        return engine_unavailable(exc, "is not running")
-    return APIError(400, str(exc), param=exc.field)
+    prompts: list[list[int]]
+    params: list[SamplingParams]
+    reserve_tokens: int
+    cache_salt: str | None = None
+    priority: int = 0
 
 
 class RequestRun:
@@ -110,11 +74,7 @@ class RequestRun:
         ticket: Ticket,
         entry: ModelEntry,
         tier: str,
-        prompts: list[list[int]],
-        params: list[SamplingParams],
-        reserve_tokens: int,
-        cache_salt: str | None = None,
-        priority: int = 0,
+        inputs: RunInputs,
     ) -> None:
         principal = ticket.principal
         if principal.tenant_id is None or principal.tenant_name is None:
@@ -129,12 +89,12 @@ class RequestRun:
         self.service_class, tier_priority = TIERS[tier]
         # vLLM's `priority` (smaller sooner): the engine orders by class, then tenant
         # fairness, and only then by it, so it orders this tenant's own requests alone
-        self.priority = tier_priority + priority
-        self.prompts = prompts
-        self.params = params
-        self.reserve_tokens = reserve_tokens
+        self.priority = tier_priority + inputs.priority
+        self.prompts = inputs.prompts
+        self.params = inputs.params
+        self.reserve_tokens = inputs.reserve_tokens
         # the engine puts the tenant into every prefix-block hash: no sharing across tenants
-        self.cache_salt = cache_salt
+        self.cache_salt = inputs.cache_salt
         self.id = ticket.id
         self.t0 = ticket.t0
         self.decision: Decision | None = None
@@ -152,13 +112,7 @@ class RequestRun:
         self.sheddable = False
         self.continuous_usage = False     # a stream's every chunk carries the usage so far
         self._ended: asyncio.Future | None = None     # set by the first of finish / refuse
-        self.usage: dict | None = None
-        self.batch_id: str | None = None              # a batch's line: the batch, on its row
-        # writes the usage row instead of the usage writer when set (a batch's line)
-        self.record: Callable[[UsageRow], Awaitable[Any]] | None = None
-        # a prompt the engine refuses at submit ends the run with no row and its admission
-        # cancelled, not counted (a batch's line, which is retried or answered as an error)
-        self.abandon_on_submit_error = False
+        self.usage: Usage | None = None
 
     # -- admission ----------------------------------------------------------------------------
     async def admit(self) -> None:
@@ -195,7 +149,7 @@ class RequestRun:
         answered until it ends) lets the engine shed its queued prompts before they start.
         On a refusal nothing stays queued and the run is over: refused (`refuse`) when the
         engine is overloaded, finished with an error row otherwise."""
-        self.state.push_weight(self.tenant_id, self.principal.weight)
+        self.state.models.push_weight(self.tenant_id, self.principal.weight)
         self.sheddable = sheddable
         try:
             self._queue_prompts()
@@ -203,15 +157,17 @@ class RequestRun:
         except EngineOverloaded as exc:
             raise await self.refuse(exc) from None
         except APIError:
-            if self.abandon_on_submit_error:
-                await self.abandon()
-            else:
-                await self.finish("error")
+            await self._refused_at_submit()
             raise
         self._open = len(self.streams)
         # one task a prompt reads its stream into the run's queue, which `cut` can also reach
         for i, stream in enumerate(self.streams):
             self._pumps.append(asyncio.get_running_loop().create_task(self._pump(i, stream)))
+
+    async def _refused_at_submit(self) -> None:
+        """The engine refused a prompt at submit (not for overload): the run ends with an
+        error row."""
+        await self.finish("error")
 
     def _queue_prompts(self) -> None:
         engine = self.entry.engine
@@ -221,6 +177,8 @@ class RequestRun:
                     ids, sp, f"{self.id}-{i}", tenant=self.tenant_id, service_class=self.service_class,
                     priority=self.priority, cache_salt=self.cache_salt, sheddable=self.sheddable,
                 ))
+        except UnknownModel:        # an adapter deleted since the request resolved it
+            raise not_found(self.entry.name) from None
         except (PromptTooLong, EngineDead, InvalidRequest) as exc:
             raise submit_error(exc) from None
 
@@ -337,13 +295,13 @@ class RequestRun:
         completion = sum(len(c.token_ids) for o in outs.values() for c in o.outputs)
         return prompt, cached, completion
 
-    def usage_dict(self, status: str = "ok") -> dict:
+    def usage_dict(self, status: str = "ok") -> Usage:
         prompt, cached, completion = self.counts(status)
         return {"prompt_tokens": prompt, "completion_tokens": completion,
                 "total_tokens": prompt + completion,
                 "prompt_tokens_details": {"cached_tokens": cached}}
 
-    async def finish(self, status: str, while_committing: Callable[[], None] | None = None) -> dict:
+    async def finish(self, status: str, while_committing: Callable[[], None] | None = None) -> Usage:
         """Settle and record, once; later calls (and calls after `refuse`) wait for the first
         end and return its usage ({} after a refusal). Raises APIError(503) when the usage
         row could not be committed (the caller must not then show the client a completion).
@@ -352,7 +310,7 @@ class RequestRun:
         the response waits on."""
         if self._ended is not None:
             await asyncio.shield(self._ended)
-            return self.usage or {}
+            return self.usage or self.usage_dict("cancelled")
         self._ended = asyncio.get_running_loop().create_future()
         error: BaseException | None = None
         used = 0
@@ -372,7 +330,7 @@ class RequestRun:
                 self.lease = None
             committed = None
             try:
-                committed = (self.record or self.state.usage.submit)(row)
+                committed = self.state.usage.submit(row)
             except Exception as exc:  # noqa: BLE001 - whatever the writer raises: 503, below
                 logger.error("usage row for request %s not committed: %r", self.id, exc)
                 error = exc
@@ -403,49 +361,6 @@ class RequestRun:
             raise APIError(503, "The request's usage could not be recorded; it was not completed.",
                            code="usage_not_recorded", headers={"retry-after": "1"})
         return self.usage
-
-    async def finish_recorded(self, status: str, record: Callable[[UsageRow], Awaitable[bool]]) -> bool:
-        """End the run (instead of `finish`) with its usage row written by `record`, which
-        commits it together with the caller's own result and says whether it did (a batch's
-        line: False when the line was answered already). The lease is settled to the row
-        when it was written, cancelled otherwise (nothing billed, nothing counted); if
-        `record` raises, the lease is cancelled and the error passed on. False after another end."""
-        if self._ended is not None:
-            return False
-        self._ended = asyncio.get_running_loop().create_future()
-        written = False
-        try:
-            self._close_streams()
-            now = time.time()
-            self.usage = self.usage_dict(status)
-            try:
-                written = await record(self._usage_row(status, now))
-            except BaseException:
-                # the row may have been committed after all (a timeout after the commit): the
-                # lease is left to lapse, and the reconciler settles it to the row, or refunds it
-                if self.lease is not None:
-                    self.state.inflight.pop(self.id, None)
-                    self.lease = None
-                raise
-            if written:
-                self._count(status, now)
-        finally:
-            await self._release_lease(self._billed_tokens(status) if written else None)
-            self._left()
-        return written
-
-    async def abandon(self) -> None:
-        """End the run with no usage row and its admission cancelled (no rate, lease or
-        budget keeps it): work whose result nobody will see and that will be run again (a
-        batch's line when its replica stops or loses the batch). A no-op after another end."""
-        if self._ended is not None:
-            return
-        self._ended = asyncio.get_running_loop().create_future()
-        try:
-            self._close_streams()
-        finally:
-            await self._release_lease(None)
-            self._left()
 
     async def _release_lease(self, used: int | None) -> None:
         """Settle the lease to `used` tokens, or cancel it (None); failures logged (leases
@@ -486,7 +401,6 @@ class RequestRun:
             ttft_ms=(min(first_tok) - self.t0) * 1000 if first_tok else None,
             total_ms=(now - self.t0) * 1000,
             created_at=datetime.now(UTC), client_request_id=self.client_request_id,
-            batch_id=self.batch_id,
         )
 
     def _count(self, status: str, now: float) -> None:
@@ -511,3 +425,34 @@ class RequestRun:
             if completion > len(self.finals) and ends:
                 m.child(m.tpot, self.tier).observe(
                     (max(ends) - min(first_tok)) / (completion - len(self.finals)))
+
+
+@dataclass(slots=True)
+class Job:
+    """A parsed inference request ready to run: what it hands the engine, how its choices are
+    built from the finished outputs, and how its choices stream (`chunks(run, head,
+    include_usage)`: the SSE events of the choices, before the usage and `[DONE]`)."""
+
+    kind: Kind
+    inputs: RunInputs
+    choices: Callable[[dict[int, RequestOutput]], list]
+    chunks: Callable[[RequestRun, Head, bool], AsyncIterator[bytes]]
+
+    def head(self, run: RequestRun, model: str, tier: str) -> Head:
+        return head(self.kind, run.id, run.t0, model, tier)
+
+    def body(self, run: RequestRun, model: str, tier: str) -> dict:
+        """The JSON answer of a finished run (its usage set by `finish`)."""
+        return answer(self.kind, self.head(run, model, tier), self.choices(run.finals), run.usage)
+
+
+def chunk_usage(run: RequestRun, include_usage: bool) -> dict:
+    """A chunk's usage: none; null (`include_usage`: the usage comes in a chunk of its own
+    at the end); or, with vLLM's `continuous_usage_stats`, the usage so far."""
+    if not include_usage:
+        return {}
+    return {"usage": run.usage_dict() if run.continuous_usage else None}
+
+
+# (settings, the tokenizer pool, the parsed request, its model) -> its job
+JobMaker = Callable[[Settings, TokenizePool, Any, ModelEntry], Awaitable[Job]]

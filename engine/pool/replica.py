@@ -1,5 +1,6 @@
-"""The gateway replica's side of the pool: `Pool` (the workers, their reports, routing and
-placement) and `PoolEngine`, one model's `ServedEngine` whose requests run on the workers.
+"""The gateway replica's side of the pool: `Pool`, the workers, their reports, routing and
+placement, and a `ModelEngine` (engine/client.py) whose requests run on the workers; each
+model is served through a `ModelBinding` (`pool.for_model(name)`).
 
 Every Ray call is bounded by `call_timeout_s` (a report, an acceptance, an admin call) except
 the wait for a request's next output, which the gateway's `request_timeout_s` bounds (a
@@ -15,16 +16,17 @@ import logging
 import secrets
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Unpack
 
-from lockgate.engine.client import Prompt, RequestStream
+from lockgate.engine.binding import ModelBinding
+from lockgate.engine.client import Prompt, RequestStream, SubmitOptions
 from lockgate.engine.errors import EngineDead
 from lockgate.engine.lora_files import Adapter, LoRARequest
-from lockgate.engine.outputs import RequestOutput
 from lockgate.engine.pool.router import Router, prefix_chain, unpack_summary
+from lockgate.engine.pool.stream import RemoteStream, prompt_ids
 from lockgate.engine.pool.worker import WorkerReport
 from lockgate.engine.sampling_params import SamplingParams
-from lockgate.engine.stats import EngineStats, summed_stats
+from lockgate.engine.stats import EngineStats, WorkerPoolStats, summed_stats
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +46,7 @@ class PoolConfig:
 
 
 class Pool:
-    """The workers as this replica sees them; one per process, shared by its PoolEngines."""
+    """The workers as this replica sees them; one per process, shared by its models' bindings."""
 
     def __init__(self, config: PoolConfig) -> None:
         self.config = config
@@ -237,11 +239,73 @@ class Pool:
         worker, _ = self.router.choose(cands, self.load, chain)
         return worker, chain
 
-    def snapshot(self) -> dict:
-        """For `/admin/v1/engine`: each worker's report and the placement."""
-        return {"workers": {n: {"down": n in self.down, "restarts": self.restarts[n], **_report_dict(r)}
-                            for n, r in self.reports.items()},
-                "assigned": self.assigned, "decisions": self.decisions}
+    def snapshot(self) -> WorkerPoolStats:
+        """Each worker's report and the placement, in every model's stats (`workers`)."""
+        return WorkerPoolStats(
+            workers={n: {"down": n in self.down, "restarts": self.restarts[n], **_report_dict(r)}
+                     for n, r in self.reports.items()},
+            assigned=dict(self.assigned), decisions=list(self.decisions))
+
+    # -- a ModelEngine of the pool's models -------------------------------------------------------
+    def for_model(self, name: str) -> ModelBinding:
+        return ModelBinding(self, name)
+
+    def submit(self, prompt: Prompt, sampling_params: SamplingParams, request_id: str,
+               **options: Unpack[SubmitOptions]) -> RequestStream:
+        name = options.get("model") or next(iter(self.config.models))
+        base = self.adapters[name].base_model_name if name in self.adapters else name
+        base = base or next(iter(self.config.models))
+        worker, chain = self.route_chain(base, options.get("tenant", "default"), options.get("cache_salt"),
+                                         prompt_ids(prompt))
+        kwargs = {"tenant": "default", "service_class": "online", "priority": 0, "cache_salt": None,
+                  "sheddable": True, **options, "model": name}
+        return RemoteStream(self, base, worker, prompt, sampling_params, request_id, kwargs, chain)
+
+    async def abort(self, request_id: str) -> None:
+        for h in self.handles.values():
+            h.abort.remote(request_id)
+
+    def stats(self) -> EngineStats:
+        return _summed([r.stats for r in self.reports.values()], self.snapshot())
+
+    def model_stats(self, model: str) -> EngineStats:
+        parts = [r.stats.by_model.get(model, r.stats) if r.stats.pool is not None else r.stats
+                 for r in self.reports.values()]
+        return _summed(parts, self.snapshot())
+
+    @property
+    def is_ready(self) -> bool:
+        return self._started and len(self.down) < len(self.names)
+
+    async def shutdown(self) -> None:
+        await self.close()
+
+    async def add_lora(self, lora_request: LoRARequest) -> Adapter:
+        handles = [self.handles[w] for w in self.names if w not in self.down]
+        adapters = await asyncio.gather(*(self._bounded(h.add_lora.remote(lora_request)) for h in handles))
+        self.adapters[lora_request.lora_name] = lora_request
+        return adapters[0]
+
+    def remove_lora(self, name: str) -> bool:
+        found = self.adapters.pop(name, None) is not None
+        for h in self.handles.values():
+            h.remove_lora.remote(name)
+        return found
+
+    def unload_lora(self, name: str) -> bool:
+        for h in self.handles.values():
+            h.unload_lora.remote(name)
+        return name in self.adapters
+
+    @property
+    def loras(self) -> dict[str, LoRARequest]:
+        return dict(self.adapters)
+
+    def set_tenant_weight(self, tenant: str, weight: float) -> None:
+        self.tenant_weights[tenant] = float(weight)
+        for h in self.handles.values():
+            h.set_tenant_weight.remote(tenant, float(weight))
+
 
     async def close(self) -> None:
         """Stop this replica's side; the workers stay for the other replicas."""
@@ -266,208 +330,11 @@ def _report_dict(r: WorkerReport) -> dict:
             "kv_total": r.kv_total, "owned": r.owned, "capacity": r.capacity, "at": r.at}
 
 
-class RemoteStream(RequestStream):
-    """A request's outputs read from its worker by a pump task; `accepted()` waits for the
-    worker to take it (raising what `submit` would have raised)."""
-
-    def __init__(self, pool: Pool, model: str, worker: str, prompt: Prompt,
-                 params: SamplingParams, request_id: str, kwargs: dict[str, Any],
-                 prefix: list[bytes] | None = None) -> None:
-        self.pool = pool
-        self.worker = worker
-        self._prefix = prefix or []
-        queue: asyncio.Queue = asyncio.Queue()
-        super().__init__(request_id, queue, abort=self._abort_remote, forget=self._forget_remote)
-        loop = asyncio.get_running_loop()
-        self._accepted: asyncio.Future[None] = loop.create_future()
-        self._model = model
-        self._forgotten = False
-        pool.inflight[worker] += 1
-        self._task = loop.create_task(self._pump(prompt, params, kwargs))
-
-    async def accepted(self) -> None:
-        await asyncio.shield(self._accepted)
-
-    def _fail(self, exc: BaseException) -> None:
-        if not self._accepted.done():
-            self._accepted.set_exception(exc)
-        else:
-            self._queue.put_nowait(exc)
-
-    async def _pump(self, prompt: Prompt, params: SamplingParams, kwargs: dict[str, Any]) -> None:
-        """Read the request's outputs; whatever goes wrong ends the stream with an error (its
-        acceptance, if still awaited, fails), never silently."""
-        try:
-            await self._attempts(prompt, params, kwargs)
-        except asyncio.CancelledError:
-            if not self._accepted.done():
-                self._accepted.set_exception(EngineDead(f"request {self.request_id} was aborted"))
-            raise
-        except Exception as exc:  # noqa: BLE001 - any failure: the request ends with EngineDead
-            logger.warning("pool: request %s on %s failed: %r", self.request_id, self.worker, exc)
-            self._fail(EngineDead(f"pool worker {self.worker}: {type(exc).__name__}: {exc}"))
-
-    async def _attempts(self, prompt: Prompt, params: SamplingParams, kwargs: dict[str, Any]) -> None:
-        pool = self.pool
-        for attempt in (0, 1):
-            sent = False
-            handle = pool.handles[self.worker]
-            try:
-                gen = handle.generate.remote(pool.owner, prompt, params, self.request_id, kwargs,
-                                             self._prefix)
-                ref = await pool._bounded(gen.__anext__())
-                kind, value = await pool._bounded(ref)
-                if kind == "error" and isinstance(value, EngineDead) and attempt == 0:
-                    raise _WorkerCannotServe(str(value))      # retried on another worker
-                if kind == "error":
-                    self._fail(value)
-                    return
-                if not self._accepted.done():      # (a retry was accepted before)
-                    self._accepted.set_result(None)
-                async for ref in gen:
-                    kind, value = await ref
-                    if kind == "out":
-                        sent = True
-                    self._queue.put_nowait(value)
-                    if kind == "error" or (isinstance(value, RequestOutput) and value.finished):
-                        return
-                self._fail(EngineDead(f"worker {self.worker} ended the request unfinished"))
-                return
-            except StopAsyncIteration:
-                self._fail(EngineDead(f"worker {self.worker} ended the request without an answer"))
-                return
-            except pool._retryable(_WorkerCannotServe) as exc:
-                pool.down.add(self.worker)
-                logger.warning("pool: worker %s failed on %s: %r", self.worker, self.request_id, exc)
-                if attempt == 0 and not sent:
-                    try:
-                        other = pool.route(self._model, kwargs.get("tenant", "default"),
-                                           kwargs.get("cache_salt"), _ids(prompt), exclude=self.worker)
-                    except EngineDead:
-                        other = None
-                    if other is not None:
-                        try:    # a slow, not dead, worker may hold it: abort it there
-                            handle.abort.remote(self.request_id)
-                        except Exception:  # noqa: BLE001 - gone: nothing runs there
-                            logger.debug("pool: abort of %s not sent", self.request_id)
-                        pool.inflight[self.worker] -= 1
-                        pool.inflight[other] += 1
-                        self.worker = other
-                        continue
-                self._fail(EngineDead(f"pool worker {self.worker} failed: {type(exc).__name__}"))
-                return
-
-    def _abort_remote(self, request_id: str) -> None:
-        self._task.cancel()
-        try:
-            self.pool.handles[self.worker].abort.remote(request_id)
-        except Exception:  # the worker is gone: nothing runs there
-            logger.debug("pool: abort of %s not sent", request_id, exc_info=True)
-
-    def _forget_remote(self, request_id: str) -> None:
-        # called when the stream finishes and again when it is closed: counted down once
-        if not self._forgotten:
-            self._forgotten = True
-            self.pool.inflight[self.worker] -= 1
-
-
-class _WorkerCannotServe(Exception):
-    """The worker answered that it cannot serve (not started yet, or its engine stopped)."""
-
-
-def _ids(prompt: Prompt) -> list[int] | None:
-    if isinstance(prompt, list):
-        return prompt
-    if isinstance(prompt, dict) and isinstance(prompt.get("prompt_token_ids"), list):
-        return prompt["prompt_token_ids"]
-    return None
-
-
-class PoolEngine:
-    """One model of the pool as a `ServedEngine` (engine/client.py)."""
-
-    def __init__(self, pool: Pool, model: str) -> None:
-        self.pool = pool
-        self.model = model
-        self._loras: dict[str, LoRARequest] = {}
-        self._weights: dict[str, float] = {}
-
-    # -- EngineClient -----------------------------------------------------------------------------
-    def submit(self, prompt: Prompt, sampling_params: SamplingParams, request_id: str, *,
-               tenant: str = "default", service_class: str = "online", priority: int = 0,
-               model: str | None = None, cache_salt: str | None = None,
-               sheddable: bool = True) -> RequestStream:
-        name = model or self.model
-        base = self._loras[name].base_model_name if name in self._loras else name
-        worker, chain = self.pool.route_chain(base or self.model, tenant, cache_salt, _ids(prompt))
-        kwargs = {"tenant": tenant, "service_class": service_class, "priority": priority,
-                  "model": name, "cache_salt": cache_salt, "sheddable": sheddable}
-        return RemoteStream(self.pool, base or self.model, worker, prompt, sampling_params,
-                            request_id, kwargs, chain)
-
-    async def abort(self, request_id: str) -> None:
-        for h in self.pool.handles.values():
-            h.abort.remote(request_id)
-
-    def stats(self) -> EngineStats:
-        parts = []
-        for r in self.pool.reports.values():
-            s = r.stats
-            parts.append(s.by_model.get(self.model, s) if s.pool is not None else s)
-        return _summed(parts)
-
-    @property
-    def is_ready(self) -> bool:
-        return self.pool._started and len(self.pool.down) < len(self.pool.names)
-
-    # -- EngineAdmin ------------------------------------------------------------------------------
-    async def start(self) -> None:
-        await self.pool.start()
-
-    async def shutdown(self) -> None:
-        await self.pool.close()
-
-    async def add_lora(self, lora_request: LoRARequest) -> Adapter:
-        import dataclasses
-
-        req = dataclasses.replace(lora_request, base_model_name=self.model)
-        handles = [self.pool.handles[w] for w in self.pool.names if w not in self.pool.down]
-        adapters = await asyncio.gather(*(self.pool._bounded(h.add_lora.remote(req)) for h in handles))
-        self._loras[req.lora_name] = req
-        self.pool.adapters[req.lora_name] = req
-        return adapters[0]
-
-    def remove_lora(self, name: str) -> bool:
-        found = self._loras.pop(name, None) is not None
-        self.pool.adapters.pop(name, None)
-        for h in self.pool.handles.values():
-            h.remove_lora.remote(name)
-        return found
-
-    def unload_lora(self, name: str) -> bool:
-        for h in self.pool.handles.values():
-            h.unload_lora.remote(name)
-        return name in self._loras
-
-    @property
-    def loras(self) -> dict[str, LoRARequest]:
-        return dict(self._loras)
-
-    @property
-    def tenant_weights(self) -> dict[str, float]:
-        return dict(self._weights)
-
-    def set_tenant_weight(self, tenant: str, weight: float) -> None:
-        self._weights[tenant] = float(weight)
-        self.pool.tenant_weights[tenant] = float(weight)
-        for h in self.pool.handles.values():
-            h.set_tenant_weight.remote(tenant, float(weight))
-
-
-def _summed(parts: list[EngineStats]) -> EngineStats:
-    """The workers' stats of one model added up; the bounded queue is each worker's own,
-    the first one's shown."""
+def _summed(parts: list[EngineStats], workers: WorkerPoolStats) -> EngineStats:
+    """The workers' stats of one model added up, with the pool's workers and placement; the
+    bounded queue is each worker's own, the first one's shown."""
     out = summed_stats(parts)
     if parts:
         out.overload = parts[0].overload
+    out.workers = workers
     return out
