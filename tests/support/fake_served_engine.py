@@ -38,8 +38,6 @@ from typing import Any
 from lockgate.engine import (
     Adapter,
     CompletionOutput,
-    EngineAdmin,
-    EngineClient,
     EngineDead,
     EngineOverloaded,
     EngineStats,
@@ -47,7 +45,9 @@ from lockgate.engine import (
     Logprob,
     LoRAError,
     LoRARequest,
+    ModelBinding,
     ModelConfig,
+    ModelEngine,
     Prompt,
     PromptTooLong,
     RequestMetrics,
@@ -62,7 +62,7 @@ SENTENCE = (" The quick brown fox jumps over the lazy dog, and the gateway answe
 CLASSES = ("priority", "online", "offline")
 
 
-class FakeServedEngine(EngineClient, EngineAdmin):
+class FakeServedEngine(ModelEngine):
     def __init__(self, model: str | Path, *, eos_after: int = 64, token_interval_s: float = 0.0,
                  max_model_len: int | None = None, max_waiting: int = 100_000,
                  service_classes: tuple[str, ...] = CLASSES, **ignored: Any) -> None:
@@ -175,6 +175,10 @@ class FakeServedEngine(EngineClient, EngineAdmin):
         return {}
 
     # -- stats ------------------------------------------------------------------------------------------
+    def model_stats(self, model: str) -> EngineStats:
+        """An engine of one model: its stats (the gateway binds it with `ModelBinding`)."""
+        return self.stats()
+
     def stats(self) -> EngineStats:
         """Every open request counts as running (nothing waits, no KV is used)."""
         running = Counter(cls for cls, _, _, _ in self._open.values())
@@ -343,5 +347,5 @@ class FakeEnginePool:
         for engine in self.engines.values():
             await engine.shutdown()
 
-    def for_model(self, name: str) -> FakeServedEngine:
-        return self.engines[name]
+    def for_model(self, name: str) -> ModelBinding:
+        return ModelBinding(self.engines[name], name)
