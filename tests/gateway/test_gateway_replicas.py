@@ -1,5 +1,7 @@
 """Two `lockgate serve` replicas sharing one PostgreSQL database and one Redis: the limits hold
-exactly under concurrent load spread over both (no replica lets an extra request in).
+exactly under concurrent load spread over both (no replica lets an extra request in); a key
+revoked or a tenant suspended on one is refused by the other; an adapter registered on one
+is served by the other, which stops within the cache TTL once it is deleted.
 
 The replicas have the same pepper, admin key and Redis prefix; the first migrates the
 database (`--migrate`), the second finds it at head. Requests alternate between the two.
@@ -14,21 +16,26 @@ import secrets
 import time
 from collections import Counter
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
+import openai
 import pytest
 
 from tests.support.gateway_server import GatewayServer
 from tests.support.helpers import demo_model, special_ids
+from tests.support.lora import MAX_LORA_RANK, MESSAGES, NEW_TOKENS, expected_text, install
 from tests.support.services import check_redis, drop_redis_prefix, fresh_pg_database
 
 PROMPT = [40, 41, 42, 43, 44, 45, 46, 47, 48, 49]   # ten ordinary token ids: a known prompt length
+TTL = 1.0                                          # LOCKGATE_ADAPTER_CACHE_TTL_S of both replicas
 
 
 @dataclass
 class Pair:
     a: GatewayServer
     b: GatewayServer
+    adapter_root: Path
 
     @property
     def servers(self) -> tuple[GatewayServer, GatewayServer]:
@@ -49,15 +56,19 @@ def pair(tmp_path_factory):
     pepper = secrets.token_hex(32)
     admin_key = "lg-" + secrets.token_urlsafe(32)
     models = {"tiny": demo_model("llama", "tiny", 0)}
+    root = tmp_path_factory.mktemp("replicas")
+    adapter_root = root / "adapter-root"        # one directory both replicas read adapters from
+    adapter_root.mkdir()
+    env = {"LOCKGATE_ADAPTER_ROOT": str(adapter_root), "LOCKGATE_MAX_LORA_RANK": str(MAX_LORA_RANK),
+           "LOCKGATE_ADAPTER_CACHE_TTL_S": str(TTL)}
     common = dict(redis_url=redis_url, redis_prefix=prefix, pepper=pepper, admin_key=admin_key,
-                  models=models)
+                  models=models, extra_env=env)
     with fresh_pg_database() as url:
-        root = tmp_path_factory.mktemp("replicas")
         a = GatewayServer.start(root / "a", database_url=url, **common)
         try:
             b = GatewayServer.start(root / "b", database_url=url, **common)
             try:
-                yield Pair(a, b)
+                yield Pair(a, b, adapter_root)
             finally:
                 b.stop()
         finally:
@@ -377,3 +388,47 @@ def test_revocation_and_suspension_reach_the_other_replica(pair):
     ok, elapsed = poll(lambda: status(a, k3["key"]).status_code == 401)
     assert ok and elapsed < 5, elapsed
     print(f"revocation seen after (s): {times}")
+
+
+def test_second_replica_learns_and_forgets_adapters(pair):
+    """An adapter registered on one replica: the other lists it, reads it on first use (HF +
+    peft's greedy tokens), and once it is deleted on the first, stops serving it within the
+    cache TTL and lets its engine drop it (the sweep, every TTL)."""
+    a, b = pair.servers
+    t, key_a = pair.tenant()
+
+    def chat(srv: GatewayServer, model: str) -> str:
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key=key_a, max_retries=0, timeout=60)
+        r = c.chat.completions.create(model=model, messages=MESSAGES, max_tokens=NEW_TOKENS,
+                                      temperature=0, extra_body={"ignore_eos": True})
+        assert r.model == model and r.usage.completion_tokens == NEW_TOKENS
+        return r.choices[0].message.content
+
+    def in_cpu(srv: GatewayServer) -> list[str]:
+        return srv.admin.get("/engine").json()["models"]["tiny"]["lora"]["in_cpu"]
+
+    r = a.admin.post("/adapters", json={"name": "ada-rep", "base_model": "tiny", "owner_tenant_id": t["id"],
+                                        "path": install(pair.adapter_root, "own", "rep")})
+    assert r.status_code == 201, r.text
+    rep = r.json()
+    assert b.admin.get(f"/adapters/{rep['id']}").json()["registered"] is False
+    c_b = openai.OpenAI(base_url=b.url + "/v1", api_key=key_a, max_retries=0, timeout=60)
+    assert "ada-rep" in {m.id for m in c_b.models.list().data}
+    assert chat(b, "ada-rep") == expected_text("own")          # read lazily on b
+    assert b.admin.get(f"/adapters/{rep['id']}").json()["registered"] is True
+
+    assert a.admin.delete(f"/adapters/{rep['id']}").status_code == 200
+    t0 = time.monotonic()
+    while True:
+        try:
+            chat(b, "ada-rep")
+        except openai.NotFoundError:
+            break
+        assert time.monotonic() - t0 < TTL + 2, "replica b still serves a deleted adapter"
+        time.sleep(0.1)
+    # and b's engine lets go of it (the sweep, every TTL)
+    deadline = time.monotonic() + 3 * TTL + 2
+    while "ada-rep" in in_cpu(b):
+        assert time.monotonic() < deadline, "timed out waiting for b's engine to drop the adapter"
+        time.sleep(0.05)
+    assert chat(b, "tiny") == expected_text(None)
