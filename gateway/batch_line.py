@@ -13,7 +13,8 @@ import time
 from collections.abc import Awaitable, Callable
 
 from lockgate.gateway.model_directory import ModelEntry
-from lockgate.gateway.serving.run import RequestRun, RunInputs
+from lockgate.gateway.serving.job import RunInputs
+from lockgate.gateway.serving.run import RequestRun
 from lockgate.gateway.serving.ticket import Ticket
 from lockgate.tenancy.usage.writer import UsageRow
 

@@ -40,8 +40,8 @@ from lockgate.gateway.protocol import (
 )
 from lockgate.gateway.serving.chat import chat_job
 from lockgate.gateway.serving.completion import completion_job
+from lockgate.gateway.serving.job import Job, JobMaker
 from lockgate.gateway.serving.prepare import prepare
-from lockgate.gateway.serving.run import Job, JobMaker
 from lockgate.gateway.serving.ticket import Ticket
 from lockgate.gateway.serving.tiers import RunCut
 from lockgate.gateway.state import AppState

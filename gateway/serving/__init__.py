@@ -5,6 +5,7 @@ shared by every API that runs inference (chat, completions, batches).
 - `prepare`: a request's model, tier, token limits and sampling parameters;
 - `chat`, `completion`: a parsed request -> a `Job` (prompts, parameters, how to build its
   choices and its stream);
+- `job`: `Job`, a parsed request ready to run, and its `RunInputs`;
 - `run`: `RequestRun`, one admitted request's life in the engine (submit, outputs, the usage
   row and the lease settled exactly once);
 - `tiers`: the API's service tiers and the engine's refusals as HTTP errors;

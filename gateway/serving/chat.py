@@ -12,8 +12,9 @@ from lockgate.gateway.errors import APIError
 from lockgate.gateway.model_directory import ModelEntry
 from lockgate.gateway.protocol import ChatCompletionRequest
 from lockgate.gateway.responses import ChatChoice, ChatChunkChoice, Head, chat_logprobs, chunk, sse
+from lockgate.gateway.serving.job import Job, RunInputs, chunk_usage
 from lockgate.gateway.serving.prepare import max_tokens_for, sampling, tokenizer_error
-from lockgate.gateway.serving.run import Job, RequestRun, RunInputs, chunk_usage
+from lockgate.gateway.serving.run import RequestRun
 from lockgate.gateway.settings import Settings
 from lockgate.gateway.tokenize_pool import TokenizePool, TokenizerError
 from lockgate.gateway.tool_calls import ToolCallReader, ToolPlan, chat_message, prompt_messages, tool_plan

@@ -11,8 +11,9 @@ from lockgate.gateway.errors import APIError
 from lockgate.gateway.model_directory import ModelEntry
 from lockgate.gateway.protocol import CompletionRequest
 from lockgate.gateway.responses import CompletionChoice, Head, chunk, completion_logprobs, sse
+from lockgate.gateway.serving.job import Job, RunInputs, chunk_usage
 from lockgate.gateway.serving.prepare import max_tokens_for, sampling, tokenizer_error
-from lockgate.gateway.serving.run import Job, RequestRun, RunInputs, chunk_usage
+from lockgate.gateway.serving.run import RequestRun
 from lockgate.gateway.settings import Settings
 from lockgate.gateway.tokenize_pool import TokenizePool, TokenizerError
 

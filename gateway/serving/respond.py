@@ -16,8 +16,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from lockgate.gateway.errors import APIError
 from lockgate.gateway.protocol import SamplingBody, read_json
 from lockgate.gateway.responses import Head, Kind, answer, sse, usage_chunk
+from lockgate.gateway.serving.job import Job, JobMaker
 from lockgate.gateway.serving.prepare import prepare
-from lockgate.gateway.serving.run import Job, JobMaker, RequestRun
+from lockgate.gateway.serving.run import RequestRun
 from lockgate.gateway.serving.ticket import admitted, ratelimit_headers
 from lockgate.gateway.serving.tiers import usage_status
 from lockgate.gateway.state import AppState

@@ -27,10 +27,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from collections.abc import Callable
 from datetime import UTC, datetime
-from typing import Any
 
 from lockgate.engine import (
     EngineDead,
@@ -39,33 +37,18 @@ from lockgate.engine import (
     PromptTooLong,
     RequestOutput,
     RequestStream,
-    SamplingParams,
     UnknownModel,
 )
 from lockgate.gateway.errors import APIError
 from lockgate.gateway.model_directory import ModelEntry, not_found
-from lockgate.gateway.responses import Head, Kind, Usage, answer, head
+from lockgate.gateway.responses import Usage
+from lockgate.gateway.serving.job import RunInputs
 from lockgate.gateway.serving.ticket import Ticket
 from lockgate.gateway.serving.tiers import TIERS, RunCut, cut_error, engine_unavailable, overloaded, submit_error
-from lockgate.gateway.settings import Settings
-from lockgate.gateway.tokenize_pool import TokenizePool
 from lockgate.tenancy.limiter import Decision, Lease
 from lockgate.tenancy.usage.writer import UsageRow
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class RunInputs:
-    """What a run hands the engine: a prompt's token ids and sampling parameters each, the
-    tokens to reserve (prompts + every completion's max_tokens), and the request's own cache
-    salt and priority."""
-
-    prompts: list[list[int]]
-    params: list[SamplingParams]
-    reserve_tokens: int
-    cache_salt: str | None = None
-    priority: int = 0
 
 
 class RequestRun:
@@ -425,34 +408,3 @@ class RequestRun:
             if completion > len(self.finals) and ends:
                 m.child(m.tpot, self.tier).observe(
                     (max(ends) - min(first_tok)) / (completion - len(self.finals)))
-
-
-@dataclass(slots=True)
-class Job:
-    """A parsed inference request ready to run: what it hands the engine, how its choices are
-    built from the finished outputs, and how its choices stream (`chunks(run, head,
-    include_usage)`: the SSE events of the choices, before the usage and `[DONE]`)."""
-
-    kind: Kind
-    inputs: RunInputs
-    choices: Callable[[dict[int, RequestOutput]], list]
-    chunks: Callable[[RequestRun, Head, bool], AsyncIterator[bytes]]
-
-    def head(self, run: RequestRun, model: str, tier: str) -> Head:
-        return head(self.kind, run.id, run.t0, model, tier)
-
-    def body(self, run: RequestRun, model: str, tier: str) -> dict:
-        """The JSON answer of a finished run (its usage set by `finish`)."""
-        return answer(self.kind, self.head(run, model, tier), self.choices(run.finals), run.usage)
-
-
-def chunk_usage(run: RequestRun, include_usage: bool) -> dict:
-    """A chunk's usage: none; null (`include_usage`: the usage comes in a chunk of its own
-    at the end); or, with vLLM's `continuous_usage_stats`, the usage so far."""
-    if not include_usage:
-        return {}
-    return {"usage": run.usage_dict() if run.continuous_usage else None}
-
-
-# (settings, the tokenizer pool, the parsed request, its model) -> its job
-JobMaker = Callable[[Settings, TokenizePool, Any, ModelEntry], Awaitable[Job]]
