@@ -38,14 +38,9 @@ class ModelBinding(ServedEngine):
         options["model"] = options.get("model") or self.adapter or self.model
         return self.engine.submit(prompt, sampling_params, request_id, **options)
 
-    async def generate(self, prompt: Prompt, sampling_params: SamplingParams, request_id: str,
-                       **options: Unpack[SubmitOptions]) -> AsyncIterator[RequestOutput]:
-        stream = self.submit(prompt, sampling_params, request_id, **options)
-        try:
-            async for out in stream:
-                yield out
-        finally:
-            stream.close()
+    def generate(self, prompt: Prompt, sampling_params: SamplingParams, request_id: str,
+                 **options: Unpack[SubmitOptions]) -> AsyncIterator[RequestOutput]:
+        return self.submit(prompt, sampling_params, request_id, **options).outputs()
 
     async def abort(self, request_id: str) -> None:
         await self.engine.abort(request_id)

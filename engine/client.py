@@ -12,7 +12,7 @@ them from the model directory (`ModelConfig`, `Tokenizer`).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any, Protocol, TypedDict, Unpack, runtime_checkable
 
 from lockgate.engine.outputs import RequestOutput
@@ -75,6 +75,14 @@ class RequestStream:
             self.finished = True
             self._forget(self.request_id)
         return item
+
+    async def outputs(self) -> AsyncIterator[RequestOutput]:
+        """The outputs, closing the stream however the reader leaves (`generate`'s body)."""
+        try:
+            async for out in self:
+                yield out
+        finally:
+            self.close()
 
     def close(self) -> None:
         if self.closed:

@@ -30,7 +30,7 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Unpack
 
 from lockgate.engine import (
     Adapter,
@@ -49,6 +49,7 @@ from lockgate.engine import (
     RequestOutput,
     RequestStream,
     SamplingParams,
+    SubmitOptions,
     Tokenizer,
 )
 from lockgate.engine.engine_core import check_request
@@ -199,34 +200,21 @@ class InstantEngine(ModelEngine):
         return {}
 
     # -- requests -------------------------------------------------------------------------------
-    async def generate(self, prompt: Prompt, sampling_params: SamplingParams, request_id: str,
-                       **kwargs: Any) -> AsyncIterator[RequestOutput]:
-        stream = self.submit(prompt, sampling_params, request_id, **kwargs)
-        try:
-            async for out in stream:
-                yield out
-        finally:
-            stream.close()
+    def generate(self, prompt: Prompt, sampling_params: SamplingParams, request_id: str,
+                 **options: Unpack[SubmitOptions]) -> AsyncIterator[RequestOutput]:
+        return self.submit(prompt, sampling_params, request_id, **options).outputs()
 
-    def submit(
-        self,
-        prompt: Prompt,
-        sampling_params: SamplingParams,
-        request_id: str,
-        *,
-        tenant: str = "default",
-        service_class: str = "online",
-        priority: int = 0,
-        model: str | None = None,
-        cache_salt: str | None = None,
-        sheddable: bool = True,     # nothing queues here, so nothing is ever shed
-    ) -> RequestStream:
+    def submit(self, prompt: Prompt, sampling_params: SamplingParams, request_id: str,
+               **options: Unpack[SubmitOptions]) -> RequestStream:
+        """Nothing queues here, so nothing is ever shed (`sheddable` is ignored)."""
+        service_class = options.get("service_class", "online")
         self._started()
         tok = self.tokenizer
         text, ids = to_token_ids(tok, prompt)
-        check_request(EngineRequest(request_id, ids, sampling_params, prompt=text, tenant=tenant,
-                                    service_class=service_class, priority=priority, model=model,
-                                    cache_salt=cache_salt),
+        check_request(EngineRequest(request_id, ids, sampling_params, prompt=text,
+                                    tenant=options.get("tenant", "default"), service_class=service_class,
+                                    priority=options.get("priority", 0), model=options.get("model"),
+                                    cache_salt=options.get("cache_salt")),
                       self.model_config.vocab_size, self._max_model_len)
         if len(self._streams) >= self.max_waiting_per_class:
             raise EngineOverloaded(f"service_class {service_class!r}: {self.max_waiting_per_class} "
