@@ -1,5 +1,6 @@
-"""vLLM's conventions, against one live `lockgate serve` started with vLLM's engine flags:
-its metric names and types, a guarded /metrics, /tokenize and /detokenize, its sampling
+"""vLLM's conventions, against the gateway in process with the real engine, configured as
+vLLM's engine flags would (`lockgate serve` taking those flags: test_vllm_flags.py): its
+metric names and types, a guarded /metrics, /tokenize and /detokenize, its sampling
 extensions (stop_token_ids, skip_special_tokens, include_stop_str_in_output, priority,
 continuous_usage_stats) and its adapter-loading routes; then the admin API's fixes from a new
 user's list (public adapters by default, unknown model names refused, the audit log's
@@ -7,61 +8,64 @@ filters and cursor)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import secrets
 import shutil
-import threading
 import time
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
-import torch
+import pytest_asyncio
 from prometheus_client.parser import text_string_to_metric_families
 
 from lockgate.engine.lora_demo import write_demo_adapter
 from lockgate.engine.tokenizer import Tokenizer
-from tests.support.gateway_server import running_server
 from tests.support.helpers import demo_model, hf_greedy, random_prompts
+from tests.support.inprocess_gateway import REAL_ENGINE_KWARGS, running_gateway
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 MODEL = "tiny"
 METRICS_TOKEN = "metrics-" + secrets.token_hex(16)
-FLAGS = ["--max-num-seqs", "1", "--max-model-len", "512", "--max-loras", "2", "--max-lora-rank", "8",
-         "--gpu-memory-utilization", "0.5", "--dtype", "float", "--block-size", "16",
-         "--enable-prefix-caching"]
+# what `--max-num-seqs 1 --max-model-len 512 --max-loras 2 --max-lora-rank 8
+# --gpu-memory-utilization 0.5 --dtype float --block-size 16 --enable-prefix-caching` set
+ENGINE_FLAGS = {"max_num_seqs": 1, "max_model_len": 512, "gpu_memory_utilization": 0.5, "dtype": "float32",
+                "block_size": 16, "enable_prefix_caching": True}
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("vllm")
     root = tmp / "adapters"
     root.mkdir()
-    env = {"LOCKGATE_METRICS_TOKEN": METRICS_TOKEN, "LOCKGATE_ADAPTER_ROOT": str(root)}
-    with running_server(tmp / "data", "embedded", models={MODEL: demo_model("llama", "tiny", 0)},
-                        extra_env=env, extra_args=FLAGS) as srv:
-        srv.adapter_root = root
-        yield srv
+    async with running_gateway(tmp / "data", engine="real", models={MODEL: demo_model("llama", "tiny", 0)},
+                               engine_kwargs={**REAL_ENGINE_KWARGS, **ENGINE_FLAGS}, max_loras=2,
+                               max_lora_rank=8, metrics_token=METRICS_TOKEN, adapter_root=root) as gw:
+        gw.adapter_root = root
+        yield gw
 
 
-@pytest.fixture(scope="module")
-def tenant(server):
-    return server.tenant()
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def tenant(server):
+    return await server.tenant()
 
 
-def client(server, key) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0, timeout=60)
+def client(server, key) -> openai.AsyncOpenAI:
+    return server.openai(key)
 
 
-def post(server, path: str, key: str | None, body) -> httpx.Response:
+async def post(server, path: str, key: str | None, body) -> httpx.Response:
     headers = {"Authorization": f"Bearer {key}"} if key else {}
-    return httpx.post(server.url + path, json=body, headers=headers, timeout=60)
+    return await server.http.post(path, json=body, headers=headers)
 
 
-def scrape(server) -> dict[str, object]:
+async def scrape(server) -> dict[str, object]:
     """name -> metric family, read with the metrics token."""
-    r = httpx.get(server.url + "/metrics", headers={"Authorization": f"Bearer {METRICS_TOKEN}"}, timeout=10)
+    r = await server.http.get("/metrics", headers={"Authorization": f"Bearer {METRICS_TOKEN}"})
     assert r.status_code == 200, r.text
     return {f.name: f for f in text_string_to_metric_families(r.text)}
 
@@ -75,43 +79,30 @@ def value(families, name: str, sample: str | None = None, **labels: str) -> floa
     return found[0]
 
 
-# -- the engine flags --------------------------------------------------------------------------------
-def test_vllm_engine_flags_reach_the_engine(server, tenant):
-    """--max-model-len 512, --max-loras 2, --max-lora-rank 8, --max-num-seqs 1 (the queue
-    bound is 4 x max_num_seqs), each seen from outside; --gpu-memory-utilization says on the
-    CPU that it does nothing there."""
-    _, key = tenant
-    assert client(server, key).models.retrieve(MODEL).model_extra["max_model_len"] == 512
-    engine = server.admin.get("/engine").json()["models"][MODEL]
-    assert (engine["lora"]["max_loras"], engine["lora"]["max_lora_rank"]) == (2, 8)
-    assert engine["overload"]["bounds"]["requests"] == 4
-    if not torch.cuda.is_available():
-        assert "--gpu-memory-utilization applies to CUDA devices" in server.log()
-
-
 # -- metrics -----------------------------------------------------------------------------------------
-def test_metrics_need_an_admin_key_or_the_metrics_token(server, tenant):
+async def test_metrics_need_an_admin_key_or_the_metrics_token(server, tenant):
     _, key = tenant
-    url = server.url + "/metrics"
-    assert httpx.get(url).status_code == 401
-    r = httpx.get(url, headers={"Authorization": f"Bearer {key}"})
+    url = "/metrics"
+    assert (await server.http.get(url)).status_code == 401
+    r = await server.http.get(url, headers={"Authorization": f"Bearer {key}"})
     assert r.status_code == 403 and "LOCKGATE_METRICS_TOKEN" in r.json()["error"]["message"]
-    assert httpx.get(url, headers={"Authorization": "Bearer " + METRICS_TOKEN[:-1] + "x"}).status_code == 401
+    assert (await server.http.get(url, headers={"Authorization": "Bearer " + METRICS_TOKEN[:-1] + "x"})
+            ).status_code == 401
     for good in (METRICS_TOKEN, server.admin_key):
-        r = httpx.get(url, headers={"Authorization": f"Bearer {good}"})
+        r = await server.http.get(url, headers={"Authorization": f"Bearer {good}"})
         assert r.status_code == 200 and "lockgate_requests_total" in r.text
 
 
-def test_vllm_metrics_beside_lockgates_own(server, tenant):
+async def test_vllm_metrics_beside_lockgates_own(server, tenant):
     """The same streamed prompt twice (the second hits the prefix cache): vLLM's gauges,
     counters and histograms by model_name, with vLLM's types, and Lockgate's per-tenant
     series still there."""
     t, key = tenant
     prompt = random_prompts(demo_model("llama", "tiny", 0), [40], seed=11)[0]
     for _ in range(2):
-        list(client(server, key).completions.create(model=MODEL, prompt=prompt, max_tokens=6,
-                                                    stream=True, extra_body={"ignore_eos": True}))
-    m = scrape(server)
+        [_ async for _ in await client(server, key).completions.create(
+            model=MODEL, prompt=prompt, max_tokens=6, stream=True, extra_body={"ignore_eos": True})]
+    m = await scrape(server)
     for name, kind in (("vllm:num_requests_running", "gauge"), ("vllm:num_requests_waiting", "gauge"),
                        ("vllm:kv_cache_usage_perc", "gauge"), ("vllm:prefix_cache_queries", "counter"),
                        ("vllm:prefix_cache_hits", "counter"), ("vllm:num_preemptions", "counter"),
@@ -139,21 +130,21 @@ def test_vllm_metrics_beside_lockgates_own(server, tenant):
                  status="ok") == 2
 
 
-def test_error_answers_are_counted_with_status_and_code(server, tenant):
+async def test_error_answers_are_counted_with_status_and_code(server, tenant):
     _, key = tenant
-    before = scrape(server)
+    before = await scrape(server)
 
     def errors(m, status, code):
         fam = m["lockgate_http_errors"]
         return sum(s.value for s in fam.samples if s.name == "lockgate_http_errors_total"
                    and s.labels == {"status": status, "code": code})
 
-    assert post(server, "/v1/chat/completions", "lg-" + "x" * 43, {}).status_code == 401
-    assert post(server, "/v1/chat/completions", key, {"model": "nope", "messages": [
-        {"role": "user", "content": "x"}]}).status_code == 404
-    assert post(server, "/v1/completions", key, {"model": MODEL, "prompt": "x", "n": "two"}).status_code == 400
-    assert server.admin.get("/tenants/ten_0000000000000000").status_code == 404
-    after = scrape(server)
+    assert (await post(server, "/v1/chat/completions", "lg-" + "x" * 43, {})).status_code == 401
+    assert (await post(server, "/v1/chat/completions", key, {"model": "nope", "messages": [
+        {"role": "user", "content": "x"}]})).status_code == 404
+    assert (await post(server, "/v1/completions", key, {"model": MODEL, "prompt": "x", "n": "two"})).status_code == 400
+    assert (await server.admin.get("/tenants/ten_0000000000000000")).status_code == 404
+    after = await scrape(server)
     for status, code in (("401", "invalid_api_key"), ("404", "model_not_found"), ("400", "invalid_value")):
         assert errors(after, status, code) == errors(before, status, code) + 1, (status, code)
     requests = {tuple(sorted(s.labels.items())): s.value for s in after["lockgate_http_requests"].samples
@@ -165,39 +156,39 @@ def test_error_answers_are_counted_with_status_and_code(server, tenant):
 
 
 # -- /tokenize and /detokenize ------------------------------------------------------------------------
-def test_tokenize_and_detokenize_as_vllm(server, tenant):
+async def test_tokenize_and_detokenize_as_vllm(server, tenant):
     _, key = tenant
     tok = Tokenizer(demo_model("llama", "tiny", 0))
-    r = post(server, "/tokenize", key, {"model": MODEL, "prompt": "Hello paging world",
-                                        "return_token_strs": True})
+    r = await post(server, "/tokenize", key, {"model": MODEL, "prompt": "Hello paging world",
+                                              "return_token_strs": True})
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["tokens"] == tok.encode("Hello paging world") and body["count"] == len(body["tokens"])
     assert body["max_model_len"] == 512 and len(body["token_strs"]) == body["count"]
-    r = post(server, "/detokenize", key, {"model": MODEL, "tokens": body["tokens"]})
+    r = await post(server, "/detokenize", key, {"model": MODEL, "tokens": body["tokens"]})
     assert r.status_code == 200 and r.json() == {"prompt": "Hello paging world"}
 
     # a chat: exactly the prompt the chat route runs (its usage counts the same tokens)
     messages = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Hi <|im_end|>"}]
-    r = post(server, "/tokenize", key, {"model": MODEL, "messages": messages})
-    chat = client(server, key).chat.completions.create(model=MODEL, messages=messages, max_tokens=1)
+    r = await post(server, "/tokenize", key, {"model": MODEL, "messages": messages})
+    chat = await client(server, key).chat.completions.create(model=MODEL, messages=messages, max_tokens=1)
     assert r.json()["count"] == chat.usage.prompt_tokens
 
     for bad in ({"model": MODEL}, {"model": MODEL, "prompt": "a", "messages": messages},
                 {"model": MODEL, "prompt": "a", "bogus": 1}):
-        assert post(server, "/tokenize", key, bad).status_code == 400, bad
-    r = post(server, "/detokenize", key, {"model": MODEL, "tokens": [1, 512]})
+        assert (await post(server, "/tokenize", key, bad)).status_code == 400, bad
+    r = await post(server, "/detokenize", key, {"model": MODEL, "tokens": [1, 512]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"
     # the model's visibility, as for inference; tenant keys only
-    _, locked = server.tenant(models=[])
-    assert post(server, "/tokenize", locked, {"model": MODEL, "prompt": "a"}).status_code == 404
-    assert post(server, "/detokenize", locked, {"model": MODEL, "tokens": [5]}).status_code == 404
-    assert post(server, "/tokenize", server.admin_key, {"model": MODEL, "prompt": "a"}).status_code == 403
-    assert post(server, "/tokenize", None, {"model": MODEL, "prompt": "a"}).status_code == 401
+    _, locked = await server.tenant(models=[])
+    assert (await post(server, "/tokenize", locked, {"model": MODEL, "prompt": "a"})).status_code == 404
+    assert (await post(server, "/detokenize", locked, {"model": MODEL, "tokens": [5]})).status_code == 404
+    assert (await post(server, "/tokenize", server.admin_key, {"model": MODEL, "prompt": "a"})).status_code == 403
+    assert (await post(server, "/tokenize", None, {"model": MODEL, "prompt": "a"})).status_code == 401
 
 
 # -- sampling extensions --------------------------------------------------------------------------------
-def test_stop_token_ids_and_include_stop_str_in_output(server, tenant):
+async def test_stop_token_ids_and_include_stop_str_in_output(server, tenant):
     _, key = tenant
     path = demo_model("llama", "tiny", 0)
     tok = Tokenizer(path)
@@ -205,23 +196,23 @@ def test_stop_token_ids_and_include_stop_str_in_output(server, tenant):
     greedy = hf_greedy(path, prompt, 12, ignore_eos=True)
     k = next(i for i in range(3, 12) if greedy[i] not in greedy[:i])
     c = client(server, key)
-    r = c.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0,
-                             extra_body={"ignore_eos": True, "stop_token_ids": [greedy[k]]})
+    r = await c.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0,
+                                   extra_body={"ignore_eos": True, "stop_token_ids": [greedy[k]]})
     assert r.choices[0].finish_reason == "stop"
     assert r.choices[0].text == tok.decode(greedy[:k])
 
     whole = tok.decode(greedy)
     stop = next(ch for ch in whole[3:] if ch.strip() and ch not in whole[:3])
     cut = whole.index(stop)
-    r = c.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stop=[stop],
-                             extra_body={"ignore_eos": True})
+    r = await c.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stop=[stop],
+                                   extra_body={"ignore_eos": True})
     assert r.choices[0].text == whole[:cut]
-    r = c.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stop=[stop],
-                             extra_body={"ignore_eos": True, "include_stop_str_in_output": True})
+    r = await c.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stop=[stop],
+                                   extra_body={"ignore_eos": True, "include_stop_str_in_output": True})
     assert r.choices[0].text == whole[:cut + 1]
 
 
-def test_skip_special_tokens(server, tenant):
+async def test_skip_special_tokens(server, tenant):
     """The demo model seldom samples a special token, so the prompt is one (<|im_start|>)
     and repetition_penalty 0.01 multiplies the logits of the tokens seen (if positive): the
     greedy output then holds <|im_start|> among other tokens. Its text shows with
@@ -230,82 +221,79 @@ def test_skip_special_tokens(server, tenant):
     kw = {"model": MODEL, "prompt": [1], "max_tokens": 8, "temperature": 0}
     body = {"ignore_eos": True, "repetition_penalty": 0.01}
     c = client(server, key)
-    shown = c.completions.create(extra_body={**body, "skip_special_tokens": False}, **kw).choices[0].text
-    hidden = c.completions.create(extra_body=body, **kw).choices[0].text
+    shown = (await c.completions.create(extra_body={**body, "skip_special_tokens": False}, **kw)).choices[0].text
+    hidden = (await c.completions.create(extra_body=body, **kw)).choices[0].text
     assert "<|im_start|>" in shown and shown.replace("<|im_start|>", "").strip()
     assert hidden == shown.replace("<|im_start|>", "")
 
 
-def test_continuous_usage_stats(server, tenant):
+async def test_continuous_usage_stats(server, tenant):
     _, key = tenant
-    chunks = list(client(server, key).chat.completions.create(
+    chunks = [ch async for ch in await client(server, key).chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "count"}], max_tokens=5, stream=True,
         stream_options={"include_usage": True, "continuous_usage_stats": True},
-        extra_body={"ignore_eos": True}))
+        extra_body={"ignore_eos": True})]
     assert all(ch.usage is not None for ch in chunks)
     completions = [ch.usage.completion_tokens for ch in chunks]
     assert completions == sorted(completions) and completions[0] == 0 and completions[-1] == 5
     assert len({ch.usage.prompt_tokens for ch in chunks}) == 1
     # without include_usage it would be silently meaningless: refused
-    r = post(server, "/v1/chat/completions", key, {
+    r = await post(server, "/v1/chat/completions", key, {
         "model": MODEL, "messages": [{"role": "user", "content": "x"}], "stream": True,
         "stream_options": {"continuous_usage_stats": True}})
     assert r.status_code == 400 and "continuous_usage_stats" in r.json()["error"]["message"]
 
 
-def _stream_first_token(server, key: str, prompt: list[int], max_tokens: int, priority: int,
-                        seen: dict[str, float], name: str) -> None:
+async def _stream_first_token(server, key: str, prompt: list[int], max_tokens: int, priority: int,
+                              seen: dict[str, float], name: str) -> None:
     body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
             "ignore_eos": True, "priority": priority}
-    with httpx.Client(timeout=120) as c, c.stream("POST", server.url + "/v1/completions", json=body,
-                                                  headers={"Authorization": f"Bearer {key}"}) as r:
-        assert r.status_code == 200, r.read()
-        for line in r.iter_lines():
+    async with server.http.stream("POST", "/v1/completions", json=body, timeout=120,
+                                  headers={"Authorization": f"Bearer {key}"}) as r:
+        assert r.status_code == 200, await r.aread()
+        async for line in r.aiter_lines():
             if line.startswith("data: {") and json.loads(line[6:]).get("choices"):
                 seen.setdefault(name, time.monotonic())
     seen[name + ":end"] = time.monotonic()
 
 
-def test_priority_orders_a_tenants_own_requests_only(server):
+async def test_priority_orders_a_tenants_own_requests_only(server):
     """One sequence slot (--max-num-seqs 1). A's long request holds it; then B sends x
     (priority 0), A sends y1 (priority 0), then y2 (priority -5, more urgent). When the slot
     frees, B goes first: A has had more service, and A's priority does not jump another
     tenant. Then A's own requests run by priority: y2 before its earlier y1."""
-    _, key_a = server.tenant()
-    _, key_b = server.tenant()
+    _, key_a = await server.tenant()
+    _, key_b = await server.tenant()
     prompts = random_prompts(demo_model("llama", "tiny", 0), [8, 8, 8, 8], seed=21)
     seen: dict[str, float] = {}
-    threads = []
+    tasks = []
 
     def start(key, prompt, max_tokens, priority, name):
-        t = threading.Thread(target=_stream_first_token,
-                             args=(server, key, prompt, max_tokens, priority, seen, name))
-        t.start()
-        threads.append(t)
+        tasks.append(asyncio.ensure_future(
+            _stream_first_token(server, key, prompt, max_tokens, priority, seen, name)))
 
-    def waiting() -> int:
-        return sum(server.admin.get("/engine").json()["models"][MODEL]["waiting"].values())
+    async def waiting() -> int:
+        return sum((await server.admin.get("/engine")).json()["models"][MODEL]["waiting"].values())
 
-    def wait_for(n: int) -> None:
+    async def wait_for(n: int) -> None:
         deadline = time.monotonic() + 10
-        while waiting() < n:
+        while await waiting() < n:
             assert time.monotonic() < deadline, f"{n} requests never queued"
-            time.sleep(0.01)
+            await asyncio.sleep(0.01)
 
     start(key_a, prompts[0], 480, 0, "hold")
     while "hold" not in seen:
-        time.sleep(0.01)
+        await asyncio.sleep(0.01)
     start(key_b, prompts[1], 4, 0, "x")
-    wait_for(1)
+    await wait_for(1)
     start(key_a, prompts[2], 4, 0, "y1")
-    wait_for(2)
+    await wait_for(2)
     start(key_a, prompts[3], 4, -5, "y2")
-    wait_for(3)
+    await wait_for(3)
     assert "hold:end" not in seen, "the long request ended before the others queued"
-    for t in threads:
-        t.join(120)
+    await asyncio.wait_for(asyncio.gather(*tasks), 120)
     assert seen["x"] < seen["y2"] < seen["y1"], seen
-    r = post(server, "/v1/completions", key_a, {"model": MODEL, "prompt": "x", "priority": 1.5})
+    r = await post(server, "/v1/completions", key_a, {"model": MODEL, "prompt": "x", "priority": 1.5})
     assert r.status_code == 400 and r.json()["error"]["param"] == "priority"
 
 
@@ -318,81 +306,81 @@ def adapter_dir(server, tmp_path_factory) -> str:
     return "vl"
 
 
-def test_vllm_lora_routes_load_and_unload(server, tenant, adapter_dir):
+async def test_vllm_lora_routes_load_and_unload(server, tenant, adapter_dir):
     _, key = tenant
     body = {"lora_name": "vllm-ada", "lora_path": str(server.adapter_root / adapter_dir)}
-    r = post(server, "/v1/load_lora_adapter", key, body)
+    r = await post(server, "/v1/load_lora_adapter", key, body)
     assert r.status_code == 403 and r.json()["error"]["code"] == "admin_only"
-    r = post(server, "/v1/load_lora_adapter", server.admin_key, body)
+    r = await post(server, "/v1/load_lora_adapter", server.admin_key, body)
     assert r.status_code == 200 and "vllm-ada" in r.text, r.text
-    row = next(a for a in server.admin.get("/adapters").json()["data"] if a["name"] == "vllm-ada")
+    row = next(a for a in (await server.admin.get("/adapters")).json()["data"] if a["name"] == "vllm-ada")
     assert row["public"] and row["base_model"] == MODEL and row["path"] == adapter_dir
-    out = client(server, key).chat.completions.create(model="vllm-ada", max_tokens=2,
-                                                       messages=[{"role": "user", "content": "hi"}])
+    out = await client(server, key).chat.completions.create(model="vllm-ada", max_tokens=2,
+                                                            messages=[{"role": "user", "content": "hi"}])
     assert out.model == "vllm-ada"
 
-    r = post(server, "/v1/load_lora_adapter", server.admin_key,
-             {"lora_name": "elsewhere", "lora_path": "/tmp"})
+    r = await post(server, "/v1/load_lora_adapter", server.admin_key,
+                   {"lora_name": "elsewhere", "lora_path": "/tmp"})
     err = r.json()["error"]
     assert r.status_code == 400 and err["param"] == "lora_path"
     assert str(server.adapter_root.resolve()) in err["message"]       # says where the root is
-    r = post(server, "/v1/unload_lora_adapter", server.admin_key, {"lora_name": "vllm-ada"})
+    r = await post(server, "/v1/unload_lora_adapter", server.admin_key, {"lora_name": "vllm-ada"})
     assert r.status_code == 200, r.text
-    assert "vllm-ada" not in {a["name"] for a in server.admin.get("/adapters").json()["data"]}
-    r = post(server, "/v1/unload_lora_adapter", server.admin_key, {"lora_name": "vllm-ada"})
+    assert "vllm-ada" not in {a["name"] for a in (await server.admin.get("/adapters")).json()["data"]}
+    r = await post(server, "/v1/unload_lora_adapter", server.admin_key, {"lora_name": "vllm-ada"})
     assert r.status_code == 404
 
 
-def test_adapter_owner_is_optional_and_public(server, adapter_dir):
-    r = server.admin.post("/adapters", json={"name": "pub-default", "base_model": MODEL,
-                                             "path": adapter_dir})
+async def test_adapter_owner_is_optional_and_public(server, adapter_dir):
+    r = await server.admin.post("/adapters", json={"name": "pub-default", "base_model": MODEL,
+                                                   "path": adapter_dir})
     assert r.status_code == 201, r.text
     assert r.json()["public"] and r.json()["owner_tenant_id"] is None
-    r = server.admin.post("/adapters", json={"name": "out", "base_model": MODEL, "path": "../x"})
+    r = await server.admin.post("/adapters", json={"name": "out", "base_model": MODEL, "path": "../x"})
     assert r.status_code == 400 and str(server.adapter_root) in r.json()["error"]["message"]
 
 
 # -- tenants' model lists ------------------------------------------------------------------------------
-def test_unknown_model_names_are_refused(server, adapter_dir):
-    r = server.admin.post("/tenants", json={"name": "t-" + secrets.token_hex(4), "models": ["tiny", "ghost"]})
+async def test_unknown_model_names_are_refused(server, adapter_dir):
+    r = await server.admin.post("/tenants", json={"name": "t-" + secrets.token_hex(4), "models": ["tiny", "ghost"]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "models"
     assert "'ghost'" in r.json()["error"]["message"]
-    t, _ = server.tenant()
-    r = server.admin.patch(f"/tenants/{t['id']}", json={"models": ["nonexistent"]})
+    t, _ = await server.tenant()
+    r = await server.admin.patch(f"/tenants/{t['id']}", json={"models": ["nonexistent"]})
     assert r.status_code == 400 and "'nonexistent'" in r.json()["error"]["message"]
-    assert server.admin.get(f"/tenants/{t['id']}").json()["models"] is None     # unchanged
-    server.admin.post("/adapters", json={"name": "named-ok", "base_model": MODEL, "path": adapter_dir})
-    r = server.admin.patch(f"/tenants/{t['id']}", json={"models": [MODEL, "named-ok"]})
+    assert (await server.admin.get(f"/tenants/{t['id']}")).json()["models"] is None     # unchanged
+    await server.admin.post("/adapters", json={"name": "named-ok", "base_model": MODEL, "path": adapter_dir})
+    r = await server.admin.patch(f"/tenants/{t['id']}", json={"models": [MODEL, "named-ok"]})
     assert r.status_code == 200 and r.json()["models"] == [MODEL, "named-ok"]
 
 
 # -- the audit log ----------------------------------------------------------------------------------------
-def test_audit_filters_cursor_and_unknown_parameters(server):
-    t, _ = server.tenant()
+async def test_audit_filters_cursor_and_unknown_parameters(server):
+    t, _ = await server.tenant()
     for w in (2, 3, 4):
-        assert server.admin.patch(f"/tenants/{t['id']}", json={"weight": w}).status_code == 200
+        assert (await server.admin.patch(f"/tenants/{t['id']}", json={"weight": w})).status_code == 200
     audit = server.admin
-    r = audit.get("/audit", params={"target_id": t["id"], "action": "tenant.update", "limit": 2})
+    r = await audit.get("/audit", params={"target_id": t["id"], "action": "tenant.update", "limit": 2})
     page = r.json()
     assert r.status_code == 200 and page["has_more"] and len(page["data"]) == 2
     assert all(e["target_id"] == t["id"] and e["action"] == "tenant.update" for e in page["data"])
-    rest = audit.get("/audit", params={"target_id": t["id"], "action": "tenant.update",
-                                       "after": page["last_id"]}).json()
+    rest = (await audit.get("/audit", params={"target_id": t["id"], "action": "tenant.update",
+                                              "after": page["last_id"]})).json()
     assert len(rest["data"]) == 1 and not rest["has_more"]
     ids = [e["id"] for e in page["data"] + rest["data"]]
     assert ids == sorted(ids, reverse=True) and len(set(ids)) == 3
-    assert audit.get("/audit", params={"target_id": t["id"], "actor": "nobody"}).json()["data"] == []
-    future = audit.get("/audit", params={"target_id": t["id"], "start": "2999-01-01T00:00:00Z"}).json()
+    assert (await audit.get("/audit", params={"target_id": t["id"], "actor": "nobody"})).json()["data"] == []
+    future = (await audit.get("/audit", params={"target_id": t["id"], "start": "2999-01-01T00:00:00Z"})).json()
     assert future["data"] == []
-    everything = audit.get("/audit", params={"target_type": "tenant", "target_id": t["id"]}).json()["data"]
+    everything = (await audit.get("/audit", params={"target_type": "tenant", "target_id": t["id"]})).json()["data"]
     assert {e["action"] for e in everything} == {"tenant.create", "tenant.update"}
     for bad in ({"tenant": t["id"]}, {"after": "abc"}, {"start": "yesterday"}, {"limit": 0}):
-        r = audit.get("/audit", params=bad)
+        r = await audit.get("/audit", params=bad)
         assert r.status_code == 400, (bad, r.text)
         assert r.json()["error"]["param"] == next(iter(bad)), r.text
 
 
-def test_readme_lists_every_route(server):
+async def test_readme_lists_every_route(server):
     """Every route the app serves, method and path, is in the README's route table."""
     from lockgate.gateway.app import create_app
     from lockgate.gateway.settings import Settings
@@ -409,10 +397,9 @@ def test_readme_lists_every_route(server):
 
 
 # -- error counting, without a server: the 5xx paths --------------------------------------------
-def test_count_responses_counts_5xx_and_unhandled_errors():
+async def test_count_responses_counts_5xx_and_unhandled_errors():
     """A 503 APIError is counted with its code; a route that raises past every handler is
     counted as the 500 the server answers; a 200 only in the request counts."""
-    import asyncio
     from types import SimpleNamespace
 
     from lockgate.gateway.errors import APIError
@@ -441,10 +428,10 @@ def test_count_responses_counts_5xx_and_unhandled_errors():
 
         await CountResponses(inner)(scope, receive, send)
 
-    asyncio.run(call("/busy"))
-    asyncio.run(call("/"))
+    await call("/busy")
+    await call("/")
     with pytest.raises(RuntimeError):
-        asyncio.run(call("/boom"))
+        await call("/boom")
     reg = metrics.registry
     assert reg.get_sample_value("lockgate_http_errors_total", {"status": "503", "code": "engine_overloaded"}) == 1
     assert reg.get_sample_value("lockgate_http_errors_total", {"status": "500", "code": "internal_error"}) == 1

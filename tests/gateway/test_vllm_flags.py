@@ -1,0 +1,42 @@
+"""`lockgate serve` started with vLLM's engine flags (the command line is what is tested): each
+flag reaches the engine, seen from outside, and --gpu-memory-utilization says on a machine
+without CUDA that it does nothing there. (vLLM's other conventions, in process:
+test_vllm_compat.py.)"""
+
+from __future__ import annotations
+
+import openai
+import pytest
+import torch
+
+from tests.support.gateway_server import running_server
+from tests.support.helpers import demo_model
+
+MODEL = "tiny"
+FLAGS = ["--max-num-seqs", "1", "--max-model-len", "512", "--max-loras", "2", "--max-lora-rank", "8",
+         "--gpu-memory-utilization", "0.5", "--dtype", "float", "--block-size", "16",
+         "--enable-prefix-caching"]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with running_server(tmp_path_factory.mktemp("vllm-flags"), "embedded",
+                        models={MODEL: demo_model("llama", "tiny", 0)}, extra_args=FLAGS) as srv:
+        yield srv
+
+
+def client(server, key) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0, timeout=60)
+
+
+def test_vllm_engine_flags_reach_the_engine(server):
+    """--max-model-len 512, --max-loras 2, --max-lora-rank 8, --max-num-seqs 1 (the queue
+    bound is 4 x max_num_seqs), each seen from outside; --gpu-memory-utilization says on the
+    CPU that it does nothing there."""
+    _, key = server.tenant()
+    assert client(server, key).models.retrieve(MODEL).model_extra["max_model_len"] == 512
+    engine = server.admin.get("/engine").json()["models"][MODEL]
+    assert (engine["lora"]["max_loras"], engine["lora"]["max_lora_rank"]) == (2, 8)
+    assert engine["overload"]["bounds"]["requests"] == 4
+    if not torch.cuda.is_available():
+        assert "--gpu-memory-utilization applies to CUDA devices" in server.log()
