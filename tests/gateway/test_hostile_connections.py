@@ -1,0 +1,181 @@
+"""Hostile clients on the wire, against a live `lockgate serve` (uvicorn and the gateway's
+connection-level limits are what is tested; raw sockets where the bytes on the wire
+matter): header limits and the header read deadline (before authentication), a client that
+leaves mid-upload, and a readable 413 while the client is still sending. (Hostile request
+bodies, in process: test_hostile_input.py.)"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import time
+
+import httpx
+import pytest
+
+from tests.support.gateway_server import GatewayServer
+
+HEADER_TIMEOUT_S = 0.5
+MAX_HEADER_BYTES = 32 << 10
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    srv = GatewayServer.start(tmp_path_factory.mktemp("hostile-wire"), extra_env={
+        "LOCKGATE_HEADER_TIMEOUT_S": str(HEADER_TIMEOUT_S),
+        "LOCKGATE_MAX_HEADER_BYTES": str(MAX_HEADER_BYTES),
+    })
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def key(server) -> str:
+    return server.tenant()[1]
+
+
+def addr(server) -> tuple[str, int]:
+    u = httpx.URL(server.url)
+    return u.host, int(u.port or 80)
+
+
+def post(server, key: str, path: str, body: bytes | dict, **headers: str) -> httpx.Response:
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    h = {"Authorization": f"Bearer {key}", "content-type": "application/json", **headers}
+    return httpx.post(server.url + path, content=content, headers=h, timeout=10)
+
+
+def err(r: httpx.Response) -> dict:
+    assert r.headers["content-type"].startswith("application/json"), r.text
+    return r.json()["error"]
+
+
+def send_until_refused(server, head: bytes, filler: bytes, total: int) -> tuple[int, bytes]:
+    """Send `head`, then `filler` until `total` bytes or the server closes; then read what it
+    answered. (bytes sent, the answer's first bytes: b"" when it closed without one)."""
+    sent = 0
+    with socket.create_connection(addr(server), timeout=5) as s:
+        try:
+            s.sendall(head)
+            while sent < total:
+                s.sendall(filler)
+                sent += len(filler)
+            s.sendall(b"\r\n\r\n")
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        try:
+            return sent, s.recv(4096)
+        except ConnectionResetError:
+            return sent, b""
+
+
+# -- header limits and the header read deadline ------------------------------------------------------
+def test_huge_header_is_refused_before_auth(server):
+    """One 16 MiB header: 431 with a JSON error (or, when the client is still sending as the
+    server closes, a reset before all was sent), never an authentication answer. (The bytes a
+    client manages to send include what the kernel's socket buffers hold; the server reads
+    at most `max_header_bytes` and one read buffer more.)"""
+    head = b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Big: "
+    sent, answer = send_until_refused(server, head, b"a" * (64 << 10), 16 << 20)
+    assert answer.startswith(b"HTTP/1.1 431") or (answer == b"" and sent < 16 << 20), \
+        f"{sent} bytes of one header sent; the server answered {answer[:40]!r}"
+
+
+def test_hundred_thousand_headers_are_refused(server):
+    head = b"GET /v1/models HTTP/1.1\r\nHost: x\r\n"
+    lines = b"".join(b"X-H%d: v\r\n" % i for i in range(1000))
+    sent, answer = send_until_refused(server, head, lines, 100 * len(lines))
+    assert answer.startswith(b"HTTP/1.1 431") or (answer == b"" and sent < 100 * len(lines)), \
+        f"{sent} bytes of 100k headers sent; the server answered {answer[:40]!r}"
+
+
+def test_partial_headers_are_closed_after_the_header_timeout(server):
+    """Slow clients dripping a header byte at a time are closed once the header deadline
+    passes (a deadline from the request's start, not an idle timer)."""
+    conns = [socket.create_connection(addr(server), timeout=5) for _ in range(20)]
+    try:
+        for s in conns:
+            s.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+        deadline = time.monotonic() + HEADER_TIMEOUT_S + 1.5
+        open_conns = list(conns)
+        while open_conns and time.monotonic() < deadline:
+            for s in list(open_conns):
+                try:
+                    s.sendall(b"a")
+                except (BrokenPipeError, ConnectionResetError):
+                    open_conns.remove(s)
+            time.sleep(0.1)
+        assert not open_conns, f"{len(open_conns)} of 20 partial-header connections still open " \
+                               f"{HEADER_TIMEOUT_S + 1.5} s later"
+    finally:
+        for s in conns:
+            s.close()
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+# -- a client that leaves mid-upload ------------------------------------------------------------------
+def test_disconnect_mid_upload_logs_no_error(server, key):
+    log = server.data_dir / f"server-{addr(server)[1]}.log"
+    before = log.stat().st_size
+    for path, bearer in [("/v1/chat/completions", key), ("/admin/v1/tenants", server.admin_key)] * 2:
+        with socket.create_connection(addr(server), timeout=5) as s:
+            s.sendall(b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n" % path.encode()
+                      + b"Authorization: Bearer " + bearer.encode() + b"\r\nContent-Length: 100000\r\n\r\n"
+                      + b'{"model": "tiny", "messages": [' + b" " * 1000)
+            time.sleep(0.2)
+    time.sleep(0.5)
+    assert httpx.get(server.url + "/health").status_code == 200
+    with log.open("rb") as f:
+        f.seek(before)
+        new = f.read().decode(errors="replace")
+    assert "Traceback" not in new and "ERROR" not in new, new[-3000:]
+
+
+# -- a readable 413 ---------------------------------------------------------------------------------
+def test_over_limit_content_length_gets_a_readable_413(server, key):
+    """The 413 goes out on the headers alone; the client, still sending, can read it."""
+    with socket.create_connection(addr(server), timeout=5) as s:
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Authorization: Bearer " + key.encode() + b"\r\nContent-Length: %d\r\n\r\n" % (64 << 20))
+        answer, sent = b"", 0
+        try:
+            while sent < 64 << 20 and b"\r\n\r\n" not in answer:
+                s.sendall(b"x" * (256 << 10))
+                sent += 256 << 10
+                s.setblocking(False)
+                with contextlib.suppress(BlockingIOError):
+                    answer += s.recv(65536)
+                s.setblocking(True)
+        except (BrokenPipeError, ConnectionResetError) as exc:
+            pytest.fail(f"connection reset after {sent} bytes, before a readable answer: {exc!r}")
+        s.settimeout(5)
+        while b"request_too_large" not in answer:
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
+    assert b"request_too_large" in answer
+    assert sent < 64 << 20, "the whole body was sent before the answer came"
+
+
+def test_over_limit_upload_on_a_closing_connection_can_read_its_413(server, key):
+    """`Connection: close` (or HTTP/1.0): the server must not close (and so reset) the
+    connection under a client still sending; it reads and drops the rest for a while."""
+    for total in (2 << 20, 8 << 20):
+        with socket.create_connection(addr(server), timeout=5) as s:
+            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Connection: close\r\nAuthorization: Bearer " + key.encode()
+                      + b"\r\nContent-Length: %d\r\n\r\n" % total)
+            try:
+                for _ in range(total // (256 << 10)):
+                    s.sendall(b"x" * (256 << 10))
+                answer = b""
+                while b"request_too_large" not in answer and (chunk := s.recv(65536)):
+                    answer += chunk
+            except (BrokenPipeError, ConnectionResetError) as exc:
+                pytest.fail(f"{total} bytes: connection reset under the upload: {exc!r}")
+        assert answer.startswith(b"HTTP/1.1 413") and b"request_too_large" in answer, answer[:300]
