@@ -9,8 +9,9 @@ interface (tests/support/asgi_transport.py: answers streamed, a client can leave
         await gw.admin.get("/engine")            # /admin/v1, with the admin key
 
 Backends, as tests/support/gateway_server.py's: "embedded" (SQLite in the data directory,
-the in-process limiter) and "services" (a fresh PostgreSQL database, migrated at start,
-and Redis under a key prefix of its own, both dropped afterwards).
+the in-process limiter), "services" (a fresh PostgreSQL database, migrated at start, and
+Redis under a key prefix of its own, both dropped afterwards), and "postgresql" (that
+database, or the `database_url` given, with the in-process limiter).
 
 Engines: "fake" (tests/support/fake_served_engine.py's FakeServedEngine: no model runs; for
 route behaviour), "real" (`AsyncEngine`, the default factory, on a small KV cache: for what
@@ -186,15 +187,15 @@ async def running_gateway(
         engine_kwargs = dict(REAL_ENGINE_KWARGS) if engine in ("real", AsyncEngine) else {}
     made: list = []
     async with contextlib.AsyncExitStack() as stack:
+        if backend in ("postgresql", "services"):
+            url = settings.pop("database_url", None) or stack.enter_context(fresh_pg_database())
+            settings = {"database_url": url, "pepper": secrets.token_hex(32), "migrate": True, **settings}
         if backend == "services":
-            redis_url = check_redis()
             prefix = f"lgtest:{os.getpid()}:{secrets.token_hex(4)}:"
+            settings = {"redis_url": check_redis(), "redis_prefix": prefix, **settings}
             stack.callback(drop_redis_prefix, prefix)
-            url = stack.enter_context(fresh_pg_database())
-            settings = {"database_url": url, "redis_url": redis_url, "redis_prefix": prefix,
-                        "pepper": secrets.token_hex(32), "migrate": True, **settings}
-        elif backend != "embedded":
-            raise ValueError(f"backend: 'embedded' or 'services', not {backend!r}")
+        elif backend not in ("embedded", "postgresql"):
+            raise ValueError(f"backend: 'embedded', 'postgresql' or 'services', not {backend!r}")
         data_dir.mkdir(parents=True, exist_ok=True)
         s = Settings(data_dir=data_dir, admin_key=admin_key, engine_kwargs=engine_kwargs,
                      models=[f"{name}={path}" for name, path in models.items()],
