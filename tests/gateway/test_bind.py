@@ -1,5 +1,7 @@
-"""`lockgate serve` listens on loopback unless an interface is configured (issue 14: internal
-listeners bind to loopback by default)."""
+"""`lockgate serve` listens on loopback unless an interface is configured: a server started on
+defaults cannot be reached from another interface of the machine, and one told to listen on
+all interfaces can (the control that shows the probe works). A live server: the bind address
+is uvicorn's."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The lease reconciler (`gateway.reconciler`) on real PostgreSQL and Redis: admissions of
 requests that died with their process are settled to their usage rows, or refunded when they
-have none, so that budgets charge exactly what the rows show (issue 14, finding 7).
+have none, so that budgets charge exactly what the rows show.
 
 The replica is a plain namespace holding what `reconcile_once` reads of `AppState` (the
 limiter, the session factory, its in-flight leases and its settings); the limiter, the
