@@ -1,4 +1,6 @@
-"""A live `lockgate serve` for tests: a real process on a loopback port, real uvicorn.
+"""A live `lockgate serve` for tests: a real process on a loopback port, real uvicorn. For
+what needs the process itself (signals, a kill, several replicas, uvicorn's limits, the
+command line); route tests run the app in process (tests/support/inprocess_gateway.py).
 
     srv = GatewayServer.start(tmp_dir, backend="embedded" | "services", ...)
     srv.url, srv.admin_key, srv.admin (an httpx.Client with the admin key)
