@@ -234,10 +234,10 @@ async def test_a_batch_pauses_on_its_budget_and_resumes_when_an_admin_raises_it(
 
 # -- a full engine ------------------------------------------------------------------------------------
 async def test_batch_lines_wait_out_a_full_engine_queue_and_are_never_shed(tmp_path):
-    """An engine that takes 2 requests at a time and refuses more (EngineOverloaded), a
-    gateway that would put 8 lines in flight: lines the engine refuses are held back and
-    retried, so every line is answered 200 and none is an error."""
-    async with running_gateway(tmp_path, models=models(), engine_kwargs={"max_waiting": 2},
+    """An engine that takes 2 requests at a time (each 8 tokens, 10 ms apart) and refuses more
+    (EngineOverloaded), a gateway that would put 8 lines in flight: lines the engine refuses
+    are held back and retried, so every line is answered 200 and none is an error."""
+    async with running_gateway(tmp_path, models=models(), engine_kwargs={"max_waiting": 2, "token_interval_s": 0.01},
                                **{**FAST, "batch_max_inflight": 8}) as s:
         _, key = await s.tenant()
         c = client(s, key)
