@@ -1,4 +1,4 @@
-"""`FakeServedEngine`: an engine a gateway can serve (engine/client.py's `ServedEngine`, as
+"""`FakeServedEngine`: an engine a gateway can serve (engine/client.py's `ModelEngine`, as
 `AsyncEngine` is) that runs no model, for the tests of the gateway's routes: validation,
 auth, errors, response shapes, streaming, usage rows, limits. Tests of what a model writes
 (greedy tokens, logprobs, structured outputs, adapters) use the real engine.
@@ -13,8 +13,9 @@ them ("length"), except that without `ignore_eos` the answer ends ("stop") after
 `eos_after` tokens, as a model's end-of-sequence would; and never past the context.
 Outputs are cumulative, one per token, `token_interval_s` apart (0: one per turn of the
 event loop, as an engine's steps are, so that a client leaving mid-stream is seen while
-the answer is still running); with `logprobs`, fixed values of the right shape. Stop strings, seeds, penalties
-and constraints are accepted and ignored.
+the answer is still running; a test may change it on a running engine); with `logprobs`,
+fixed values of the right shape. Stop strings, seeds, penalties and constraints are
+accepted and ignored.
 
 It refuses what `AsyncEngine` refuses before queueing anything: a prompt empty, outside the
 vocabulary or filling the context (InvalidRequest / PromptTooLong), an unknown service
@@ -23,7 +24,8 @@ class or a duplicate request id (InvalidRequest), more than `max_waiting` open r
 Adapters: none (`add_lora` raises LoRAError).
 
 Several models on one "shared engine" (the gateway's `shared_engine`, the factory called
-with `models=`): a `FakeEnginePool`, one FakeServedEngine per model, `for_model(name)`.
+with `models=`): a `FakeEnginePool`, one FakeServedEngine per model, each bound by
+`for_model(name)`.
 """
 
 from __future__ import annotations
