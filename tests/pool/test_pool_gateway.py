@@ -16,9 +16,9 @@ import httpx
 import pytest
 import sqlalchemy as sa
 
-from tests.support.lora import MAX_LORA_RANK, install
 from tests.support.gateway_server import GatewayServer
 from tests.support.helpers import demo_model, hf_greedy, random_prompts
+from tests.support.lora import MAX_LORA_RANK, install
 from tests.support.services import check_redis, drop_redis_prefix, fresh_pg_database
 
 pytestmark = pytest.mark.timeout(400)
