@@ -21,6 +21,11 @@ tokens (16 by default) taken from a fixed sentence encoded by the model's tokeni
 real incremental text, all outputs queued on submit (so the caller never waits for it).
 Finish reason "length" when max_tokens was the cap, else "stop". Stop strings, seeds and
 penalties are accepted and ignored; `logprobs` are filled with fixed values of the right shape.
+
+A stand-in that answers otherwise (tests/support/fake_served_engine.py's, which paces its
+tokens) subclasses it and overrides the hooks: `sentence`, `_set_answer` (what `start` makes
+of the sentence), `_outputs` (a request's outputs, a list or made lazily), `_feed` (how they
+reach the stream: here all at once, with no task), and `_overloaded` (a refusal past the bound).
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from pathlib import Path
 from typing import Any, Unpack
 
@@ -61,6 +66,10 @@ SENTENCE = (" The quick brown fox jumps over the lazy dog, and the gateway answe
 
 
 class InstantEngine(ModelEngine):
+    sentence = SENTENCE                 # what every request is answered with
+    kind = "the instant engine"         # how it names itself refusing an adapter
+    logprob_alternatives_from = 0       # the first token id a logprobs entry offers as an alternative
+
     def __init__(self, model: str | Path, *, max_output_tokens: int = 16,
                  per_token_outputs: bool = True, max_model_len: int | None = None,
                  max_waiting_per_class: int = 100_000,
@@ -84,7 +93,8 @@ class InstantEngine(ModelEngine):
         self._tokenizer: Tokenizer | None = None
         self._model_config: ModelConfig | None = None
         self._max_model_len = 0
-        self._streams: dict[str, tuple[str, asyncio.Queue]] = {}  # open id -> (class, queue)
+        # open id -> (service class, tenant, queue, the task feeding the queue or None)
+        self._streams: dict[str, tuple[str, str, asyncio.Queue, asyncio.Task | None]] = {}
         self._tenant_weights: dict[str, float] = {}
         self._running = False
         self._answer_ids: list[int] = []
@@ -106,21 +116,27 @@ class InstantEngine(ModelEngine):
         mc = ModelConfig.from_dir(self.model_dir)
         tok = Tokenizer(self.model_dir)
         self._max_model_len = mc.context_length(self._max_model_len_setting)
-        ids = tok.encode(SENTENCE, add_special_tokens=False)
+        ids = tok.encode(self.sentence, add_special_tokens=False)
         special = tok.special_token_ids | set(mc.eos_token_ids)
-        ids = [t for t in ids if t not in special]
+        self._set_answer(tok, [t for t in ids if t not in special])
+        self._tokenizer, self._model_config = tok, mc
+
+    def _set_answer(self, tok: Tokenizer, ids: list[int]) -> None:
+        """What requests are answered with, from the sentence's token ids (special tokens left
+        out): its first `max_output_tokens` (repeated if short), and their text after k tokens."""
         while len(ids) < self.max_output_tokens:
             ids = ids + ids
         self._answer_ids = ids[:self.max_output_tokens]
         self._texts = [tok.decode(self._answer_ids[:k]) for k in range(len(self._answer_ids) + 1)]
-        self._tokenizer, self._model_config = tok, mc
 
     async def shutdown(self) -> None:
         self._running = False
         streams = list(self._streams.values())
         self._streams.clear()
         self.num_aborted += len(streams)
-        for _, queue in streams:     # a reader still iterating gets EngineDead, as from AsyncEngine
+        for _, _, queue, task in streams:   # a reader still iterating gets EngineDead, as from AsyncEngine
+            if task is not None:
+                task.cancel()
             while not queue.empty():
                 queue.get_nowait()
             queue.put_nowait(EngineDead("engine shut down"))
@@ -136,7 +152,7 @@ class InstantEngine(ModelEngine):
     def _started(self) -> tuple[Tokenizer, ModelConfig]:
         """The model directory's tokenizer and config, read by `start`."""
         if not self._loaded or self._tokenizer is None or self._model_config is None:
-            raise RuntimeError("InstantEngine is not started; call `await engine.start()` first")
+            raise RuntimeError(f"{type(self).__name__} is not started; call `await engine.start()` first")
         return self._tokenizer, self._model_config
 
     @property
@@ -174,7 +190,7 @@ class InstantEngine(ModelEngine):
 
     def stats(self) -> EngineStats:
         """Requests count as running while their stream is open; nothing waits, no KV."""
-        running = Counter(cls for cls, _ in self._streams.values())
+        running = Counter(entry[0] for entry in self._streams.values())
         classes = self.service_classes
         return EngineStats(
             running={c: running.get(c, 0) for c in classes},
@@ -186,7 +202,7 @@ class InstantEngine(ModelEngine):
 
     # -- EngineAdmin: no adapters ------------------------------------------------------------------
     async def add_lora(self, lora_request: LoRARequest) -> Adapter:
-        raise LoRAError(f"lora_name: {lora_request.lora_name!r}: the instant engine serves no adapters",
+        raise LoRAError(f"lora_name: {lora_request.lora_name!r}: {self.kind} serves no adapters",
                         field="lora_name")
 
     def remove_lora(self, name: str) -> bool:
@@ -208,17 +224,17 @@ class InstantEngine(ModelEngine):
                **options: Unpack[SubmitOptions]) -> RequestStream:
         """Nothing queues here, so nothing is ever shed (`sheddable` is ignored)."""
         service_class = options.get("service_class", "online")
+        tenant = options.get("tenant", "default")
         self._started()
         tok = self.tokenizer
         text, ids = to_token_ids(tok, prompt)
         check_request(EngineRequest(request_id, ids, sampling_params, prompt=text,
-                                    tenant=options.get("tenant", "default"), service_class=service_class,
+                                    tenant=tenant, service_class=service_class,
                                     priority=options.get("priority", 0), model=options.get("model"),
                                     cache_salt=options.get("cache_salt")),
                       self.model_config.vocab_size, self._max_model_len)
         if len(self._streams) >= self.max_waiting_per_class:
-            raise EngineOverloaded(f"service_class {service_class!r}: {self.max_waiting_per_class} "
-                                   "requests already waiting", service_class=service_class)
+            raise self._overloaded(service_class)
         if not self._running:
             raise EngineDead("engine is not running; call `await engine.start()` first")
         if request_id in self._streams:
@@ -227,49 +243,68 @@ class InstantEngine(ModelEngine):
             raise InvalidRequest(f"service_class: {service_class!r} is not one of {self.service_classes}",
                                  field="service_class")
         queue: asyncio.Queue = asyncio.Queue()
-        for out in self._outputs(request_id, text, ids, sampling_params, tok):
-            queue.put_nowait(out)
-        self._streams[request_id] = (service_class, queue)
+        task = self._feed(queue, self._outputs(request_id, text, ids, sampling_params, tok))
+        self._streams[request_id] = (service_class, tenant, queue, task)
         self.num_submitted += 1
         return RequestStream(request_id, queue, abort=self._abort_now, forget=self._forget)
 
+    def _overloaded(self, service_class: str) -> EngineOverloaded:
+        """The refusal of a request while `max_waiting_per_class` are open."""
+        return EngineOverloaded(f"service_class {service_class!r}: {self.max_waiting_per_class} "
+                                "requests already waiting", service_class=service_class)
+
+    def _feed(self, queue: asyncio.Queue, outputs: Iterable[RequestOutput]) -> asyncio.Task | None:
+        """Hand a request's outputs to its stream: here all of them now, with no task. An engine
+        that paces them returns the task doing it (cancelled on abort and on shutdown)."""
+        for out in outputs:
+            queue.put_nowait(out)
+        return None
+
     def _outputs(self, request_id: str, text: str | None, ids: list[int], sp: SamplingParams,
-                 tok: Tokenizer) -> list[RequestOutput]:
+                 tok: Tokenizer) -> Iterable[RequestOutput]:
+        """A request's outputs, all made now: the answer's first k tokens."""
         limit = sp.max_tokens if sp.max_tokens is not None else self._max_model_len - len(ids)
         k = max(1, min(limit, self.max_output_tokens, self._max_model_len - len(ids)))
         reason = "length" if k == limit else "stop"
         answer = self._answer_ids[:k]
         now = time.time()
-        metrics = RequestMetrics(arrival_time=now, first_scheduled_time=now, first_token_time=now,
-                                 finished_time=now)
         steps = range(1, k + 1) if self.per_token_outputs else (k,)
         outs: list[RequestOutput] = []
         prev = 0
         for j in steps:
             last = j == k
-            comps = []
-            for i in range(sp.n):
-                lps = None
-                if sp.logprobs is not None:
-                    lps = [self._logprob_entry(t, sp.logprobs, tok) for t in answer[:j]]
-                comps.append(CompletionOutput(
-                    index=i, text=self._texts[j], token_ids=list(answer[:j]),
-                    cumulative_logprob=-0.25 * j if sp.logprobs is not None else None,
-                    logprobs=lps, finish_reason=reason if last else None,
-                    stop_reason=None, delta_text=self._texts[j][len(self._texts[prev]):],
-                    delta_token_ids=list(answer[prev:j]),
-                ))
-            outs.append(RequestOutput(request_id=request_id, prompt=text, prompt_token_ids=ids,
-                                      outputs=comps, finished=last, num_cached_tokens=0,
-                                      metrics=metrics if last else RequestMetrics(
-                                          now, now, now, None)))
+            lps = None
+            if sp.logprobs is not None:
+                lps = [self._logprob_entry(t, sp.logprobs, tok) for t in answer[:j]]
+            outs.append(self._output(request_id, text, ids, sp.n, answer[:j], self._texts[j],
+                                     answer[prev:j], self._texts[j][len(self._texts[prev]):], lps,
+                                     reason if last else None, now, now if last else None))
             prev = j
         self.num_generated_tokens += k * sp.n
         return outs
 
+    def _output(self, request_id: str, prompt: str | None, prompt_ids: list[int], n: int,
+                token_ids: list[int], text: str, delta_ids: list[int], delta_text: str,
+                logprobs: list[dict[int, Logprob]] | None, finish_reason: str | None,
+                arrived: float, finished: float | None) -> RequestOutput:
+        """One cumulative output, its `n` samples alike: the answer so far (`token_ids`, `text`),
+        what this step added (`delta_ids`, `delta_text`), one `logprobs` entry a token (None
+        when not asked for), finished when it has a `finish_reason` (and a `finished` time;
+        the request was scheduled and had its first token when it `arrived`)."""
+        cumulative = -0.25 * len(token_ids) if logprobs is not None else None
+        comps = []
+        for i in range(n):
+            comps.append(CompletionOutput(
+                index=i, text=text, token_ids=list(token_ids), cumulative_logprob=cumulative,
+                logprobs=list(logprobs) if logprobs is not None else None, finish_reason=finish_reason,
+                stop_reason=None, delta_text=delta_text, delta_token_ids=list(delta_ids)))
+        return RequestOutput(request_id=request_id, prompt=prompt, prompt_token_ids=prompt_ids, outputs=comps,
+                             finished=finish_reason is not None, num_cached_tokens=0,
+                             metrics=RequestMetrics(arrived, arrived, arrived, finished))
+
     def _logprob_entry(self, token: int, top: int, tok: Tokenizer) -> dict[int, Logprob]:
         entry = {token: Logprob(-0.25, 1, tok.decode([token], skip_special_tokens=False))}
-        alt = 0
+        alt = self.logprob_alternatives_from
         while len(entry) < top + 1 and alt < self.model_config.vocab_size:
             if alt != token:
                 entry[alt] = Logprob(-3.0 - alt * 1e-3, len(entry) + 1,
@@ -283,7 +318,10 @@ class InstantEngine(ModelEngine):
             self.num_finished += 1
 
     def _abort_now(self, request_id: str) -> None:
-        if self._streams.pop(request_id, None) is not None:
+        entry = self._streams.pop(request_id, None)
+        if entry is not None:
+            if entry[3] is not None:
+                entry[3].cancel()
             self.num_aborted += 1
 
     async def abort(self, request_id: str) -> None:
