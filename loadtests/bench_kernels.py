@@ -97,7 +97,7 @@ def bench_kernels(
     echo(f"{'kernel':<16}{'case':<40}{'triton ms':>11}{'baseline ms':>13}{'ratio':>8}"
          f"{'GB/s':>9}{'TFLOP/s':>9}{'of peak':>9}  baseline")
     for name in kernels:
-        module = importlib.import_module(f"kernels.{name}.bench")
+        module = importlib.import_module(f"lockgate.kernels.{name}.bench")
         for case in module.cases(device, dtype, quick):
             t_tri = time_call(case.triton, device, iters)
             t_ref = time_call(case.reference, device, iters)

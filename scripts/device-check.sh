@@ -71,6 +71,6 @@ step kernel-tests "$PY" -m pytest -q -p no:cacheprovider -x tests/kernels
 step engine-cuda env LOCKGATE_KERNELS=triton "$PY" -m pytest -q -p no:cacheprovider \
   tests/engine/test_equivalence.py tests/engine/test_memory.py tests/engine/test_model_pool.py \
   tests/engine/test_quant.py tests/engine/test_lora_engine.py
-step bench-kernels "$PY" -c "from loadtests.bench_kernels import bench_kernels; bench_kernels()"
+step bench-kernels "$PY" -c "from lockgate.loadtests.bench_kernels import bench_kernels; bench_kernels()"
 cat "$OUT_DIR/bench-kernels.log"
 exit $status

@@ -282,7 +282,7 @@ def test_unset_the_cpu_never_takes_triton():
 def test_the_package_imports_without_triton():
     code = ("import sys; sys.modules['triton'] = None\n"
             "import torch\n"
-            "from kernels.paged_attention import implementation, paged_attention\n"
+            "from lockgate.kernels.paged_attention import implementation, paged_attention\n"
             "assert implementation(torch.device('cpu'), torch.bfloat16) == 'reference'\n"
             "assert 'lockgate.kernels.paged_attention.triton' not in sys.modules\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
