@@ -14,8 +14,10 @@ TORCH_VERSION=${LOCKGATE_TORCH_VERSION:-2.13.0}
 python3 -m venv "$VENV"
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
 "${PIP[@]}" install "torch==$TORCH_VERSION"      # see scripts/setup.sh: the CPU wheel where no GPU
-"${PIP[@]}" install --upgrade --upgrade-strategy eager "$ROOT[test]"
-"$VENV/bin/pip" list --format=freeze 2>/dev/null | grep -iE '^(transformers|kernels|tokenizers|fastapi|openai)==' \
+# torch stays the build just installed: an eager upgrade would swap it for the newest CUDA build
+echo "torch==$TORCH_VERSION" > "$(dirname "$VENV")/torch-constraint.txt"
+"${PIP[@]}" install --upgrade --upgrade-strategy eager -c "$(dirname "$VENV")/torch-constraint.txt" "$ROOT[test]"
+"$VENV/bin/pip" list --format=freeze 2>/dev/null | grep -iE '^(torch|transformers|kernels|tokenizers|fastapi|openai)==' \
   | tr '\n' ' '; echo
 (cd "$(mktemp -d)" && "$VENV/bin/python" "$ROOT/scripts/newest_check.py")
 # the engine against HF on these versions (run from the checkout, whose lockgate/ is the same code)
