@@ -34,7 +34,7 @@ class EngineConfig:
     scheduling_policy: Literal["priority", "fcfs"] = "priority"
     seed: int = 0
     # most urgent first; the gateway's tiers map onto them: priority, default -> online,
-    # flex -> offline (gateway/jobs.py TIERS)
+    # flex -> offline (gateway/serving/tiers.py TIERS)
     service_classes: tuple[str, ...] = ("priority", "online", "offline")
     # bounded queues (engine/admission.py): requests of a class waiting to start, and the
     # tokens (prompt + max_tokens) of every waiting request; None: sized from the KV cache

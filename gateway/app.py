@@ -127,7 +127,8 @@ async def load_models(s: Settings, engine_factory: EngineFactory) -> dict[str, M
     else:
         engines = {}
         for name, path in specs.items():
-            engine = engine_factory(str(path), served_model_name=name, **s.lora_engine_kwargs())
+            # the gateway's name for the model is the engine's (requests name it)
+            engine = engine_factory(str(path), **{**s.lora_engine_kwargs(), "served_model_name": name})
             await engine.start()
             engines[name] = ModelBinding(engine, name)
     # tokenizers, chat templates (their renderers loaded now, not on the first request) and

@@ -61,9 +61,11 @@ async def models(request: Request) -> dict:
     data = []
     pool = None
     for m in state.models.values():
-        stats = m.engine.stats() if m.engine.is_ready else EngineStats()
-        if stats.workers is not None:     # a Ray pool's workers, placement and its reasons
+        stats = m.engine.stats()
+        if stats.workers is not None:     # a Ray pool's workers, placement and its reasons, ready or not
             pool = asdict(stats.workers)
+        if not m.engine.is_ready:
+            stats = EngineStats()
         own = stats.residency
         data.append({
             "id": m.name, "object": "model", "path": str(m.path), "private": m.private,

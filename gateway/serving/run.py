@@ -160,8 +160,10 @@ class RequestRun:
                     ids, sp, f"{self.id}-{i}", tenant=self.tenant_id, service_class=self.service_class,
                     priority=self.priority, cache_salt=self.cache_salt, sheddable=self.sheddable,
                 ))
-        except UnknownModel:        # an adapter deleted since the request resolved it
-            raise not_found(self.entry.name) from None
+        except UnknownModel as exc:
+            if self.entry.parent is not None:       # an adapter deleted since the request resolved it
+                raise not_found(self.entry.name) from None
+            raise submit_error(exc) from None
         except (PromptTooLong, EngineDead, InvalidRequest) as exc:
             raise submit_error(exc) from None
 
@@ -286,7 +288,7 @@ class RequestRun:
 
     async def finish(self, status: str, while_committing: Callable[[], None] | None = None) -> Usage:
         """Settle and record, once; later calls (and calls after `refuse`) wait for the first
-        end and return its usage ({} after a refusal). Raises APIError(503) when the usage
+        end and return its usage (a `cancelled` run's after a refusal). Raises APIError(503) when the usage
         row could not be committed (the caller must not then show the client a completion).
         `while_committing()` (first call only) runs while the usage row is being written,
         with `self.usage` already set: the caller's own work on the response, off the path
