@@ -8,13 +8,15 @@ settlement and usage).
     await run.submit(sheddable=not stream)      # 400/429/503 here; the engine has the request(s)
     async for i, out in run.events(): ...       # 429/503 here if the engine shed it
     usage = await run.finish("ok")              # usage row committed, reservation settled
+
 A run ends exactly once, in one of two ways. `finish` (success, error, disconnect, a cut):
 exactly one usage row is written and the lease is settled to exactly what the row says.
 `refuse`, when the engine is overloaded (it refused a prompt at submit, or shed a queued one
 of a non-streaming request before any answer went out): the admission is cancelled
 (`Limiter.cancel`: no rate, lease or budget keeps it). A refusal at submit writes no usage row,
 as for a limiter's 429 (the request never started); a shed one, which had been queued, ends
-early and writes one `cancelled` row of 0 tokens. Whichever comes first wins; the other is then a no-op.
+early and writes one `cancelled` row of 0 tokens. Whichever comes first wins; the other is then
+a no-op.
 
 A run that ends early (`cancelled`: client gone, cut; `error`: engine failure) bills the
 prompts whose prefill ran and the completion sent to the client (`mark_sent`). `cut(reason)`
