@@ -272,6 +272,11 @@ async def stop_serving(state: AppState | None, runner: BatchRunner | None, tasks
                        lifecycle: Lifecycle, grace_s: float) -> None:
     for task in tasks:
         task.cancel()
+    if tasks:
+        # each loop's database call unwinds (its connection closed on the driver's thread)
+        # before the database is disposed; a connection left to close later waits on a thread
+        # that is gone, and a loop closing then never finishes
+        await asyncio.wait(tasks, timeout=grace_s)
     if runner is not None:
         await runner.stop()      # batch lines in flight abandoned, the batches handed back
     if state is not None:
