@@ -81,4 +81,4 @@ async def chat_chunks(run: RequestRun, h: Head, top: int, include_usage: bool, n
                     continue
             choice = ChatChunkChoice(index=c.index, delta=delta, logprobs=lp, finish_reason=finish_reason)
             yield sse(chunk("chat", h, [choice], chunk_usage(run, include_usage)))
-        run.mark_sent(0, out)
+            run.mark_sent(0, c.index, len(c.token_ids))

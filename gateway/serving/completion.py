@@ -87,4 +87,4 @@ async def completion_chunks(run: RequestRun, h: Head, top: int, include_usage: b
             choice = CompletionChoice(index=i * n + c.index, text=c.delta_text, logprobs=lp,
                                       finish_reason=c.finish_reason)
             yield sse(chunk("completion", h, [choice], chunk_usage(run, include_usage)))
-        run.mark_sent(i, out)
+            run.mark_sent(i, c.index, len(c.token_ids))

@@ -86,7 +86,9 @@ class RequestRun:
         self.lease: Lease | None = None
         self.streams: list[RequestStream] = []
         self.finals: dict[int, RequestOutput] = {}
-        self.sent: dict[int, RequestOutput] = {}     # per prompt, the last output sent to the client
+        # (prompt, choice) -> the completion tokens the client has received: a token whose
+        # text is held back (half a character, a possible stop string) went nowhere yet
+        self.sent: dict[tuple[int, int], int] = {}
         self.client_request_id: str | None = None     # the client's x-request-id, on its row
         self._cut: RunCut | None = None
         self._timer: asyncio.TimerHandle | None = None
@@ -117,9 +119,10 @@ class RequestRun:
         logger.warning("request %s cut (%s)", self.id, reason)
         self._queue.put_nowait(("cut", -1, None))
 
-    def mark_sent(self, i: int, out: RequestOutput) -> None:
-        """`out` (prompt `i`'s cumulative output) went out to the client."""
-        self.sent[i] = out
+    def mark_sent(self, i: int, choice: int, tokens: int) -> None:
+        """Prompt `i`'s choice `choice` went out to the client up to its first `tokens`
+        completion tokens (called once the chunk carrying them was handed on)."""
+        self.sent[(i, choice)] = tokens
 
     def _left(self) -> None:
         """The run has ended: out of the lifecycle's runs, its timer stopped, its waiters told."""
@@ -272,14 +275,13 @@ class RequestRun:
     def counts(self, status: str = "ok") -> tuple[int, int, int]:
         """(prompt, cached, completion) tokens by the usage rule: all of them for `ok`; for
         a run that ended early, the prompts whose prefill ran and the completion sent."""
+        cached = sum(o.num_cached_tokens for o in self.finals.values())
         if status == "ok":
             prompt = sum(len(ids) for ids in self.prompts)
-            outs = self.finals
+            completion = sum(len(c.token_ids) for o in self.finals.values() for c in o.outputs)
         else:
             prompt = sum(len(self.prompts[i]) for i in self.finals)   # an output: prefill ran
-            outs = self.sent
-        cached = sum(o.num_cached_tokens for o in self.finals.values())
-        completion = sum(len(c.token_ids) for o in outs.values() for c in o.outputs)
+            completion = sum(self.sent.values())
         return prompt, cached, completion
 
     def usage_dict(self, status: str = "ok") -> Usage:
