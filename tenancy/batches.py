@@ -240,11 +240,13 @@ async def cancel_batch(session: AsyncSession, *, batch_id: str, tenant_id: str |
 # -- the runner's side ------------------------------------------------------------------------------
 async def claim_batches(session: AsyncSession, *, owner: str, ttl_s: float, limit: int,
                         exclude: set[str] | frozenset[str] = frozenset()) -> list[str]:
-    """Up to `limit` active batches whose lease is free or lapsed, now leased to `owner`
-    (oldest first), none of `exclude` (those `owner` works already). Each claim is a
-    compare-and-set, so two replicas never hold one batch."""
+    """Up to `limit` active batches whose lease is free or lapsed, or still `owner`'s, now
+    leased to `owner` (oldest first), none of `exclude` (those `owner` works already). Each
+    claim is a compare-and-set, so two replicas never hold one batch. A batch `owner` leases
+    but does not work (its round failed with the database, and so did handing it back) is
+    taken up again at once rather than after its own lease lapses."""
     now = utcnow()
-    free = or_(Batch.lease_owner.is_(None), Batch.lease_expires_at < now)
+    free = or_(Batch.lease_owner.is_(None), Batch.lease_expires_at < now, Batch.lease_owner == owner)
     conds = [Batch.status.in_(ACTIVE), free]
     if exclude:
         conds.append(Batch.id.notin_(sorted(exclude)))
