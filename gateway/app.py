@@ -28,6 +28,7 @@ from lockgate.gateway.background import Background
 from lockgate.gateway.batch_runner import BatchRunner
 from lockgate.gateway.draining import DrainGate
 from lockgate.gateway.errors import install_error_handlers
+from lockgate.gateway.memory import trim_loop
 from lockgate.gateway.metrics import CountResponses, Metrics
 from lockgate.gateway.model_catalog import read_catalog
 from lockgate.gateway.model_directory import ModelDirectory, ModelEntry
@@ -265,6 +266,9 @@ async def start_serving(state: AppState) -> tuple[BatchRunner, list[asyncio.Task
     runner = BatchRunner(state)
     tasks = [loop.create_task(heartbeat(state)), loop.create_task(reconciler(state)),
              loop.create_task(state.models.adapters.watch()), loop.create_task(runner.run())]
+    s = state.settings
+    if s.memory_trim_interval_s > 0:
+        tasks.append(loop.create_task(trim_loop(s.memory_trim_interval_s, s.memory_trim_growth_mb << 20)))
     return runner, tasks
 
 

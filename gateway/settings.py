@@ -92,6 +92,10 @@ class Settings(BaseSettings):
     refusal_flush_interval_s: float = 5.0
     refusal_max_buckets: int = 100_000
     default_tier: str = "default"
+    # after a flood, freed heap pages go back to the system (gateway/memory.py): the resident
+    # size is looked at this often (0: never) and trimmed once it grew by this much
+    memory_trim_interval_s: float = Field(default=5.0, ge=0)
+    memory_trim_growth_mb: int = Field(default=64, ge=1)
 
     # engine
     engine_kwargs: dict[str, Any] = Field(default_factory=dict)   # wins over the LoRA fields below
