@@ -157,10 +157,16 @@ class GrammarCompiler:
         tokenizer = self.tokenizer()
         grammar = grammar_text(spec)
         matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=parser_limits())
+        refusal: GrammarError | None = None
+        first_mask_s = 0.0
         if matcher.is_error():
-            raise GrammarError(f"structured_outputs.{kind}: {matcher.get_error()[:MAX_ERROR_CHARS]}",
-                               field=f"structured_outputs.{kind}")
-        first_mask_s = probe(matcher, self.vocab_size, kind)
+            refusal = GrammarError(f"structured_outputs.{kind}: {matcher.get_error()[:MAX_ERROR_CHARS]}",
+                                   field=f"structured_outputs.{kind}")
+        else:
+            first_mask_s, refusal = probe(matcher, self.vocab_size, kind)
+        if refusal is not None:
+            del matcher     # not kept by the traceback of the failure the cache keeps
+            raise refusal
         return CompiledGrammar(matcher, time.perf_counter() - t0, first_mask_s, len(grammar))
 
 

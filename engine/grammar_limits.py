@@ -34,9 +34,9 @@ import torch
 
 from lockgate.engine.errors import GrammarError
 
-# a counted repetition unrolled past this is refused (a date is 10, an 8k-character string
-# 8k; the bombs are millions)
-MAX_REGEX_EXPANSION = 100_000
+# a counted repetition unrolled past this is refused (a date is 10, an e-mail address's
+# parts a few hundred; the bombs are millions): what one step's mask may have to expand
+MAX_REGEX_EXPANSION = 10_000
 # llguidance's fuel, about 50k units a millisecond: bounds a grammar's lexer to ~40 MB
 LEXER_FUEL = 200_000
 # one mask's work: llguidance's defaults, sized for vocabularies of 100k+ tokens (~14 ms of
@@ -48,8 +48,8 @@ MAX_GRAMMAR_SIZE = 200_000
 # the first mask's CPU time, at compile; a step's mask (per row) over this is counted
 FIRST_MASK_BUDGET_S = 0.25
 STEP_MASK_BUDGET_S = 0.1
-# tokens a grammar may force in a row: past any request's useful max_tokens
-MAX_FORCED_TOKENS = 8192
+# tokens a grammar may force in a row (a JSON const of ~16 kB): each is a step's work
+MAX_FORCED_TOKENS = 4096
 PROBE_TOKENS = 256              # of the forced tokens, those consumed on a copy at compile
 MAX_ERROR_CHARS = 500
 _CAP = 10**15                   # weights stop growing here (nested counts multiply)
@@ -182,9 +182,8 @@ def check_expansion(kind: str, text: str) -> None:
         return
     for pattern in patterns:
         if (size := regex_expansion(pattern)) > MAX_REGEX_EXPANSION:
-            raise GrammarTooComplex(
-                f"structured_outputs.{kind}: the pattern {pattern[:80]!r} expands to {size} repetitions "
-                f"(at most {MAX_REGEX_EXPANSION})", field=f"structured_outputs.{kind}")
+            raise _too_complex(kind, f"the pattern {pattern[:80]!r} expands to {size} repetitions "
+                                     f"(at most {MAX_REGEX_EXPANSION})")
 
 
 # -- the first mask, and the step's ----------------------------------------------------------------
@@ -222,26 +221,28 @@ def _too_complex(kind: str, why: str) -> GrammarTooComplex:
     return GrammarTooComplex(f"structured_outputs.{kind}: {why}", field=f"structured_outputs.{kind}")
 
 
-def probe(matcher: llguidance.LLMatcher, vocab_size: int, kind: str) -> float:
+def probe(matcher: llguidance.LLMatcher, vocab_size: int, kind: str) -> tuple[float, GrammarTooComplex | None]:
     """Computes `matcher`'s first mask (kept in it: its copies start from it) and checks
-    what it cost; returns its CPU seconds. Raises GrammarTooComplex past a bound."""
+    what it cost: its CPU seconds, and the refusal when past a bound. (Returned, not raised:
+    a raised error's traceback would keep the caller's matcher, and its lexer, alive for as
+    long as the failure is cached.)"""
     row = torch.zeros((vocab_size + 31) // 32, dtype=torch.int32)
     t0 = time.thread_time()
     matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
     spent = time.thread_time() - t0
     MASK_STATS.add(first_masks=1)
     if matcher.is_error():
-        raise _too_complex(kind, matcher.get_error()[:MAX_ERROR_CHARS])
+        return spent, _too_complex(kind, matcher.get_error()[:MAX_ERROR_CHARS])
     if spent > FIRST_MASK_BUDGET_S:
-        raise _too_complex(kind, f"its first mask took {spent:.2f} s of CPU (at most {FIRST_MASK_BUDGET_S:g})")
+        return spent, _too_complex(kind, f"its first mask took {spent:.2f} s of CPU (at most {FIRST_MASK_BUDGET_S:g})")
     forced = matcher.compute_ff_tokens()
     if len(forced) > MAX_FORCED_TOKENS:
-        raise _too_complex(kind, f"it forces {len(forced)} tokens in a row (at most {MAX_FORCED_TOKENS})")
+        return spent, _too_complex(kind, f"it forces {len(forced)} tokens in a row (at most {MAX_FORCED_TOKENS})")
     if forced:
         copy = matcher.deep_copy()
         if not copy.consume_tokens(forced[:PROBE_TOKENS]) or copy.is_error():
-            raise _too_complex(kind, copy.get_error()[:MAX_ERROR_CHARS] or "it refuses the tokens it forces")
-    return spent
+            return spent, _too_complex(kind, copy.get_error()[:MAX_ERROR_CHARS] or "it refuses the tokens it forces")
+    return spent, None
 
 
 def timed_masks(matchers: list[llguidance.LLMatcher], mask: torch.Tensor) -> None:
