@@ -1,16 +1,19 @@
 """Structured outputs: grammars that constrain decoding, through llguidance.
 
 A request's `StructuredOutputsParams` (a JSON schema, any JSON object, a regex, a choice of
-strings) is compiled once per tokenizer and spec by a `GrammarCompiler`: an LRU of futures,
-compiled on a small thread pool, never on the step loop; the gateway awaits the same future
-to refuse a bad or slow spec before it reaches the engine. In the engine, a `GrammarManager`
-gives each sequence its own matcher (a copy of the compiled one) once the compile is done; a
-waiting request is not scheduled before then. Each step, the sampler masks every constrained
-row's logits to the tokens its matcher allows (`grammar_bitmask`, `mask_logits`), so
-constrained and free rows share one step and one sampling pass (on an accelerator the
-runner computes the masks on a thread while the forward runs); the output processor feeds
-each sampled token to its matcher and ends the sequence ("stop") once the grammar is
-complete. The end-of-sequence token is allowed only where the grammar is complete.
+strings) is compiled once per tokenizer and spec by a `GrammarCompiler`: a cache of futures
+bounded in bytes and per tenant (engine/grammar_cache.py), compiled on a small thread pool,
+never on the step loop, each with its first mask computed there too and its cost bounded
+(engine/grammar_limits.py); the gateway awaits the same future to refuse a bad, slow or
+too complex spec before it reaches the engine. In the engine, a `GrammarManager` gives each
+sequence its own matcher (a copy of the compiled one, its first mask computed) once the
+compile is done; a waiting request is not scheduled before then. Each step, the sampler
+masks every constrained row's logits to the tokens its matcher allows (`grammar_bitmask`,
+`mask_logits`; each row's CPU time counted against a budget), so constrained and free
+rows share one step and one sampling pass (on an accelerator the runner computes the masks
+on a thread while the forward runs); the output processor feeds each sampled token to its
+matcher and ends the sequence ("stop") once the grammar is complete. The end-of-sequence
+token is allowed only where the grammar is complete.
 
 JSON is compact (no whitespace between tokens) and bounded where the schema is: `enum`,
 `const`, `maxLength`, `maxItems`, integer `minimum`/`maximum` and `additionalProperties:
@@ -29,7 +32,6 @@ import json
 import logging
 import threading
 import time
-from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cache
@@ -41,6 +43,8 @@ import numpy as np
 import torch
 
 from lockgate.engine.errors import GrammarError
+from lockgate.engine.grammar_cache import GrammarCache, charge
+from lockgate.engine.grammar_limits import MAX_ERROR_CHARS, check_expansion, parser_limits, probe, timed_masks
 from lockgate.engine.sampling_params import StructuredOutputsParams
 
 if TYPE_CHECKING:
@@ -52,11 +56,10 @@ logger = logging.getLogger(__name__)
 
 # compact JSON: no free whitespace (the schema's own "x-guidance" options may say otherwise)
 JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False}
-# bounds on one grammar's build (llguidance's fuel: about 50k units a millisecond), so no
-# spec can hold a compile thread for long; what exceeds them fails to compile
-LEXER_FUEL = 2_000_000
-MAX_GRAMMAR_SIZE = 200_000
-MAX_ERROR_CHARS = 500
+# the cache: its bytes are estimates (engine/grammar_cache.py); a tenant's share is a quarter
+CACHE_BYTES = 256 << 20
+CACHE_ENTRIES = 512
+TENANT_SHARE = 0.25
 
 
 @dataclass(slots=True, frozen=True)
@@ -65,6 +68,8 @@ class CompiledGrammar:
 
     matcher: llguidance.LLMatcher
     seconds: float              # how long compiling took (the gateway refuses slow ones)
+    first_mask_s: float = 0.0   # the first mask's CPU time (computed at compile, kept in `matcher`)
+    grammar_chars: int = 0      # the llguidance grammar's length (the cache charges by it)
 
     def new_matcher(self) -> llguidance.LLMatcher:
         return self.matcher.deep_copy()
@@ -90,33 +95,53 @@ def grammar_text(spec: StructuredOutputsParams) -> str:
 class GrammarCompiler:
     """Compiles specs for one tokenizer, each once: `compile` returns the spec's future (a
     cached one when the same spec was asked for before, done or still compiling). Failures
-    are cached too (the same bad schema fails at once). The tokenizer's token table is built
-    on first use, on the pool."""
+    are cached too (the same bad schema fails at once). `owner` is the tenant a new entry
+    is charged to (engine/grammar_cache.py). The tokenizer's token table is built on first
+    use, on the pool."""
 
     def __init__(self, tokenizer_json: str | Path, vocab_size: int, eos_token_ids: list[int], *,
-                 max_entries: int = 512, num_threads: int = 2) -> None:
+                 max_entries: int = CACHE_ENTRIES, max_bytes: int = CACHE_BYTES,
+                 tenant_share: float = TENANT_SHARE, num_threads: int = 2) -> None:
         self.tokenizer_json = str(tokenizer_json)
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
-        self.max_entries = max_entries
+        self.cache: GrammarCache[CompiledGrammar] = GrammarCache(max_bytes, max_entries, tenant_share)
         self._pool = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="lockgate-grammar")
-        self._lock = threading.Lock()
-        self._cache: OrderedDict[tuple[str, str], Future[CompiledGrammar]] = OrderedDict()
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._tokenizer_lock = threading.Lock()
 
-    def compile(self, spec: StructuredOutputsParams) -> Future[CompiledGrammar]:
+    @property
+    def max_bytes(self) -> int:
+        return self.cache.max_bytes
+
+    @property
+    def tenant_share(self) -> float:
+        return self.cache.tenant_share
+
+    @property
+    def total_bytes(self) -> int:
+        return self.cache.total_bytes
+
+    def bytes_of(self, owner: str) -> int:
+        return self.cache.bytes_of(owner)
+
+    def num_entries(self, owner: str | None = None) -> int:
+        return self.cache.num_entries(owner)
+
+    def compile(self, spec: StructuredOutputsParams, owner: str = "default") -> Future[CompiledGrammar]:
         key = spec.key()
-        with self._lock:
-            future = self._cache.get(key)
-            if future is not None:
-                self._cache.move_to_end(key)
-                return future
-            future = self._pool.submit(self._build, spec)
-            self._cache[key] = future
-            while len(self._cache) > self.max_entries:
-                self._cache.popitem(last=False)
-            return future
+        future, new = self.cache.get_or_start(key, lambda: self._pool.submit(self._build, spec), owner,
+                                              charge(len(key[1])))
+        if new:     # outside the cache's lock: a future already done calls back at once
+            future.add_done_callback(lambda f: self.cache.recharge(key, f, self._charge(f, len(key[1]))))
+        return future
+
+    @staticmethod
+    def _charge(future: Future[CompiledGrammar], spec_chars: int) -> int:
+        if future.cancelled() or future.exception() is not None:
+            return charge(spec_chars)
+        compiled = future.result()
+        return charge(compiled.grammar_chars, compiled.first_mask_s)
 
     def tokenizer(self) -> llguidance.LLTokenizer:
         with self._tokenizer_lock:
@@ -127,16 +152,22 @@ class GrammarCompiler:
 
     def _build(self, spec: StructuredOutputsParams) -> CompiledGrammar:
         t0 = time.perf_counter()
+        kind, text = spec.key()
+        check_expansion(kind, text)
         tokenizer = self.tokenizer()
         grammar = grammar_text(spec)
-        limits = llguidance.LLParserLimits(initial_lexer_fuel=LEXER_FUEL, max_grammar_size=MAX_GRAMMAR_SIZE,
-                                           verbose_errors=False)
-        matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=limits)
+        matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=parser_limits())
+        refusal: GrammarError | None = None
+        first_mask_s = 0.0
         if matcher.is_error():
-            kind = spec.kind
-            raise GrammarError(f"structured_outputs.{kind}: {matcher.get_error()[:MAX_ERROR_CHARS]}",
-                               field=f"structured_outputs.{kind}")
-        return CompiledGrammar(matcher, time.perf_counter() - t0)
+            refusal = GrammarError(f"structured_outputs.{kind}: {matcher.get_error()[:MAX_ERROR_CHARS]}",
+                                   field=f"structured_outputs.{kind}")
+        else:
+            first_mask_s, refusal = probe(matcher, self.vocab_size, kind)
+        if refusal is not None:
+            del matcher     # not kept by the traceback of the failure the cache keeps
+            raise refusal
+        return CompiledGrammar(matcher, time.perf_counter() - t0, first_mask_s, len(grammar))
 
 
 @cache
@@ -169,7 +200,7 @@ class GrammarManager:
     def add(self, state: RequestState) -> None:
         spec = state.req.sampling.structured_outputs
         if spec is not None:
-            self._pending[state.request_id] = (state, self.compiler.compile(spec))
+            self._pending[state.request_id] = (state, self.compiler.compile(spec, state.req.tenant))
             self._bind(state.request_id)
 
     def is_ready(self, seq: Sequence) -> bool:
@@ -211,9 +242,7 @@ def grammar_bitmask(matchers: list[llguidance.LLMatcher], vocab_size: int) -> to
     """The tokens each matcher allows next: one row of int32 words per matcher, token t is
     bit t % 32 of word t // 32 (llguidance's layout, written in place)."""
     mask = torch.zeros((len(matchers), (vocab_size + 31) // 32), dtype=torch.int32)
-    row_bytes = mask.shape[1] * mask.element_size()
-    for i, matcher in enumerate(matchers):
-        matcher.unsafe_compute_mask_ptr(mask[i].data_ptr(), row_bytes)
+    timed_masks(matchers, mask)
     return mask
 
 

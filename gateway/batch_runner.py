@@ -29,6 +29,7 @@ import time
 from datetime import UTC, datetime
 from typing import Any
 
+from lockgate.gateway import structured
 from lockgate.gateway.batch_line import BatchLineRun
 from lockgate.gateway.errors import APIError
 from lockgate.gateway.protocol import (
@@ -321,6 +322,7 @@ class BatchRunner:
             try:
                 req, entry, tier = await prepare(self.state.models, s, principal, ln.body or {}, model, unsupported,
                                                  tier="flex")
+                structured.grammar_owner.set(principal.tenant_id or "default")   # its grammars' cache share
                 job = await make_job(s, self.state.tokenize, req, entry)
             except TokenizerError as exc:
                 raise Retry(f"tokenizer busy: {exc}", 1.0, paused=False) from None

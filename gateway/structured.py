@@ -7,23 +7,32 @@ constrained whether `strict` is set or not), a `tool_choice` that forces a call
 `structured_outputs`; two at once are a 400. Each schema is checked here: its size (at most
 `max_schema_bytes` of JSON), then compiled through the process's grammar cache, waiting at
 most `grammar_compile_timeout_s` (the compile runs on the cache's threads, not the event
-loop). A bad, large or slow schema is a 400 naming its field (`response_format.json_schema.schema`,
-`tools[0].function.parameters`). An engine in this process then finds the grammar compiled;
-a pool's workers compile it again from their own cache.
+loop), its first mask included: a pattern that expands too far or whose first mask costs
+too much is refused there (engine/grammar_limits.py). A bad, large, slow or too complex
+schema is a 400 naming its field (`response_format.json_schema.schema`, `guided_regex`,
+`tools[0].function.parameters`). The compile is charged to the caller's tenant
+(`grammar_owner`, set where the request is admitted), so one tenant's specs cannot push
+everyone else's out of the cache. An engine in this process then finds the grammar
+compiled; a pool's workers compile it again from their own cache.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+from contextvars import ContextVar
 from typing import Any
 
 from lockgate.engine import GrammarError, InvalidRequest, StructuredOutputsParams, grammar_compiler
+from lockgate.engine.grammar_limits import GrammarTooComplex
 from lockgate.gateway.errors import APIError
 from lockgate.gateway.model_catalog import ModelInfo
 from lockgate.gateway.protocol import SamplingBody
 from lockgate.gateway.settings import Settings
 from lockgate.gateway.tool_calls import ToolPlan, parameters_of
+
+# the tenant a compile is charged to in the grammar cache (set per request by the serving path)
+grammar_owner: ContextVar[str] = ContextVar("grammar_owner", default="default")
 
 
 def requested(req: SamplingBody) -> tuple[StructuredOutputsParams, str] | None:
@@ -106,12 +115,14 @@ async def check(settings: Settings, info: ModelInfo, spec: StructuredOutputsPara
     compiler = grammar_compiler(info.path, info.config.vocab_size, info.config.eos_token_ids)
     timeout = settings.grammar_compile_timeout_s
     try:    # shielded: the compile goes on (and is cached) when this wait gives up
-        compiled = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(compiler.compile(spec))), timeout)
+        future = compiler.compile(spec, grammar_owner.get())
+        compiled = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), timeout)
     except TimeoutError:
         compiled = None
     except GrammarError as exc:
         detail = str(exc).removeprefix(f"{exc.field}: ")
-        raise APIError(400, f"{param}: {detail}", param=param, code="invalid_schema") from None
+        code = "schema_too_complex" if isinstance(exc, GrammarTooComplex) else "invalid_schema"
+        raise APIError(400, f"{param}: {detail}", param=param, code=code) from None
     except Exception as exc:  # noqa: BLE001 - the grammar library's own failure on this input
         raise APIError(400, f"{param}: could not be compiled ({type(exc).__name__}: {exc})", param=param,
                        code="invalid_schema") from None

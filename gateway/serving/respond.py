@@ -13,6 +13,7 @@ import anyio
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from lockgate.gateway import structured
 from lockgate.gateway.errors import APIError
 from lockgate.gateway.protocol import SamplingBody, read_json
 from lockgate.gateway.responses import Head, Kind, answer, sse, usage_chunk
@@ -39,6 +40,7 @@ async def serve_inference(request: Request, state: AppState, principal: Principa
     """An inference route's whole work: admitted (rate and concurrency, before the body is
     read), the body parsed and checked, its job built, run and answered."""
     check_draining(state)
+    structured.grammar_owner.set(principal.tenant_id or "default")   # this request's task only
     async with admitted(state, principal, request) as ticket:
         req, entry, tier = await prepare(state.models, state.settings, principal, await read_json(request),
                                          body, unsupported)

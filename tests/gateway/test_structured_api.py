@@ -175,6 +175,8 @@ async def test_vllm_guided_fields_on_completions(client):
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
     ({"response_format": {"type": "json_object"}, "extra_body": {"guided_regex": "a+"}}, "guided_regex"),
     ({"extra_body": {"guided_json": "{not json"}}, "guided_json"),
+    ({"extra_body": {"guided_regex": "(a{2000}){1000}"}}, "guided_regex"),       # a grammar bomb
+    ({"extra_body": {"structured_outputs": {"regex": "x{100000}"}}}, "structured_outputs.regex"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "big", "schema": {
         "enum": ["x" * 100] * 1000}}}}, "response_format.json_schema.schema"),
 ])
