@@ -66,7 +66,7 @@ class LoRAStats:
 
 @dataclass(slots=True)
 class QueueBounds:
-    requests: int
+    requests: int | None     # None: no count bound (tokens bound the queue)
     tokens: int
     per_class: int | None
 
