@@ -132,4 +132,5 @@ class Admission:
             bounds=QueueBounds(self.count_bound, self.token_bound, self.per_class_bound),
             refused={c: dict(n) for c, n in self.refused.items()},
             shed={c: dict(n) for c, n in self.shed.items()},
+            drain_s=self.tokens / self.tokens_per_s if self.tokens_per_s else None,
         )

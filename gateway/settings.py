@@ -92,6 +92,10 @@ class Settings(BaseSettings):
     refusal_flush_interval_s: float = 5.0
     refusal_max_buckets: int = 100_000
     default_tier: str = "default"
+    # a flex request is refused (429 resource_unavailable) while the engine's queued work takes
+    # longer than this to compute (its cost model): background work waits behind no more than
+    # this, and is refused before the engine's own bound (memory) refuses anything
+    flex_max_queue_s: float = Field(default=30.0, gt=0)
 
     # engine
     engine_kwargs: dict[str, Any] = Field(default_factory=dict)   # wins over the LoRA fields below
