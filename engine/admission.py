@@ -5,21 +5,20 @@ A request counts as *queued* from `submit` until it sends its first output (or e
 the engine has promised but not yet begun to answer. The bound is what the queued work
 costs, not how many requests it is: its tokens, prompt plus `max_tokens` of each, over all
 queued work together (default: twice what the KV cache holds, or what the step-cost model
-says the engine computes in `QUEUE_HORIZON_S` at full steps, whichever is more: memory and
-time). A count of requests would refuse a library user's batch of short offline requests
-that fits many times over; refusing background work early is the gateway's decision (its
-flex tier, gateway/serving/tiers.py), made on this bound or one it configures. An explicit
-`max_waiting_tokens` replaces the token bound; an explicit `max_waiting_per_class` also
-bounds the count of each class on its own.
+says the engine computes in `QUEUE_HORIZON_S` at full steps, whichever is more, and never
+more than `QUEUE_KV_MAX` times the KV cache: memory and time). A count of requests would
+refuse a library user's batch of short offline requests that fits many times over;
+refusing background work early is the gateway's decision (its flex tier,
+gateway/serving/tiers.py). An explicit `max_waiting_tokens` replaces the token bound; an
+explicit `max_waiting_per_class` also bounds the count of each class on its own.
 
 An arrival into an empty queue is always taken (a request larger than the token bound
 would otherwise never be). An arrival past a bound sheds queued work of less urgent
 classes, least urgent class first and newest first within it, if that makes room;
-otherwise it is refused. So the least
-urgent class is refused first, and a more urgent arrival is never refused while less urgent
-work it could replace is queued. Only requests submitted `sheddable` are ever shed (the
-gateway submits streams, whose 200 went out at once, as not sheddable), and only while they
-have sent nothing. Not thread-safe: `AsyncEngine` calls it under its lock.
+otherwise it is refused. So the least urgent class is refused first, and a more urgent
+arrival is never refused while less urgent work it could replace is queued. Only requests
+submitted `sheddable` are ever shed (the gateway submits streams, whose 200 went out at
+once, as not sheddable), and only while they have sent nothing. Not thread-safe: `AsyncEngine` calls it under its lock.
 """
 
 from __future__ import annotations
@@ -32,6 +31,10 @@ from lockgate.engine.errors import EngineOverloaded
 from lockgate.engine.stats import OverloadStats, QueueBounds
 
 QUEUE_HORIZON_S = 30.0     # queued tokens worth this long of full steps, by the cost model
+# ...but never more than this many times what the KV cache holds: a cost model fitted on
+# decode steps alone extrapolates a full prefill step to almost nothing, and its rate to a
+# bound that bounds nothing
+QUEUE_KV_MAX = 16
 
 
 @dataclass(slots=True)
@@ -65,7 +68,7 @@ class Admission:
         self.tokens_per_s = tokens_per_s
         if self.explicit_tokens is None:
             horizon = int(tokens_per_s * QUEUE_HORIZON_S) if tokens_per_s else 0
-            self.token_bound = max(2 * kv_tokens, horizon)
+            self.token_bound = max(2 * kv_tokens, min(horizon, QUEUE_KV_MAX * kv_tokens))
 
     def retry_after(self) -> float:
         """Seconds until the queue has likely drained enough (by the cost model's rate)."""

@@ -78,6 +78,8 @@ def test_derived_token_bound_from_kv_and_cost_model():
     assert adm.token_bound == 150_000           # 30 s of full steps
     adm.tokens = 50_000
     assert adm.retry_after() == 10.0
+    adm.size(kv_tokens=10_000, tokens_per_s=1e10)  # a degenerate fit: the KV cache caps it
+    assert adm.token_bound == 160_000
 
 
 async def _drain(stream):
