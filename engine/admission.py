@@ -2,21 +2,23 @@
 sheds to make room.
 
 A request counts as *queued* from `submit` until it sends its first output (or ends): work
-the engine has promised but not yet begun to answer. Two bounds hold over all queued work
-together: a count (default 4 x `max_num_seqs`: four full batches) and tokens, prompt plus
-`max_tokens` of each (default: twice what the KV cache holds, or what the step-cost model
-says the engine computes in `QUEUE_HORIZON_S` at full steps, whichever is more). An
-explicit `max_waiting_tokens` replaces the token bound; an explicit `max_waiting_per_class`
-bounds each class on its own (and the count at that many per class).
+the engine has promised but not yet begun to answer. The bound is what the queued work
+costs, not how many requests it is: its tokens, prompt plus `max_tokens` of each, over all
+queued work together (default: twice what the KV cache holds, or what the step-cost model
+says the engine computes in `QUEUE_HORIZON_S` at full steps, whichever is more, and never
+more than `QUEUE_KV_MAX` times the KV cache: memory and time). A count of requests would
+refuse a library user's batch of short offline requests that fits many times over;
+refusing background work early is the gateway's decision (its flex tier,
+gateway/serving/tiers.py). An explicit `max_waiting_tokens` replaces the token bound; an
+explicit `max_waiting_per_class` also bounds the count of each class on its own.
 
 An arrival into an empty queue is always taken (a request larger than the token bound
 would otherwise never be). An arrival past a bound sheds queued work of less urgent
 classes, least urgent class first and newest first within it, if that makes room;
-otherwise it is refused. So the least
-urgent class is refused first, and a more urgent arrival is never refused while less urgent
-work it could replace is queued. Only requests submitted `sheddable` are ever shed (the
-gateway submits streams, whose 200 went out at once, as not sheddable), and only while they
-have sent nothing. Not thread-safe: `AsyncEngine` calls it under its lock.
+otherwise it is refused. So the least urgent class is refused first, and a more urgent
+arrival is never refused while less urgent work it could replace is queued. Only requests
+submitted `sheddable` are ever shed (the gateway submits streams, whose 200 went out at
+once, as not sheddable), and only while they have sent nothing. Not thread-safe: `AsyncEngine` calls it under its lock.
 """
 
 from __future__ import annotations
@@ -29,7 +31,10 @@ from lockgate.engine.errors import EngineOverloaded
 from lockgate.engine.stats import OverloadStats, QueueBounds
 
 QUEUE_HORIZON_S = 30.0     # queued tokens worth this long of full steps, by the cost model
-QUEUE_BATCHES = 4          # queued requests: this many full batches (x max_num_seqs)
+# ...but never more than this many times what the KV cache holds: a cost model fitted on
+# decode steps alone extrapolates a full prefill step to almost nothing, and its rate to a
+# bound that bounds nothing
+QUEUE_KV_MAX = 16
 
 
 @dataclass(slots=True)
@@ -43,13 +48,12 @@ class Queued:
 
 
 class Admission:
-    def __init__(self, classes: tuple[str, ...], *, max_num_seqs: int,
-                 max_waiting_per_class: int | None, max_waiting_tokens: int | None) -> None:
+    def __init__(self, classes: tuple[str, ...], *, max_waiting_per_class: int | None,
+                 max_waiting_tokens: int | None) -> None:
         self.classes = classes
         self.rank = {c: i for i, c in enumerate(classes)}
         self.per_class_bound = max_waiting_per_class
-        self.count_bound = max_waiting_per_class * len(classes) if max_waiting_per_class \
-            else QUEUE_BATCHES * max_num_seqs
+        self.count_bound = max_waiting_per_class * len(classes) if max_waiting_per_class else None
         self.explicit_tokens = max_waiting_tokens
         self.token_bound = max_waiting_tokens or (1 << 62)   # until the engine is sized
         self.tokens_per_s: float | None = None
@@ -64,7 +68,7 @@ class Admission:
         self.tokens_per_s = tokens_per_s
         if self.explicit_tokens is None:
             horizon = int(tokens_per_s * QUEUE_HORIZON_S) if tokens_per_s else 0
-            self.token_bound = max(2 * kv_tokens, horizon)
+            self.token_bound = max(2 * kv_tokens, min(horizon, QUEUE_KV_MAX * kv_tokens))
 
     def retry_after(self) -> float:
         """Seconds until the queue has likely drained enough (by the cost model's rate)."""
@@ -78,7 +82,7 @@ class Admission:
         cls = q.service_class
         if self.per_class_bound is not None and self.count_by_class[cls] >= self.per_class_bound:
             self._refuse(q, f"{self.per_class_bound} requests of class {cls!r} already waiting")
-        over_count = len(self.queued) + 1 - self.count_bound
+        over_count = len(self.queued) + 1 - self.count_bound if self.count_bound else 0
         over_tokens = self.tokens + q.tokens - self.token_bound
         victims: list[Queued] = []
         if self.queued and (over_count > 0 or over_tokens > 0):   # alone, anything is taken
@@ -131,4 +135,5 @@ class Admission:
             bounds=QueueBounds(self.count_bound, self.token_bound, self.per_class_bound),
             refused={c: dict(n) for c, n in self.refused.items()},
             shed={c: dict(n) for c, n in self.shed.items()},
+            drain_s=self.tokens / self.tokens_per_s if self.tokens_per_s else None,
         )

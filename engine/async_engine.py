@@ -50,8 +50,7 @@ class AsyncEngine(EngineClient, EngineAdmin):
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._lock = threading.Lock()
         c = self.config
-        self._admission = Admission(c.service_classes, max_num_seqs=c.max_num_seqs,
-                                    max_waiting_per_class=c.max_waiting_per_class,
+        self._admission = Admission(c.service_classes, max_waiting_per_class=c.max_waiting_per_class,
                                     max_waiting_tokens=c.max_waiting_tokens)
         self._stats = EngineStats()
         self._error: BaseException | None = None

@@ -36,9 +36,9 @@ class EngineConfig:
     # most urgent first; the gateway's tiers map onto them: priority, default -> online,
     # flex -> offline (gateway/serving/tiers.py TIERS)
     service_classes: tuple[str, ...] = ("priority", "online", "offline")
-    # bounded queues (engine/admission.py): requests of a class waiting to start, and the
-    # tokens (prompt + max_tokens) of every waiting request; None: sized from the KV cache
-    # and the cost model
+    # bounded queues (engine/admission.py): the tokens (prompt + max_tokens) of every waiting
+    # request (None: sized from the KV cache and the cost model), and optionally a count of
+    # requests of each class (None: no count bound)
     max_waiting_per_class: int | None = None
     max_waiting_tokens: int | None = None
     # step sizing (engine/scheduler.py): while a more urgent class has work in sight (running,

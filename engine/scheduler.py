@@ -9,7 +9,9 @@ counters as in VTC, OSDI'24: the backlogged tenant with the least weighted servi
 next); inside a tenant, by the request's priority; then arrival. `fcfs` orders by arrival
 alone. When blocks run out, the least urgent running sequence is preempted (blocks freed,
 its cached prefix kept for its return, recomputed later, its place in line kept); a waiting
-sequence may preempt running ones only of a less urgent class. `reserved_kv_fraction`
+sequence may preempt running ones of a less urgent class, or, when its tenant holds no
+slot of its class, the newest of the tenant holding the most (engine/preemption.py: a
+floor on every tenant's latency). `reserved_kv_fraction`
 keeps a share of the blocks out of reach of less urgent classes. With LoRA on, at most
 `max_loras` adapters run at once, and adapters take turns (`_lora_admissible`).
 
@@ -31,6 +33,7 @@ from lockgate.engine.config import EngineConfig
 from lockgate.engine.cost_model import StepCostModel, StepShape
 from lockgate.engine.fairness import DECODE_COST, PREFILL_COST, Fairness, TenantStats
 from lockgate.engine.kv_cache import KVBlock, KVCacheManager
+from lockgate.engine.preemption import room_victim
 from lockgate.engine.request import RequestState, SeqStatus, Sequence
 from lockgate.engine.step_sizing import StepSizer
 
@@ -325,7 +328,7 @@ class Scheduler:
         if shared is None:
             return 0
         while len(self.running) >= self.max_num_seqs:
-            if not self._preempt_less_urgent(seq, budget, scheduled, preempted):
+            if not self._preempt_for(seq, budget, scheduled, preempted):
                 return None
         num_cached = len(shared) * self.block_size
         num_new = seq.num_tokens - num_cached
@@ -338,7 +341,7 @@ class Scheduler:
             return None
         reserve = self.reserve_for(seq)
         while not self.kv.try_allocate(seq, num_new, shared, reserve=reserve):
-            if not self._preempt_less_urgent(seq, budget, scheduled, preempted):
+            if not self._preempt_for(seq, budget, scheduled, preempted):
                 seq.num_computed_tokens = 0
                 return None
         self.waiting.remove(seq)
@@ -369,22 +372,15 @@ class Scheduler:
         from_leader = self.kv.blocks_of(leader)[:num_shared]
         return from_leader if len(from_leader) > len(hits) else hits
 
-    def _preempt_less_urgent(
-        self,
-        seq: Sequence,
-        budget: StepBudget,
-        scheduled: dict[Sequence, int],
-        preempted: list[Sequence],
-    ) -> bool:
-        """Under the priority policy, preempt the least urgent running sequence of a less
-        urgent class than `seq`'s. False if there is none."""
-        if self.policy != "priority":
+    def _preempt_for(self, seq: Sequence, budget: StepBudget, scheduled: dict[Sequence, int],
+                             preempted: list[Sequence]) -> bool:
+        """Under the priority policy, preempt a running sequence to make room for waiting
+        `seq`: one of a less urgent class, else by the tenant floor (engine/preemption.py).
+        False if none may be."""
+        victim = room_victim(self.running, seq, self.key) if self.policy == "priority" else None
+        if victim is None:
             return False
-        rank = seq.state.class_rank
-        victims = [s for s in self.running if s.state.class_rank > rank]
-        if not victims:
-            return False
-        self._preempt(max(victims, key=self.key), budget, scheduled, preempted)
+        self._preempt(victim, budget, scheduled, preempted)
         return True
 
     def _preempt(

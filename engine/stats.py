@@ -66,7 +66,7 @@ class LoRAStats:
 
 @dataclass(slots=True)
 class QueueBounds:
-    requests: int
+    requests: int | None     # None: no count bound (tokens bound the queue)
     tokens: int
     per_class: int | None
 
@@ -81,6 +81,9 @@ class OverloadStats:
     bounds: QueueBounds
     refused: dict[str, dict[str, int]]
     shed: dict[str, dict[str, int]]
+    # seconds the queued tokens take at full steps, by the step-cost model (None until it is
+    # fitted): what the gateway refuses background work on
+    drain_s: float | None = None
 
 
 @dataclass(slots=True)

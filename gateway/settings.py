@@ -96,6 +96,10 @@ class Settings(BaseSettings):
     # size is looked at this often (0: never) and trimmed once it grew by this much
     memory_trim_interval_s: float = Field(default=5.0, ge=0)
     memory_trim_growth_mb: int = Field(default=64, ge=1)
+    # a flex request is refused (429 resource_unavailable) while the engine's queued work takes
+    # longer than this to compute (its cost model): background work waits behind no more than
+    # this, and is refused before the engine's own bound (memory) refuses anything
+    flex_max_queue_s: float = Field(default=30.0, gt=0)
 
     # engine
     engine_kwargs: dict[str, Any] = Field(default_factory=dict)   # wins over the LoRA fields below

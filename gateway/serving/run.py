@@ -46,7 +46,15 @@ from lockgate.gateway.model_directory import ModelEntry, not_found
 from lockgate.gateway.responses import Usage
 from lockgate.gateway.serving.job import RunInputs
 from lockgate.gateway.serving.ticket import Ticket
-from lockgate.gateway.serving.tiers import TIERS, RunCut, cut_error, engine_unavailable, overloaded, submit_error
+from lockgate.gateway.serving.tiers import (
+    TIERS,
+    RunCut,
+    cut_error,
+    engine_unavailable,
+    flex_refusal,
+    overloaded,
+    submit_error,
+)
 from lockgate.tenancy.limiter import Decision, Lease
 from lockgate.tenancy.usage.writer import UsageRow
 
@@ -140,6 +148,7 @@ class RequestRun:
         self.state.models.push_weight(self.tenant_id, self.principal.weight)
         self.sheddable = sheddable
         try:
+            self._flex_bound()
             self._queue_prompts()
             await self._accepted()
         except EngineOverloaded as exc:
@@ -156,6 +165,14 @@ class RequestRun:
         """The engine refused a prompt at submit (not for overload): the run ends with an
         error row."""
         await self.finish("error")
+
+    def _flex_bound(self) -> None:
+        """The gateway's own bound on background work (serving/tiers.py `flex_refusal`)."""
+        if self.tier == "flex":
+            exc = flex_refusal(self.tier, self.entry.engine.stats().overload,
+                               self.state.settings.flex_max_queue_s)
+            if exc is not None:
+                raise exc
 
     def _queue_prompts(self) -> None:
         engine = self.entry.engine

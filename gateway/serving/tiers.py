@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import math
 
-from lockgate.engine import EngineDead, EngineOverloaded, InvalidRequest, PromptTooLong
+from lockgate.engine import EngineDead, EngineOverloaded, InvalidRequest, OverloadStats, PromptTooLong
 from lockgate.gateway.errors import APIError
 
 # The one place the API's service tiers meet the engine's service classes (most urgent first:
 # priority, online, offline): tier -> (service class, priority within the tenant). A waiting
 # `priority` request preempts online and offline work; `flex` is background work, the first to
-# be refused when the engine's queue is full (429 `resource_unavailable`, as OpenAI's flex tier
-# answers), and its queued non-streaming requests the first shed to make room for more urgent
-# arrivals. The other tiers' refusals are 503 `engine_overloaded`.
+# be refused (429 `resource_unavailable`, as OpenAI's flex tier answers): by the gateway while
+# the engine's queue takes longer than `flex_max_queue_s` to compute (`flex_refusal`), by the
+# engine when its queue's memory bound is reached; and its queued non-streaming requests are
+# the first shed to make room for more urgent arrivals. The other tiers' refusals are 503
+# `engine_overloaded`. The engine itself refuses only what does not fit its queue's tokens, so
+# a library user's batch of offline work is queued, not refused.
 TIERS = {"priority": ("priority", 0), "default": ("online", 0), "flex": ("offline", 0)}
 
 
@@ -39,6 +42,18 @@ def engine_unavailable(exc: EngineDead, what: str) -> APIError:
     """The answer when the engine cannot serve: it `what` ("stopped", "is not running")."""
     return APIError(503, f"The engine {what}: {exc}", code="engine_unavailable",
                     headers={"retry-after": "5"})
+
+
+def flex_refusal(tier: str, overload: OverloadStats | None, max_queue_s: float) -> EngineOverloaded | None:
+    """The gateway's refusal of a flex request, before it reaches the engine: the engine's
+    queued work would take more than `max_queue_s` to compute. None: let it through (the
+    engine's own bound still holds; an engine with no cost model yet is not judged)."""
+    if tier != "flex" or overload is None or overload.drain_s is None or overload.drain_s <= max_queue_s:
+        return None
+    return EngineOverloaded(f"service_class 'offline': the queue takes {overload.drain_s:.1f} s to "
+                            f"compute, over flex_max_queue_s ({max_queue_s:g} s)",
+                            service_class="offline",
+                            retry_after=min(60.0, overload.drain_s - max_queue_s))
 
 
 def overloaded(tier: str, exc: EngineOverloaded) -> APIError:

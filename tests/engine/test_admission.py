@@ -8,7 +8,9 @@ import asyncio
 import pytest
 
 from lockgate.engine import AsyncEngine, EngineOverloaded, SamplingParams
-from lockgate.engine.admission import QUEUE_BATCHES, Admission, Queued
+from lockgate.engine.admission import Admission, Queued
+from lockgate.engine.llm import to_token_ids
+from lockgate.engine.tokenizer import Tokenizer
 from tests.support.helpers import assert_all_blocks_free, demo_model
 
 CLASSES = ("priority", "online", "offline")
@@ -19,12 +21,12 @@ def q(rid, cls, tokens=10, tenant="t", sheddable=True):
 
 
 def test_offline_is_refused_first_and_sheds_for_online():
-    """Room for 4 requests. Four offline queue; a fifth offline is refused (nothing less
-    urgent to shed); an online arrival sheds the newest offline; a priority arrival sheds the
-    next newest offline; once no offline work is queued, online is refused and priority
-    sheds online."""
-    adm = Admission(CLASSES, max_num_seqs=1, max_waiting_per_class=None, max_waiting_tokens=None)
-    assert adm.count_bound == QUEUE_BATCHES
+    """Room for 40 tokens, 4 requests of 10. Four offline queue; a fifth offline is refused
+    (nothing less urgent to shed); an online arrival sheds the newest offline; a priority
+    arrival sheds the next newest offline; once no offline work is queued, online is refused
+    and priority sheds online."""
+    adm = Admission(CLASSES, max_waiting_per_class=None, max_waiting_tokens=40)
+    assert adm.count_bound is None
     for i in range(4):
         assert adm.admit(q(f"off{i}", "offline", tenant="batch")) == []
     with pytest.raises(EngineOverloaded) as exc:
@@ -51,7 +53,7 @@ def test_offline_is_refused_first_and_sheds_for_online():
 
 
 def test_only_sheddable_work_is_shed_and_tokens_are_bounded_too():
-    adm = Admission(CLASSES, max_num_seqs=100, max_waiting_per_class=None, max_waiting_tokens=1000)
+    adm = Admission(CLASSES, max_waiting_per_class=None, max_waiting_tokens=1000)
     adm.admit(q("stream", "offline", tokens=600, sheddable=False))
     adm.admit(q("batch", "offline", tokens=300))
     # 900 queued: an online request of 200 needs 100 more: the sheddable one goes
@@ -69,13 +71,15 @@ def test_only_sheddable_work_is_shed_and_tokens_are_bounded_too():
 
 
 def test_derived_token_bound_from_kv_and_cost_model():
-    adm = Admission(CLASSES, max_num_seqs=8, max_waiting_per_class=None, max_waiting_tokens=None)
+    adm = Admission(CLASSES, max_waiting_per_class=None, max_waiting_tokens=None)
     adm.size(kv_tokens=10_000, tokens_per_s=None)
     assert adm.token_bound == 20_000
     adm.size(kv_tokens=10_000, tokens_per_s=5_000.0)
     assert adm.token_bound == 150_000           # 30 s of full steps
     adm.tokens = 50_000
     assert adm.retry_after() == 10.0
+    adm.size(kv_tokens=10_000, tokens_per_s=1e10)  # a degenerate fit: the KV cache caps it
+    assert adm.token_bound == 160_000
 
 
 async def _drain(stream):
@@ -86,15 +90,17 @@ async def _drain(stream):
 
 
 def test_async_engine_sheds_queued_offline_for_online_and_loses_nothing():
-    """One sequence slot, room for 4 queued requests (max_num_seqs 1). An offline request
-    runs; four more queue (two of them not sheddable); an online arrival sheds the newest
-    sheddable offline one, whose stream raises EngineOverloaded(shed=True) before any output;
-    a further offline arrival is refused. Everything else completes in full and the engine
-    ends holding no block."""
+    """One sequence slot, room for 4 queued requests (`max_waiting_tokens` four times one's
+    prompt + max_tokens). An offline request runs; four more queue (two of them not
+    sheddable); an online arrival sheds the newest sheddable offline one, whose stream raises
+    EngineOverloaded(shed=True) before any output; a further offline arrival is refused.
+    Everything else completes in full and the engine ends holding no block."""
     d = demo_model("llama")
+    _, ids = to_token_ids(Tokenizer(d), "hello there")
+    bound = 4 * (len(ids) + 40)
 
     async def main():
-        async with AsyncEngine(d, dtype="float32", max_num_seqs=1) as engine:
+        async with AsyncEngine(d, dtype="float32", max_num_seqs=1, max_waiting_tokens=bound) as engine:
             params = SamplingParams(max_tokens=40, ignore_eos=True)
             first = engine.submit("hello there", params, "off-run", service_class="offline")
             it = first.__aiter__()
@@ -116,6 +122,28 @@ def test_async_engine_sheds_queued_offline_for_online_and_loses_nothing():
             ov = engine.stats().overload
             assert ov.shed["offline"] == {"batch": 1} and ov.refused["offline"] == {"batch": 1}
             assert ov.queued == {"priority": 0, "online": 0, "offline": 0} and ov.queued_tokens == 0
+            return engine.core
+
+    core = asyncio.run(main())
+    assert_all_blocks_free(core)
+
+
+def test_library_batch_of_offline_work_that_fits_is_queued_not_refused():
+    """60 offline requests at once into an engine of 8 sequence slots: the queue holds
+    prompt + max_tokens of each (a few hundred tokens, far inside the token bound the KV
+    cache and the cost model size), so all 60 are queued and complete. Refusing background
+    work is the gateway's decision (a flex 429), not the library's."""
+    d = demo_model("llama")
+
+    async def main():
+        async with AsyncEngine(d, dtype="float32", max_num_seqs=8) as engine:
+            params = SamplingParams(max_tokens=4, ignore_eos=True)
+            streams = [engine.submit(f"batch line {i}", params, f"b{i}", service_class="offline",
+                                     tenant="batch") for i in range(60)]
+            results = await asyncio.gather(*(_drain(s) for s in streams))
+            assert [len(r.outputs[0].token_ids) for r in results] == [4] * 60
+            ov = engine.stats().overload
+            assert ov.refused["offline"] == {} and ov.queued_tokens == 0
             return engine.core
 
     core = asyncio.run(main())

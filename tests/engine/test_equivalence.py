@@ -8,6 +8,7 @@ import asyncio
 import pytest
 
 from lockgate.engine import LLM, AsyncEngine, SamplingParams
+from lockgate.engine.request import EngineRequest
 from tests.support.helpers import (
     FAMILIES,
     MAX_TOKENS,
@@ -162,3 +163,40 @@ def test_corrupted_paging_breaks_the_match(corruption, monkeypatch):
     longer = [i for i, n in enumerate(PROMPT_LENS) if n > 32]
     same = sum(got[i] == want[i] for i in longer)
     assert same <= len(longer) // 4, f"{same}/{len(longer)} still match with a corrupted {corruption}"
+
+
+def _tenant_run(llm: LLM, x_prompts, y_prompt) -> dict[str, list[int]]:
+    """x's requests fill every slot; after 3 steps y's request arrives (unless None). The
+    finished requests' tokens, in the order they finished."""
+    core = llm.engine
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    for i, p in enumerate(x_prompts):
+        core.add_request(EngineRequest(f"x{i}", p, params, tenant="x"))
+    for _ in range(3):
+        core.step()
+    if y_prompt is not None:
+        core.add_request(EngineRequest("y", y_prompt, SamplingParams(max_tokens=3, temperature=0.0,
+                                                                     ignore_eos=True), tenant="y"))
+    done: dict[str, list[int]] = {}
+    while core.has_unfinished:
+        for out in core.step():
+            if out.finished:
+                done[out.request_id] = list(out.outputs[0].token_ids)
+    assert_all_blocks_free(core)
+    return done
+
+
+def test_request_preempted_for_another_tenant_keeps_its_greedy_output():
+    """2 slots, both held by tenant x's long greedy requests; tenant y's request arrives:
+    x's newest is preempted so y gets a slot, and is recomputed later. y finishes while x's
+    requests still run, and x's outputs are token for token those of a run without y (the
+    preempted request's recomputation changes nothing)."""
+    d = demo_model("llama")
+    prompts = random_prompts(d, [20, 33, 9], seed=7)
+    alone = _tenant_run(LLM(d, max_num_seqs=2, dtype="float32"), prompts[:2], None)
+    llm = LLM(d, max_num_seqs=2, dtype="float32")
+    done = _tenant_run(llm, prompts[:2], prompts[2])
+    assert list(done) == ["y", "x0", "x1"]
+    assert llm.engine.scheduler.num_preemptions == 1 and alone.keys() == {"x0", "x1"}
+    assert (done["x0"], done["x1"]) == (alone["x0"], alone["x1"])
+    assert [len(t) for t in done.values()] == [3, 40, 40]

@@ -336,3 +336,42 @@ def test_prefill_token_budget_keeps_background_steps_short(tmp_path):
     assert on.seqs[0].num_output_tokens == 1
     assert names(eng.step()) == [("r2", 1), ("r0", 4), ("r1", 4)]
     eng.run()
+
+
+def test_tenant_holding_no_slot_gets_one_within_two_steps(tmp_path):
+    """4 sequence slots. Tenant x runs 4 long requests (200 outputs each) and queues 2 more;
+    then tenant y sends one short request. y holds no slot while x holds all four, so x's
+    newest running request is preempted (its blocks freed, queued for recomputation) and y
+    runs within 2 steps, not after x's 200-step requests. y then holds a slot, so nothing
+    more is preempted for it; every request finishes, the preempted one exactly once
+    preempted."""
+    eng = SchedulerHarness(tmp_path, num_blocks=512, max_num_seqs=4)
+    xs = [eng.add(8, 200, tenant="x") for _ in range(6)]
+    for _ in range(3):
+        eng.step()
+    assert [s.seqs[0].status for s in xs] == [SeqStatus.RUNNING] * 4 + [SeqStatus.WAITING] * 2
+    y = eng.add(8, 2, tenant="y")
+    steps = 0
+    while y.seqs[0].status is not SeqStatus.RUNNING and steps < 50:
+        eng.step()
+        steps += 1
+    assert steps <= 2, f"y waited {steps} steps for a slot"
+    assert [s.seqs[0].num_preemptions for s in xs[:4]] == [0, 0, 0, 1]
+    eng.run()
+    assert [s.seqs[0].num_output_tokens for s in xs] == [200] * 6
+    assert eng.sched.num_preemptions == 1
+
+
+def test_floor_never_takes_a_tenants_last_slot(tmp_path):
+    """2 slots, tenants a and b run one request each; c's request waits: neither holds more
+    than one slot, so nothing is preempted for c, which runs once one of them ends."""
+    eng = SchedulerHarness(tmp_path, num_blocks=128, max_num_seqs=2)
+    a, b = eng.add(8, 20, tenant="a"), eng.add(8, 30, tenant="b")
+    eng.step()
+    c = eng.add(8, 2, tenant="c")
+    for _ in range(10):
+        eng.step()
+        assert c.seqs[0].status is SeqStatus.WAITING
+    eng.run()
+    assert eng.sched.num_preemptions == 0
+    assert [s.seqs[0].num_output_tokens for s in (a, b, c)] == [20, 30, 2]

@@ -232,3 +232,37 @@ async def test_streams_are_never_shed_so_default_is_refused_with_503(server):
     u = await usage_of(server, t["id"], 4)
     assert (u["requests"], u["ok"], u["cancelled"], u["errors"]) == (4, 3, 1, 0), u
     await released(server)
+
+
+async def test_gateway_refuses_flex_past_its_queue_time_and_the_engine_queues_the_rest(server):
+    """The gateway's own bound on flex: while the engine's queued work takes longer than
+    `flex_max_queue_s` to compute (its cost model), a flex request is answered 429
+    `resource_unavailable` before it reaches the engine (the engine's refusals stay at 0;
+    the gateway counts it). A default request is not subject to it and is served. With the
+    bound lowered to a femtosecond, one queued flex stream (4 + 60 tokens) is enough."""
+    t, key = await server.tenant(quota={"requests_per_minute": 10})
+    c = client(server, key)
+    settings = server.app.state.lockgate.settings
+    h = await hold(c)
+    try:
+        s = await c.completions.create(model=MODEL, prompt=ids(1), max_tokens=60, stream=True,
+                                       extra_body=FLEX)
+        await wait_queued(server, 1, 64)
+        deadline = time.monotonic() + 30
+        while (await overload(server))["drain_s"] is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)          # the cost model is fitted within the hold's steps
+        settings.flex_max_queue_s = 1e-15
+        with pytest.raises(openai.RateLimitError) as refused:
+            await c.completions.create(model=MODEL, prompt=ids(2), max_tokens=8, extra_body=FLEX)
+        d = await c.completions.create(model=MODEL, prompt=ids(3), max_tokens=8)
+    finally:
+        settings.flex_max_queue_s = 30.0
+        await h.close()
+    assert refused.value.code == "resource_unavailable", refused.value.body
+    assert int(refused.value.response.headers["retry-after"]) >= 1
+    assert d.usage.completion_tokens == 8
+    assert [ch async for ch in s][-1].choices[0].finish_reason in ("length", "stop")
+    q = await overload(server)
+    assert t["id"] not in q["refused"]["offline"] and t["id"] not in q["refused"]["online"]
+    assert await refusals(server, t["name"]) == {("flex", "refused"): 1.0}
+    await released(server)

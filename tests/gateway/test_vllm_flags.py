@@ -5,6 +5,8 @@ test_vllm_compat.py.)"""
 
 from __future__ import annotations
 
+import time
+
 import openai
 import pytest
 import torch
@@ -30,13 +32,28 @@ def client(server, key) -> openai.OpenAI:
 
 
 def test_vllm_engine_flags_reach_the_engine(server):
-    """--max-model-len 512, --max-loras 2, --max-lora-rank 8, --max-num-seqs 1 (the queue
-    bound is 4 x max_num_seqs), each seen from outside; --gpu-memory-utilization says on the
+    """--max-model-len 512, --max-loras 2, --max-lora-rank 8, --max-num-seqs 1 (a second
+    stream waits while one runs), each seen from outside; --gpu-memory-utilization says on the
     CPU that it does nothing there."""
     _, key = server.tenant()
     assert client(server, key).models.retrieve(MODEL).model_extra["max_model_len"] == 512
     engine = server.admin.get("/engine").json()["models"][MODEL]
     assert (engine["lora"]["max_loras"], engine["lora"]["max_lora_rank"]) == (2, 8)
-    assert engine["overload"]["bounds"]["requests"] == 4
+    # one slot: while a long stream runs, a second one waits (with two slots both would run)
+    c = client(server, key)
+    long = dict(model=MODEL, max_tokens=480, stream=True, extra_body={"ignore_eos": True})
+    first = c.completions.create(prompt="one", **long)
+    next(iter(first))
+    second = c.completions.create(prompt="two", **long)
+    seen = []
+    for _ in range(200):
+        engine = server.admin.get("/engine").json()["models"][MODEL]
+        seen.append((sum(engine["running"].values()), sum(engine["waiting"].values())))
+        if seen[-1] == (1, 1):
+            break
+        time.sleep(0.01)
+    first.close()
+    second.close()
+    assert seen[-1] == (1, 1) and all(r <= 1 for r, _ in seen), seen
     if not torch.cuda.is_available():
         assert "--gpu-memory-utilization applies to CUDA devices" in server.log()
