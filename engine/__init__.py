@@ -41,6 +41,7 @@ from lockgate.engine.errors import (
     UnknownModel,
 )
 from lockgate.engine.grammar import CompiledGrammar, GrammarCompiler, grammar_compiler
+from lockgate.engine.grammar_limits import GrammarTooComplex
 from lockgate.engine.llm import LLM
 from lockgate.engine.lora import Adapter, LoRARequest
 from lockgate.engine.lora_demo import parse_targets, write_demo_adapter
@@ -66,7 +67,8 @@ from lockgate.engine.tokenizer import Tokenizer
 __all__ = [
     "LLM", "Adapter", "AdapterInUse", "AsyncEngine", "CompiledGrammar", "CompletionOutput", "CostModelStats",
     "EngineAdmin", "EngineClient", "EngineConfig", "EngineDead", "EngineError", "EngineOverloaded", "EngineStats",
-    "GrammarCompiler", "GrammarError", "InvalidRequest", "KVStats", "LoRAError", "LoRARequest", "LoRAStats",
+    "GrammarCompiler", "GrammarError", "GrammarTooComplex", "InvalidRequest", "KVStats", "LoRAError", "LoRARequest",
+    "LoRAStats",
     "Logprob", "ModelBinding", "ModelConfig", "ModelEngine", "OverloadStats", "Pool", "PoolConfig", "PoolStats",
     "PooledModelStats", "Prompt", "PromptTooLong", "QuantizeSpec", "QueueBounds", "QueueStats", "RequestMetrics",
     "RequestOutput", "RequestStream", "SamplingParams", "ServedEngine", "StructuredOutputsParams", "SubmitOptions",

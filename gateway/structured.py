@@ -23,8 +23,13 @@ import json
 from contextvars import ContextVar
 from typing import Any
 
-from lockgate.engine import GrammarError, InvalidRequest, StructuredOutputsParams, grammar_compiler
-from lockgate.engine.grammar_limits import GrammarTooComplex
+from lockgate.engine import (
+    GrammarError,
+    GrammarTooComplex,
+    InvalidRequest,
+    StructuredOutputsParams,
+    grammar_compiler,
+)
 from lockgate.gateway.errors import APIError
 from lockgate.gateway.model_catalog import ModelInfo
 from lockgate.gateway.protocol import SamplingBody
