@@ -7,16 +7,22 @@ tenant's at `/admin/v1/files` and `/admin/v1/batches` (gateway/admin/batches.py)
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Request
-from fastapi.responses import Response
-from starlette.datastructures import UploadFile
+from fastapi.responses import Response, StreamingResponse
+from starlette.datastructures import FormData, UploadFile
+from starlette.formparsers import MultiPartParser
+from starlette.requests import ClientDisconnect
 
 from lockgate.gateway.deps import SessionDep, StateDep, TenantDep
 from lockgate.gateway.errors import APIError
 from lockgate.gateway.openapi import error_responses
 from lockgate.gateway.protocol import read_json
+from lockgate.gateway.serving.ticket import admitted
+from lockgate.gateway.uploads import SPOOL_BYTES, check_file, spooled_chunks, upload_gate
 from lockgate.tenancy import batches as store
 from lockgate.tenancy.errors import NotFound
 from lockgate.tenancy.models import Batch, StoredFile
@@ -81,49 +87,53 @@ def expires_after(form: Any, anchor_field: str, seconds_field: str) -> int | Non
 
 
 # -- files ------------------------------------------------------------------------------------------
-@router.post("/v1/files", responses=error_responses(400, 401, 403, 413, 415))
+@router.post("/v1/files", responses=error_responses(400, 401, 403, 413, 415, 429))
 async def upload_file(request: Request, principal: TenantDep, state: StateDep, session: SessionDep):
     """Multipart: `purpose` (`batch`), `file` (JSONL, UTF-8, at most `batch_max_lines`
-    lines and `max_file_bytes` bytes), optional `expires_after[anchor]`/`[seconds]`."""
-    s = state.settings
+    lines and `max_file_bytes` bytes), optional `expires_after[anchor]`/`[seconds]`. Admitted
+    as any request (the tenant's rate and concurrency), and within the caps on uploads in
+    flight (gateway/uploads.py), before its body is read."""
     if not (request.headers.get("content-type") or "").startswith("multipart/form-data"):
         raise APIError(415, "Upload a file as multipart/form-data (fields purpose and file).",
                        param="content-type")
+    with upload_gate(request, state.settings).slot(principal.tenant_id or ""):
+        async with admitted(state, principal, request) as ticket:
+            if ticket.deferred:           # held, not counted afterwards: the upload is its work
+                await ticket.reserve(0)
+            form = await read_form(request)
+            try:
+                return await store_upload(form, principal.tenant_id or "", state.settings, session)
+            finally:
+                await form.close()
+
+
+async def read_form(request: Request) -> FormData:
+    parser = MultiPartParser(request.headers, request.stream(), max_files=1, max_fields=8,
+                             max_part_size=64 << 10)
+    parser.spool_max_size = SPOOL_BYTES
     try:
-        form = await request.form(max_files=1, max_fields=8, max_part_size=64 << 10)
+        return await parser.parse()
+    except ClientDisconnect:
+        raise APIError(499, "client closed the request", code="client_closed_request") from None
     except Exception as exc:  # noqa: BLE001 - the multipart parser's own errors are the client's input
         raise APIError(400, f"The multipart body could not be read: {exc}", param="file") from None
-    try:
-        unknown = sorted(k for k in form if k not in FIELDS)
-        if unknown:
-            raise APIError(400, f"{unknown[0]}: unknown field (expected {', '.join(FIELDS)})", param=unknown[0])
-        purpose = form.get("purpose")
-        if purpose != "batch":
-            raise APIError(400, "purpose: must be 'batch' (the only purpose this server stores)",
-                           param="purpose")
-        upload = form.get("file")
-        if not isinstance(upload, UploadFile):
-            raise APIError(400, "file: missing (a multipart file part named 'file')", param="file")
-        content = await upload.read(s.max_file_bytes + 1)
-        if len(content) > s.max_file_bytes:
-            raise APIError(413, f"file: larger than {s.max_file_bytes} bytes", param="file",
-                           code="file_too_large")
-        if not content.strip():
-            raise APIError(400, "file: is empty", param="file")
-        try:
-            text = content.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise APIError(400, f"file: not UTF-8 text (byte {exc.start})", param="file") from None
-        lines = sum(1 for ln in text.split("\n") if ln.strip())
-        if lines > s.batch_max_lines:
-            raise APIError(400, f"file: {lines} lines; at most {s.batch_max_lines} requests per batch file",
-                           param="file", code="too_many_lines")
-        seconds = expires_after(form, "expires_after[anchor]", "expires_after[seconds]")
-        f = await store.create_file(session, tenant_id=principal.tenant_id or "", purpose="batch",
-                                    filename=upload.filename or "upload.jsonl", content=content,
-                                    expires_after_s=seconds)
-    finally:
-        await form.close()
+
+
+async def store_upload(form: FormData, tenant_id: str, s: Any, session: Any) -> dict[str, Any]:
+    unknown = sorted(k for k in form if k not in FIELDS)
+    if unknown:
+        raise APIError(400, f"{unknown[0]}: unknown field (expected {', '.join(FIELDS)})", param=unknown[0])
+    if form.get("purpose") != "batch":
+        raise APIError(400, "purpose: must be 'batch' (the only purpose this server stores)",
+                       param="purpose")
+    upload = form.get("file")
+    if not isinstance(upload, UploadFile):
+        raise APIError(400, "file: missing (a multipart file part named 'file')", param="file")
+    seconds = expires_after(form, "expires_after[anchor]", "expires_after[seconds]")
+    size = await asyncio.to_thread(check_file, upload.file, s.max_file_bytes, s.batch_max_lines)
+    f = await store.create_file(session, tenant_id=tenant_id, purpose="batch",
+                                filename=upload.filename or "upload.jsonl", content=spooled_chunks(upload.file),
+                                size=size, expires_after_s=seconds)
     return file_object(f)
 
 
@@ -143,10 +153,18 @@ async def get_file(file_id: str, principal: TenantDep, session: SessionDep):
 
 
 @router.get("/v1/files/{file_id}/content", responses=error_responses(401, 403, 404))
-async def file_content(file_id: str, principal: TenantDep, session: SessionDep) -> Response:
+async def file_content(file_id: str, principal: TenantDep, state: StateDep, session: SessionDep) -> Response:
     f = await store.get_file(session, file_id=file_id, tenant_id=principal.tenant_id)
-    return Response(f.content, media_type="application/octet-stream",
-                    headers={"content-disposition": f'attachment; filename="{f.id}.jsonl"'})
+    return StreamingResponse(file_stream(state, f.id), media_type="application/octet-stream", headers={
+        "content-disposition": f'attachment; filename="{f.id}.jsonl"', "content-length": str(f.size)})
+
+
+async def file_stream(state: StateDep, file_id: str) -> AsyncIterator[bytes]:
+    """A file's bytes a chunk at a time, in a session of the stream's own (the route's is
+    closed once the route returns)."""
+    async with state.sessions() as session:
+        async for chunk in store.file_chunks(session, file_id):
+            yield chunk
 
 
 @router.delete("/v1/files/{file_id}", responses=error_responses(401, 403, 404))
