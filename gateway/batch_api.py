@@ -3,16 +3,28 @@ delete) and `/v1/batches` (create, list, get, cancel). The lines run later, in t
 class, by a replica's `BatchRunner` (gateway/batch_runner.py); here only rows are written.
 
 Another tenant's file or batch answers 404, as one that does not exist. Admins list every
-tenant's at `/admin/v1/files` and `/admin/v1/batches` (gateway/admin/batches.py)."""
+tenant's at `/admin/v1/files` and `/admin/v1/batches` (gateway/admin/batches.py).
+
+Uploads are bounded together as well as one at a time: admitted as any request (the
+tenant's rate and concurrency), and a replica takes at most `max_uploads_in_flight` at once,
+a tenant at most `max_tenant_uploads_in_flight` on a replica (past either: 429 with
+Retry-After, before the body is read; `UploadGate`). An upload's body is never whole in
+memory: the multipart parser spools the file to a temporary file (in memory up to
+`SPOOL_BYTES`), which is checked (`check_file`, in a thread) and then written to the
+database a chunk at a time (`spooled_chunks`); a file's content is read back the same way."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from typing import Annotated, Any
+import codecs
+import contextlib
+from collections import Counter
+from collections.abc import AsyncIterator, Iterator
+from typing import IO, Annotated, Any
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response, StreamingResponse
+from sqlalchemy.ext.asyncio import AsyncSession
 from starlette.datastructures import FormData, UploadFile
 from starlette.formparsers import MultiPartParser
 from starlette.requests import ClientDisconnect
@@ -22,10 +34,10 @@ from lockgate.gateway.errors import APIError
 from lockgate.gateway.openapi import error_responses
 from lockgate.gateway.protocol import read_json
 from lockgate.gateway.serving.ticket import admitted
-from lockgate.gateway.uploads import SPOOL_BYTES, check_file, spooled_chunks, upload_gate
+from lockgate.gateway.settings import Settings
 from lockgate.tenancy import batches as store
 from lockgate.tenancy.errors import NotFound
-from lockgate.tenancy.models import Batch, StoredFile
+from lockgate.tenancy.models import FILE_CHUNK_BYTES, Batch, StoredFile
 
 router = APIRouter()
 FIELDS = ("purpose", "file", "expires_after[anchor]", "expires_after[seconds]")
@@ -86,6 +98,97 @@ def expires_after(form: Any, anchor_field: str, seconds_field: str) -> int | Non
     return value
 
 
+# -- uploads: bounded together -------------------------------------------------------------------
+SPOOL_BYTES = 256 << 10      # a file part's bytes held in memory before it goes to a temporary file
+CHECK_BYTES = 256 << 10      # read (and decoded) at a time by `check_file`
+
+
+class UploadGate:
+    """Uploads in flight on this replica, in all and per tenant."""
+
+    def __init__(self, per_replica: int, per_tenant: int) -> None:
+        self.per_replica = per_replica
+        self.per_tenant = per_tenant
+        self.total = 0
+        self.by_tenant: Counter[str] = Counter()
+
+    @contextlib.contextmanager
+    def slot(self, tenant_id: str) -> Iterator[None]:
+        if self.total >= self.per_replica:
+            raise self._refusal(f"This server takes at most {self.per_replica} uploads at once")
+        if self.by_tenant[tenant_id] >= self.per_tenant:
+            raise self._refusal(f"This tenant may upload at most {self.per_tenant} files at once")
+        self.total += 1
+        self.by_tenant[tenant_id] += 1
+        try:
+            yield
+        finally:
+            self.total -= 1
+            self.by_tenant[tenant_id] -= 1
+            if not self.by_tenant[tenant_id]:
+                del self.by_tenant[tenant_id]
+
+    @staticmethod
+    def _refusal(message: str) -> APIError:
+        return APIError(429, f"{message}; retry when one has finished.", code="too_many_uploads",
+                        headers={"retry-after": "1"})
+
+
+def upload_gate(request: Request, settings: Settings) -> UploadGate:
+    """The app's gate (made on its first upload)."""
+    gate: UploadGate | None = getattr(request.app.state, "upload_gate", None)
+    if gate is None:
+        gate = UploadGate(settings.max_uploads_in_flight, settings.max_tenant_uploads_in_flight)
+        request.app.state.upload_gate = gate
+    return gate
+
+
+def _too_large(max_bytes: int) -> APIError:
+    return APIError(413, f"file: larger than {max_bytes} bytes", param="file", code="file_too_large")
+
+
+def check_file(f: IO[bytes], max_bytes: int, max_lines: int) -> int:
+    """The spooled file's size, once it is found UTF-8, non-empty, at most `max_bytes` and
+    `max_lines` non-blank lines (each refusal a 4xx naming `file`). Blocking: run it in a
+    thread."""
+    f.seek(0)
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    size = lines = 0
+    blank = True          # the line being read has nothing but whitespace so far
+    while chunk := f.read(CHECK_BYTES):
+        size += len(chunk)
+        if size > max_bytes:
+            raise _too_large(max_bytes)
+        try:
+            text = decoder.decode(chunk)
+        except UnicodeDecodeError as exc:
+            raise APIError(400, f"file: not UTF-8 text (byte {size - len(chunk) + exc.start})",
+                           param="file") from None
+        parts = text.split("\n")
+        for part in parts[:-1]:
+            lines += not (blank and not part.strip())
+            blank = True
+        blank = blank and not parts[-1].strip()
+    try:
+        decoder.decode(b"", final=True)
+    except UnicodeDecodeError:
+        raise APIError(400, f"file: not UTF-8 text (byte {size})", param="file") from None
+    lines += not blank
+    if not lines:
+        raise APIError(400, "file: is empty", param="file")
+    if lines > max_lines:
+        raise APIError(400, f"file: {lines} lines; at most {max_lines} requests per batch file",
+                       param="file", code="too_many_lines")
+    return size
+
+
+async def spooled_chunks(f: IO[bytes]) -> AsyncIterator[bytes]:
+    """The spooled file, a chunk at a time, each read in a thread."""
+    await asyncio.to_thread(f.seek, 0)
+    while chunk := await asyncio.to_thread(f.read, FILE_CHUNK_BYTES):
+        yield chunk
+
+
 # -- files ------------------------------------------------------------------------------------------
 @router.post("/v1/files", responses=error_responses(400, 401, 403, 413, 415, 429))
 async def upload_file(request: Request, principal: TenantDep, state: StateDep, session: SessionDep):
@@ -119,7 +222,7 @@ async def read_form(request: Request) -> FormData:
         raise APIError(400, f"The multipart body could not be read: {exc}", param="file") from None
 
 
-async def store_upload(form: FormData, tenant_id: str, s: Any, session: Any) -> dict[str, Any]:
+async def store_upload(form: FormData, tenant_id: str, s: Settings, session: AsyncSession) -> dict[str, Any]:
     unknown = sorted(k for k in form if k not in FIELDS)
     if unknown:
         raise APIError(400, f"{unknown[0]}: unknown field (expected {', '.join(FIELDS)})", param=unknown[0])

@@ -3,7 +3,7 @@ come back exactly as uploaded (NUL characters, escaped or raw, included) and its
 on PostgreSQL as on SQLite; an upload is admitted as any request (the tenant's concurrency
 limit applies before its body is read); the caps on uploads in flight answer 429 with
 Retry-After. (The process's memory under concurrent uploads, and the deadline on a slow body:
-test_upload_limits.py.)"""
+test_hostile_connections.py.)"""
 
 from __future__ import annotations
 
