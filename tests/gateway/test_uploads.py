@@ -13,6 +13,8 @@ import time
 
 import pytest
 
+from lockgate.gateway.batch_api import UploadGate
+from lockgate.gateway.errors import APIError
 from tests.support.batch_lines import FAST, FINAL
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -126,3 +128,29 @@ async def test_past_the_tenants_uploads_in_flight_an_upload_is_429_with_retry_af
     for b in held:
         b.release.set()
     assert [(await t).status_code for t in tasks] == [200, 200]
+
+
+async def test_a_chunked_upload_over_the_limit_is_413_as_it_arrives(gateway):
+    _, key = await gateway.tenant()
+    body, headers = multipart(b"x" * (200 << 10))     # past max_file_bytes and the multipart framing
+
+    async def chunked():
+        for at in range(0, len(body), 16 << 10):
+            yield body[at:at + (16 << 10)]
+
+    r = await gateway.http.post("/v1/files", headers={**gateway.auth(key), **headers}, content=chunked())
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", r.text
+    # the refused upload left its slot and its admission
+    r = await gateway.http.post("/v1/files", headers={**gateway.auth(key), **headers}, content=multipart(FILE)[0])
+    assert r.status_code == 200, r.text
+
+
+async def test_the_replicas_cap_counts_every_tenants_uploads():
+    gate = UploadGate(per_replica=2, per_tenant=2)
+    with gate.slot("a"), gate.slot("b"):
+        with pytest.raises(APIError) as refused, gate.slot("c"):
+            pass
+        assert refused.value.status == 429 and refused.value.headers["retry-after"] == "1"
+    with gate.slot("c"):
+        assert gate.total == 1 and dict(gate.by_tenant) == {"c": 1}
+    assert gate.total == 0 and not gate.by_tenant
