@@ -195,13 +195,13 @@ async def upload_file(request: Request, principal: TenantDep, state: StateDep, s
     """Multipart: `purpose` (`batch`), `file` (JSONL, UTF-8, at most `batch_max_lines`
     lines and `max_file_bytes` bytes), optional `expires_after[anchor]`/`[seconds]`. Admitted
     as any request (the tenant's rate and concurrency), and within the caps on uploads in
-    flight (gateway/uploads.py), before its body is read."""
+    flight (`UploadGate`), before its body is read."""
     if not (request.headers.get("content-type") or "").startswith("multipart/form-data"):
         raise APIError(415, "Upload a file as multipart/form-data (fields purpose and file).",
                        param="content-type")
     with upload_gate(request, state.settings).slot(principal.tenant_id or ""):
         async with admitted(state, principal, request) as ticket:
-            if ticket.deferred:           # held, not counted afterwards: the upload is its work
+            if ticket.deferred:     # a small body: admitted now all the same, its lease held throughout
                 await ticket.reserve(0)
             form = await read_form(request)
             try:
