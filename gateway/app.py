@@ -28,6 +28,7 @@ from lockgate.gateway.background import Background
 from lockgate.gateway.batch_runner import BatchRunner
 from lockgate.gateway.draining import DrainGate
 from lockgate.gateway.errors import install_error_handlers
+from lockgate.gateway.http_limits import BodyLimits
 from lockgate.gateway.memory import trim_loop
 from lockgate.gateway.metrics import CountResponses, Metrics
 from lockgate.gateway.model_catalog import read_catalog
@@ -392,8 +393,12 @@ def create_app(settings: Settings | None = None, engine_factory: EngineFactory =
                             status_code=200 if ok else 503)
 
     # innermost first: the drain's 503 has a request id, and every answer is counted
+    max_upload = settings.max_file_bytes + (64 << 10)      # a file and its multipart framing
     app.add_middleware(DrainGate)
+    app.add_middleware(BodyLimits, max_body_bytes=settings.max_body_bytes, max_upload_bytes=max_upload,
+                       upload_paths=RequestContext.UPLOAD_PATHS, timeout_s=settings.body_read_timeout_s,
+                       min_bytes_per_s=settings.body_min_bytes_per_s)
     app.add_middleware(RequestContext, max_body_bytes=settings.max_body_bytes,
-                       max_upload_bytes=settings.max_file_bytes + (64 << 10))
+                       max_upload_bytes=max_upload)
     app.add_middleware(CountResponses)
     return app

@@ -50,7 +50,7 @@ from lockgate.gateway.tokenize_pool import TokenizerError
 from lockgate.tenancy import batches as store
 from lockgate.tenancy.auth import Principal, principal_of_key
 from lockgate.tenancy.errors import AuthError
-from lockgate.tenancy.models import Batch, BatchLine
+from lockgate.tenancy.models import Batch, BatchLine, escape_nul
 from lockgate.tenancy.usage.writer import UsageRow
 
 logger = logging.getLogger(__name__)
@@ -332,7 +332,8 @@ class BatchRunner:
                 await self._refused(batch, ln, exc, request_id)
                 return
             run = BatchLineRun(ticket, entry, tier, job.inputs, batch.id)
-            run.client_request_id = ln.custom_id[:128] if ln.custom_id else None
+            # the usage row's copy (a text column): NUL escaped, as the line's own is stored
+            run.client_request_id = escape_nul(ln.custom_id)[:128] if ln.custom_id else None
             try:
                 await run.admit()
             except APIError as exc:

@@ -9,6 +9,16 @@ added; `limited_http(settings)` is the protocol class `lockgate serve` runs.
 - Deadline: a request's headers must be complete `header_timeout_s` after the connection
   opened or the request's first byte, else 408 and closed (a deadline, not an idle timer, so
   a client dripping a byte at a time is closed too).
+
+Then the body, as the app reads it (`BodyLimits`, ASGI middleware, so in process too):
+
+- Size: a body without Content-Length is counted as it arrives; past its path's limit the
+  answer is a readable 413 (`refuse_too_large`). A declared length over it is refused before
+  the app runs (gateway/request_context.py).
+- Deadline: the whole body must arrive within `body_read_timeout_s` of the app's first read,
+  plus a second per `body_min_bytes_per_s` bytes received; else 408 and the connection
+  closed. The app sees the client leave, so whatever it holds (the tenant's concurrency
+  lease) is released at once, not after `request_timeout_s`.
 """
 
 from __future__ import annotations
@@ -16,10 +26,14 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from typing import Any
 
+import anyio
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from lockgate.gateway.errors import APIError
 from lockgate.gateway.settings import Settings
 
 logger = logging.getLogger(__name__)
@@ -120,3 +134,110 @@ def limited_http(settings: Settings) -> type[LimitedHttpToolsProtocol]:
     return type("LockgateHttp", (LimitedHttpToolsProtocol,), {
         "max_header_bytes": settings.max_header_bytes, "max_headers": settings.max_headers,
         "header_timeout_s": settings.header_timeout_s})
+
+
+# -- the body ---------------------------------------------------------------------------------------
+async def refuse_too_large(receive: Receive, send: Send, limit: int, linger_s: float) -> None:
+    """413 at once and whole (its length given), then the rest of the upload read and
+    dropped for up to `linger_s` before the connection is closed: closing under a client
+    still sending would reset the connection, and the client would never read the 413."""
+    body = APIError(413, f"The request body exceeds {limit} bytes.", code="request_too_large").response().body
+    await send({"type": "http.response.start", "status": 413, "headers": [
+        (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+        (b"connection", b"close")]})
+    await send({"type": "http.response.body", "body": body, "more_body": True})
+    with anyio.move_on_after(linger_s):
+        while True:
+            message = await receive()
+            if message["type"] != "http.request" or not message.get("more_body"):
+                break
+    await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+class BodyLimits:
+    """ASGI middleware: a body's size (for one without Content-Length) and its read deadline,
+    enforced in the `receive` the app reads it through (see the module's docstring)."""
+
+    def __init__(self, app: ASGIApp, *, max_body_bytes: int, max_upload_bytes: int,
+                 upload_paths: frozenset[str], timeout_s: float, min_bytes_per_s: int,
+                 linger_s: float = 5.0) -> None:
+        self.app = app
+        self.max_body, self.max_upload, self.upload_paths = max_body_bytes, max_upload_bytes, upload_paths
+        self.timeout_s, self.min_rate, self.linger_s = timeout_s, min_bytes_per_s, linger_s
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        limit = self.max_upload if scope.get("path") in self.upload_paths else self.max_body
+        body = _Body(self, receive, send, limit)
+        try:
+            await self.app(scope, body.receive, body.send)
+        except Exception:
+            if body.answered is None:
+                raise
+            # the app failed on the client's leaving, which is what this answer made it see
+            logger.debug("after a %d, %s %s ended with", body.answered, scope.get("method"),
+                         scope.get("path"), exc_info=True)
+
+
+class _Body:
+    """One request's body as the app reads it; `answered`: the status this layer sent (the
+    app's own sends are dropped from then on, and its reads see the client gone)."""
+
+    def __init__(self, limits: BodyLimits, receive: Receive, send: Send, limit: int) -> None:
+        self.limits, self._receive, self._send, self.limit = limits, receive, send, limit
+        self.size = 0
+        self.first_read: float | None = None
+        self.complete = False
+        self.started = False          # a response has begun (the app's or this layer's)
+        self.answered: int | None = None
+
+    async def send(self, message: Message) -> None:
+        if self.answered is not None:
+            return
+        if message["type"] == "http.response.start":
+            self.started = True
+        await self._send(message)
+
+    async def receive(self) -> Message:
+        if self.answered is not None:
+            return {"type": "http.disconnect"}
+        if self.complete:                 # past the body: waiting for a disconnect, unbounded
+            return await self._receive()
+        now = time.monotonic()
+        if self.first_read is None:
+            self.first_read = now
+        lim = self.limits
+        left = self.first_read + lim.timeout_s + (self.size / lim.min_rate if lim.min_rate else 0) - now
+        message: Message | None = None
+        with anyio.move_on_after(max(left, 0.0)):
+            message = await self._receive()
+        if message is None:
+            return await self._late()
+        if message["type"] == "http.request":
+            self.size += len(message.get("body", b""))
+            if self.size > self.limit:
+                return await self._too_large()
+            self.complete = not message.get("more_body", False)
+        return message
+
+    async def _late(self) -> Message:
+        waited = time.monotonic() - (self.first_read or 0.0)
+        logger.info("a request body was not read in time: %d bytes in %.1f s", self.size, waited)
+        if not self.started:
+            body = APIError(408, f"The request body did not arrive in time ({self.size} bytes in "
+                                 f"{waited:.0f} s); send it faster, or in smaller requests.",
+                            code="request_timeout").response().body
+            await self._send({"type": "http.response.start", "status": 408, "headers": [
+                (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                (b"connection", b"close")]})
+            await self._send({"type": "http.response.body", "body": body, "more_body": False})
+        self.answered = 408
+        return {"type": "http.disconnect"}
+
+    async def _too_large(self) -> Message:
+        if not self.started:
+            await refuse_too_large(self._receive, self._send, self.limit, self.limits.linger_s)
+        self.answered = 413
+        return {"type": "http.disconnect"}

@@ -73,6 +73,12 @@ class Settings(BaseSettings):
     max_header_bytes: int = Field(default=64 << 10, ge=1024)
     max_headers: int = Field(default=100, ge=8)
     header_timeout_s: float = Field(default=10.0, gt=0)
+    # a request's whole body must arrive within body_read_timeout_s of the app's first read of
+    # it, plus a second per body_min_bytes_per_s bytes received (a large upload at a fair rate
+    # still fits; a client dripping bytes does not): else 408 and closed (gateway/http_limits.py),
+    # so a slow client cannot hold its tenant's concurrency for request_timeout_s
+    body_read_timeout_s: float = Field(default=30.0, gt=0)
+    body_min_bytes_per_s: int = Field(default=256 << 10, ge=0)
 
     # behaviour
     key_cache_ttl_s: float = 2.0             # a revoked key stops working within 2x this (+ a lookup)
@@ -110,6 +116,10 @@ class Settings(BaseSettings):
 
     # the Batch API (gateway/batch_api.py, gateway/batch_runner.py)
     max_file_bytes: int = Field(default=64 << 20, ge=1024)     # an uploaded file (POST /v1/files)
+    # uploads at once on a replica, and of one tenant on a replica (past either: 429 before the
+    # body is read): each holds a spooled temporary file and a database transaction
+    max_uploads_in_flight: int = Field(default=8, ge=1)
+    max_tenant_uploads_in_flight: int = Field(default=2, ge=1)
     batch_max_lines: int = Field(default=50_000, ge=1)         # requests in one batch's input file
     batch_poll_s: float = Field(default=1.0, gt=0)             # how often a replica looks for batches
     batch_lease_ttl_s: float = Field(default=30.0, gt=0)       # a dead replica's batches move after this

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import AsyncIterable, AsyncIterator
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -29,9 +30,11 @@ from lockgate.tenancy.batch_input import check_metadata, parse_input
 from lockgate.tenancy.db import in_transaction
 from lockgate.tenancy.errors import Conflict, Invalid, NotFound
 from lockgate.tenancy.models import (
+    FILE_CHUNK_BYTES,
     FILE_PURPOSES,
     Batch,
     BatchLine,
+    FileChunk,
     StoredFile,
     UsageRecord,
     new_batch_id,
@@ -47,21 +50,67 @@ ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
 
 # -- files ------------------------------------------------------------------------------------------
 async def create_file(session: AsyncSession, *, tenant_id: str, purpose: str, filename: str,
-                      content: bytes, expires_after_s: int | None = None) -> StoredFile:
+                      content: bytes | AsyncIterable[bytes], size: int | None = None,
+                      expires_after_s: int | None = None) -> StoredFile:
+    """A file of `content` (its bytes, or its chunks as they are read: `size` then says how
+    many), written a chunk at a time in one transaction."""
     if purpose not in FILE_PURPOSES:
         raise Invalid("purpose", f"must be one of {list(FILE_PURPOSES)}")
+    if isinstance(content, bytes):
+        size = len(content)
     now = utcnow()
     row = StoredFile(id=new_file_id(), tenant_id=tenant_id, purpose=purpose,
-                     filename=(filename or "upload.jsonl")[:256], size=len(content), content=content,
+                     filename=(filename or "upload.jsonl")[:256], size=size or 0, content=None,
                      created_at=now,
                      expires_at=now + timedelta(seconds=expires_after_s) if expires_after_s else None)
 
     async def work() -> StoredFile:
-        session.add(row)
-        await session.flush()
+        await _add_file(session, row, content)
         return row
 
     return await in_transaction(session, work)
+
+
+async def _add_file(session: AsyncSession, row: StoredFile, content: bytes | AsyncIterable[bytes]) -> None:
+    """`row` and its chunks (core inserts, one chunk held at a time; the caller commits)."""
+    session.add(row)
+    await session.flush()
+    seq = 0
+    async for chunk in _chunked(content):
+        await session.execute(insert(FileChunk).values(file_id=row.id, seq=seq, data=chunk))
+        seq += 1
+
+
+async def _chunked(content: bytes | AsyncIterable[bytes]) -> AsyncIterator[bytes]:
+    if isinstance(content, bytes):
+        for at in range(0, len(content), FILE_CHUNK_BYTES):
+            yield content[at:at + FILE_CHUNK_BYTES]
+        return
+    async for chunk in content:
+        if chunk:
+            yield chunk
+
+
+async def file_chunks(session: AsyncSession, file_id: str) -> AsyncIterator[bytes]:
+    """A file's bytes, a chunk (one query) at a time; a file stored before the chunks
+    existed, whole."""
+    seq = 0
+    while True:
+        data = (await session.execute(select(FileChunk.data).where(
+            FileChunk.file_id == file_id, FileChunk.seq == seq))).scalar_one_or_none()
+        if data is None:
+            break
+        yield data
+        seq += 1
+    if seq == 0:
+        legacy = (await session.execute(select(StoredFile.content).where(StoredFile.id == file_id))
+                  ).scalar_one_or_none()
+        if legacy:
+            yield legacy
+
+
+async def file_bytes(session: AsyncSession, file_id: str) -> bytes:
+    return b"".join([chunk async for chunk in file_chunks(session, file_id)])
 
 
 def _live_file(now: datetime) -> Any:
@@ -74,7 +123,8 @@ async def get_file(session: AsyncSession, *, file_id: str, tenant_id: str | None
     conds = [StoredFile.id == file_id, _live_file(utcnow())]
     if tenant_id is not None:
         conds.append(StoredFile.tenant_id == tenant_id)
-    row = (await session.execute(select(StoredFile).where(*conds))).scalar_one_or_none()
+    row = (await session.execute(select(StoredFile).where(*conds).options(defer(StoredFile.content)))
+           ).scalar_one_or_none()
     if row is None:
         raise NotFound("file", file_id)
     return row
@@ -161,7 +211,8 @@ async def create_batch(session: AsyncSession, *, tenant_id: str, api_key_id: str
                   meta=meta, total=0, output_expires_s=output_expires_after_s, created_at=now,
                   expires_at=now + COMPLETION_WINDOWS[completion_window])
     try:       # tens of thousands of lines: off the event loop
-        lines = await asyncio.to_thread(parse_input, f.content, endpoint=endpoint, max_lines=max_lines)
+        content = await file_bytes(session, f.id)
+        lines = await asyncio.to_thread(parse_input, content, endpoint=endpoint, max_lines=max_lines)
     except Invalid as exc:
         batch.status, batch.failed_at = "failed", now
         batch.errors = [{"code": "invalid_file", "message": exc.message, "param": "input_file_id",
@@ -359,15 +410,15 @@ async def write_results(session: AsyncSession, *, batch: Batch, owner: str, fina
     now = utcnow()
     expires = now + timedelta(seconds=batch.output_expires_s) if batch.output_expires_s else None
 
-    def file_row(kind: str, rows: list[str]) -> StoredFile:
+    def file_row(kind: str, rows: list[str]) -> tuple[StoredFile, bytes]:
         content = ("\n".join(rows) + "\n").encode()
         return StoredFile(id=new_file_id(), tenant_id=batch.tenant_id, purpose="batch_output",
-                          filename=f"{batch.id}_{kind}.jsonl", size=len(content), content=content,
-                          created_at=now, expires_at=expires)
+                          filename=f"{batch.id}_{kind}.jsonl", size=len(content), content=None,
+                          created_at=now, expires_at=expires), content
 
     async def work() -> bool:
-        out = file_row("output", ok) if ok else None
-        err = file_row("error", bad) if bad else None
+        files = {kind: file_row(kind, rows) for kind, rows in (("output", ok), ("error", bad)) if rows}
+        out, err = (files[k][0] if k in files else None for k in ("output", "error"))
         stamp = {"completed": "completed_at", "expired": "expired_at", "cancelled": "cancelled_at"}[final_status]
         res = await session.execute(update(Batch).where(Batch.id == batch.id, Batch.lease_owner == owner,
                                                         Batch.status.in_(only_from))
@@ -376,10 +427,8 @@ async def write_results(session: AsyncSession, *, batch: Batch, owner: str, fina
                                             lease_owner=None, lease_expires_at=None, **{stamp: now}))
         if res.rowcount != 1:  # type: ignore[attr-defined]
             return False
-        for f in (out, err):
-            if f is not None:
-                session.add(f)
-        await session.flush()
+        for f, content in files.values():
+            await _add_file(session, f, content)
         return True
 
     return await in_transaction(session, work)

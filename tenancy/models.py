@@ -218,8 +218,42 @@ def new_batch_id() -> str:
     return "batch_" + secrets.token_hex(12)
 
 
+def escape_nul(value: str) -> str:
+    """A string as a PostgreSQL text column can hold it (no NUL): backslashes doubled, NUL as
+    backslash-0, so that `unescape_nul` gives the string back exactly."""
+    return value.replace("\\", "\\\\").replace("\x00", "\\0")
+
+
+def unescape_nul(value: str) -> str:
+    out, i = [], 0
+    while (j := value.find("\\", i)) >= 0:
+        out.append(value[i:j])
+        out.append("\x00" if value[j + 1:j + 2] == "0" else value[j + 1:j + 2])
+        i = j + 2
+    out.append(value[i:])
+    return "".join(out)
+
+
+class NulSafeString(TypeDecorator[str]):
+    """Free text a client wrote (a batch line's custom_id), NUL characters included, stored
+    escaped (`escape_nul`): PostgreSQL's text cannot hold NUL, and the client must get its
+    text back exactly."""
+
+    impl = String
+    cache_ok = True
+
+    def process_bind_param(self, value: str | None, dialect: Dialect) -> str | None:
+        return escape_nul(value) if value is not None else None
+
+    def process_result_value(self, value: str | None, dialect: Dialect) -> str | None:
+        return unescape_nul(value) if value is not None else None
+
+
 class StoredFile(Base):
-    """A file of the Files API: its bytes in the database, so that every replica reads it."""
+    """A file of the Files API: its bytes in the database, so that every replica reads it, in
+    `FileChunk` rows of at most `FILE_CHUNK_BYTES` each (written and read a chunk at a time,
+    so that no file is ever whole in memory). `content` holds only the bytes of a file
+    stored before the chunks existed (None since)."""
 
     __tablename__ = "files"
     __table_args__ = (Index("ix_files_tenant_id_created_at", "tenant_id", "created_at"),)
@@ -229,9 +263,23 @@ class StoredFile(Base):
     purpose: Mapped[str] = mapped_column(String(16))
     filename: Mapped[str] = mapped_column(String(256))
     size: Mapped[int] = mapped_column("bytes", BigInteger)
-    content: Mapped[bytes] = mapped_column(LargeBinary)
+    content: Mapped[bytes | None] = mapped_column(LargeBinary, nullable=True)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True, index=True)
+
+
+FILE_CHUNK_BYTES = 1 << 20
+
+
+class FileChunk(Base):
+    """`seq`-th piece of a file's bytes (binary: any byte, NUL included); gone with its file."""
+
+    __tablename__ = "file_chunks"
+
+    file_id: Mapped[str] = mapped_column(String(40), ForeignKey("files.id", ondelete="CASCADE"),
+                                         primary_key=True)
+    seq: Mapped[int] = mapped_column(Integer, primary_key=True)
+    data: Mapped[bytes] = mapped_column(LargeBinary)
 
 
 class Batch(Base):
@@ -280,7 +328,7 @@ class BatchLine(Base):
     batch_id: Mapped[str] = mapped_column(String(40), ForeignKey("batches.id", ondelete="CASCADE"),
                                           primary_key=True)
     line: Mapped[int] = mapped_column(Integer, primary_key=True)
-    custom_id: Mapped[str | None] = mapped_column(String(512), nullable=True)
+    custom_id: Mapped[str | None] = mapped_column(NulSafeString(1024), nullable=True)
     body: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True), nullable=True)
     status: Mapped[str] = mapped_column(String(16))
     status_code: Mapped[int | None] = mapped_column(Integer, nullable=True)

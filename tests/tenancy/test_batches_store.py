@@ -107,7 +107,8 @@ async def test_a_lease_is_held_by_one_owner_and_taken_over_once_it_lapses(sessio
         batch = await store.get_batch(s, batch_id=b.id, tenant_id=None)
         assert batch.status == "completed" and batch.lease_owner is None and batch.output_file_id is None
         err = await store.get_file(s, file_id=batch.error_file_id, tenant_id=batch.tenant_id)
-        assert [json.loads(x)["custom_id"] for x in err.content.decode().splitlines()] == ["r0", "r1", "r2"]
+        content = await store.file_bytes(s, err.id)
+        assert [json.loads(x)["custom_id"] for x in content.decode().splitlines()] == ["r0", "r1", "r2"]
         assert await store.claim_batches(s, owner="C", ttl_s=30, limit=5) == []    # ended: nobody claims it
 
 
