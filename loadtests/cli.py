@@ -431,6 +431,30 @@ def bench_chaos(
     raise typer.Exit(0 if ok else 1)
 
 
+@bench_app.command("flood")
+def bench_flood(
+    flood_streams: Annotated[int, typer.Option(min=1, help="flex streams one tenant keeps open")] = 1500,
+    bombers: Annotated[int, typer.Option(min=1, help="loops sending grammar bombs")] = 4,
+    probes: Annotated[int, typer.Option(min=2, help="the other tenant's chats per side and repeat")] = 40,
+    repeats: Annotated[int, typer.Option(min=1, help="fresh server processes per side")] = 2,
+    json_out: Annotated[Path | None, typer.Option("--json", help="also write the results here")] = None,
+) -> None:
+    """Another tenant's `default` TTFT alone, beside a one-tenant flood of streams, and
+    beside grammar bombs, side by side (targets: p99 within 1 s and no 503 beside the flood;
+    within 2 x alone beside the bombs)."""
+    from lockgate.loadtests.bench_flood import FloodConfig
+    from lockgate.loadtests.bench_flood import bench_flood as run
+    from lockgate.loadtests.harness.services import ServiceUnavailable
+
+    cfg = FloodConfig(flood_streams=flood_streams, bombers=bombers, probes=probes, repeats=repeats)
+    try:
+        ok = run(cfg, json_out=json_out, echo=typer.echo)
+    except ServiceUnavailable as exc:
+        typer.echo(f"lockgate bench flood: {exc}", err=True)
+        raise typer.Exit(2) from None
+    raise typer.Exit(0 if ok else 1)
+
+
 @bench_app.command("pool")
 def bench_pool(
     repeats: Annotated[int, typer.Option(min=1, help="runs of each side; the best counts")] = 3,
