@@ -139,8 +139,10 @@ class KeyCache:
             self._refused.pop(d, None)
             self._refused[d] = (now, exc.reason)
         while len(self._missing) + len(self._refused) > self.MAX_REFUSALS:
-            oldest = self._missing if self._older(self._missing, self._refused) else self._refused
-            del oldest[next(iter(oldest))]
+            if self._older(self._missing, self._refused):
+                del self._missing[next(iter(self._missing))]
+            else:
+                del self._refused[next(iter(self._refused))]
 
     @staticmethod
     def _older(missing: dict[str, float], refused: dict[bytes, tuple[float, str]]) -> bool:
