@@ -34,6 +34,7 @@ from fastapi import Request
 
 from lockgate.gateway.errors import APIError
 from lockgate.gateway.state import AppState
+from lockgate.gateway.tokenize_pool import current_tenant
 from lockgate.tenancy.auth import Principal
 from lockgate.tenancy.errors import Invalid, LimiterUnavailable
 from lockgate.tenancy.limiter import Decision, Lease, LimitScope
@@ -226,6 +227,17 @@ def small_body(request: Request) -> bool:
 
 @asynccontextmanager
 async def admitted(state: AppState, principal: Principal, request: Request) -> AsyncIterator[Ticket]:
+    """`_admitted`, with the tenant's large prompts queued as its own in the tokenizer pool."""
+    token = current_tenant.set(principal.tenant_id)
+    try:
+        async with _admitted(state, principal, request) as ticket:
+            yield ticket
+    finally:
+        current_tenant.reset(token)
+
+
+@asynccontextmanager
+async def _admitted(state: AppState, principal: Principal, request: Request) -> AsyncIterator[Ticket]:
     """Step 1, around everything a route does before its run takes the ticket: an exception,
     or a route that ends without a run, releases the admission. A small body's request is
     admitted at `reserve` instead (one round trip); if it fails before (4xx), it is counted."""
