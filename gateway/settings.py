@@ -74,8 +74,8 @@ class Settings(BaseSettings):
     max_headers: int = Field(default=100, ge=8)
     header_timeout_s: float = Field(default=10.0, gt=0)
 
-    # a tenant whose plan sets no max_concurrent_requests gets this many (None: unlimited), so a
-    # burst meets its own 429s before it can keep a replica's event loop busy for everyone
+    # a tenant whose plan sets no max_concurrent_requests gets this many (None, in a config file:
+    # unlimited), so a burst meets its own 429s before it can keep a replica's event loop busy
     default_max_concurrent_requests: int | None = Field(default=64, ge=1)
     # admissions under way on one replica (arrived, no lease yet); past it 503 server_busy with
     # Retry-After, before any limiter call (gateway/serving/local_admissions.py)
