@@ -69,9 +69,10 @@ async def test_one_tenants_backlog_never_makes_anothers_prompt_busy(gateway, sub
     stop = asyncio.Event()
 
     async def flood() -> None:
-        while not stop.is_set():     # long enough to tokenize (~0.1 s), too long to fit: a 400
-            r = await post(gateway, key_a, chat(120_000))
+        while not stop.is_set():     # long to tokenize (~0.05 s), too long to fit: a 400
+            r = await post(gateway, key_a, chat(40_000))
             a_codes.append(r.json()["error"]["code"])
+            await asyncio.sleep(0.05)         # a busy answer comes at once: no spinning on it
 
     floods = [asyncio.ensure_future(flood()) for _ in range(30)]
     try:
