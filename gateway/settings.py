@@ -80,6 +80,13 @@ class Settings(BaseSettings):
     body_read_timeout_s: float = Field(default=30.0, gt=0)
     body_min_bytes_per_s: int = Field(default=256 << 10, ge=0)
 
+    # a tenant whose plan sets no max_concurrent_requests gets this many (None, in a config file:
+    # unlimited), so a burst meets its own 429s before it can keep a replica's event loop busy
+    default_max_concurrent_requests: int | None = Field(default=64, ge=1)
+    # admissions under way on one replica (arrived, no lease yet); past it 503 server_busy with
+    # Retry-After, before any limiter call (gateway/serving/local_admissions.py)
+    max_admissions_in_flight: int = Field(default=256, ge=1)
+
     # behaviour
     key_cache_ttl_s: float = 2.0             # a revoked key stops working within 2x this (+ a lookup)
     shutdown_timeout_s: float = 30.0

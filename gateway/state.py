@@ -18,6 +18,7 @@ from lockgate.gateway.authenticator import Authenticator
 from lockgate.gateway.background import Background
 from lockgate.gateway.metrics import Metrics
 from lockgate.gateway.model_directory import ModelDirectory
+from lockgate.gateway.serving.local_admissions import LocalAdmissions
 from lockgate.gateway.settings import Settings
 from lockgate.gateway.tokenize_pool import TokenizePool
 from lockgate.tenancy.limiter import Lease, Limiter
@@ -81,7 +82,8 @@ class AppState:
     metrics: Metrics
     tokenize: TokenizePool          # large prompts tokenized off the loop
     refusals: RefusalCounter        # 429s by limit, flushed in batches (app.lifespan)
-    inflight: dict[str, Lease] = field(default_factory=dict)     # request id -> its lease
+    # request id -> its lease, counted by scope with the admissions under way (local_admissions)
+    inflight: dict[str, Lease] = field(default_factory=LocalAdmissions)
 
     @property
     def ready(self) -> bool:

@@ -73,13 +73,13 @@ async def tokenize_body(state: AppState, info: ModelInfo, req: TokenizeRequest) 
             text = await asyncio.to_thread(info.tokenizer.apply_chat_template, messages,
                                            add_generation_prompt=False)
             return await asyncio.to_thread(info.encode, text, False)
-        return await state.tokenize.chat_prompt_ids(info, messages)
+        return await state.tokenize.chat_prompt_ids(info, messages, bound=False)     # any length counted
     prompt = req.prompt or ""
     if len(prompt) > limit:
         raise APIError(400, f"prompt: longer than {limit} characters", param="prompt")
     if req.add_special_tokens is False:
         return await asyncio.to_thread(info.encode, prompt, False)
-    return await state.tokenize.encode(info, prompt)
+    return await state.tokenize.encode(info, prompt, bound=False)
 
 
 @router.post("/tokenize", openapi_extra=json_body(TokenizeRequest), responses=_ERRORS)

@@ -17,20 +17,33 @@ running and `max_queued` waiting (past that `TokenizerBusy`, at once); every wai
 `timeout_s`; a worker that dies fails the jobs it had (`TokenizerUnavailable`, never a hang)
 and the pool is replaced for the next job. A job's own error (a template's, the
 `ValueError`s of `ModelInfo.chat_prompt_ids`) comes back as the same type and message.
+
+Shared fairly between tenants: waiting jobs are queued per tenant (`tenant`, by default the
+request's: `current_tenant`, set at admission) and handed to the workers one tenant at a
+time in turn, so a tenant's wait does not grow with another's backlog. When `max_queued` are
+waiting, a newcomer takes the place of the newest job of the tenant holding the most, unless
+its own tenant holds as many: only a tenant holding the largest share is ever busy.
+
+A prompt that can never fit the model's context (`gateway.prompt_bound`: its bytes alone
+need more tokens than `max_model_len - 1`) is refused (`PromptTooLong`) before it is queued.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import contextvars
 import logging
 import multiprocessing
 import pickle
-import threading
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass, field
 from typing import Any, TypeAlias
 
+from lockgate.gateway import prompt_bound
 from lockgate.gateway.model_catalog import ModelInfo, read_model_info
 
 logger = logging.getLogger(__name__)
@@ -39,8 +52,24 @@ ModelSpec: TypeAlias = tuple[str, str, int]     # name, directory, max_model_len
 Message: TypeAlias = dict[str, Any]
 
 
+current_tenant: contextvars.ContextVar[str | None] = contextvars.ContextVar("tokenize_tenant", default=None)
+"""The tenant whose request is being served (set at admission): whose queue its jobs join."""
+
+
 class TokenizerError(Exception):
-    """The pool could not tokenize the input (not the input's fault): a 503."""
+    """The pool did not tokenize the input: not the input's fault (a 503), except
+    `PromptTooLong`."""
+
+
+class PromptTooLong(TokenizerError):
+    """The input needs at least `min_tokens` tokens, more than the model's context leaves a
+    prompt (at least one token goes to the completion): a 400 naming `param`."""
+
+    def __init__(self, min_tokens: int, max_model_len: int, param: str) -> None:
+        super().__init__(f"{param}: at least {min_tokens} tokens, over the context of {max_model_len}")
+        self.min_tokens = min_tokens
+        self.max_model_len = max_model_len
+        self.param = param
 
 
 class TokenizerBusy(TokenizerError):
@@ -98,10 +127,20 @@ def chat_chars(messages: list[Message]) -> int:
     return sum(len(m.get("content") or "") + len(m.get("name") or "") for m in messages)
 
 
+@dataclass(eq=False)
+class _Job:
+    fn: Callable[[ModelSpec, Any], list[int]]
+    spec: ModelSpec
+    arg: Any
+    tenant: str
+    done: asyncio.Future[list[int]]
+    running: Future[list[int]] | None = field(default=None)     # once handed to a worker
+
+
 class TokenizePool:
     """`chat_prompt_ids` and `encode` as `ModelInfo`'s, with inputs of `inline_chars` or more
     characters done by up to `workers` processes. Processes start on the first large job;
-    `close()` stops them."""
+    `close()` stops them. Used from one event loop."""
 
     def __init__(self, *, workers: int = 1, inline_chars: int = 8_192, max_queued: int = 16,
                  timeout_s: float = 30.0, start_method: str = "spawn") -> None:
@@ -115,74 +154,161 @@ class TokenizePool:
         self.timeout_s = timeout_s
         self._context = multiprocessing.get_context(start_method)
         self._executor: ProcessPoolExecutor | None = None
-        self._lock = threading.Lock()     # num_jobs is released from the executor's thread
-        self._num_jobs = 0                # submitted and not yet finished: running or waiting
+        # waiting jobs by tenant, in turn order: the first tenant's oldest job goes next
+        self._queues: dict[str, deque[_Job]] = {}
+        self._queued = 0
+        self._running = 0                 # handed to the workers and not yet finished
         self._closed = False
 
     @property
     def num_jobs(self) -> int:
-        return self._num_jobs
+        """Large inputs in hand: running or waiting."""
+        return self._running + self._queued
 
     async def chat_prompt_ids(self, info: ModelInfo, messages: list[Message],
-                              tools: list[Message] | None = None) -> list[int]:
+                              tools: list[Message] | None = None, *, bound: bool = True,
+                              tenant: str | None = None) -> list[int]:
         """`info.chat_prompt_ids(messages, tools)`: the same ids, the same exceptions (and the
-        pool's own `TokenizerError`s)."""
+        pool's own `TokenizerError`s; with `bound`, `PromptTooLong` for a chat that cannot
+        fit). `tenant`: whose queue a large chat joins (default: `current_tenant`)."""
         if chat_chars(messages) < self.inline_chars:
             return info.chat_prompt_ids(messages, tools)
-        return await self._run(_chat_in_worker, info, (messages, tools))
+        if bound:
+            await self._check_fits(info, messages, "messages")
+        return await self._run(_chat_in_worker, info, (messages, tools), tenant)
 
-    async def encode(self, info: ModelInfo, text: str) -> list[int]:
-        """`info.encode(text)`: the same ids, the same exceptions (and `TokenizerError`s)."""
+    async def encode(self, info: ModelInfo, text: str, *, bound: bool = True,
+                     tenant: str | None = None) -> list[int]:
+        """`info.encode(text)`: the same ids, the same exceptions (and `TokenizerError`s, as
+        `chat_prompt_ids`'s)."""
         if len(text) < self.inline_chars:
             return info.encode(text)
-        return await self._run(_encode_in_worker, info, text)
+        if bound:
+            await self._check_fits(info, text, "prompt")
+        return await self._run(_encode_in_worker, info, text, tenant)
 
-    async def _run(self, fn: Callable[[ModelSpec, Any], list[int]], info: ModelInfo, arg: Any) -> list[int]:
-        future, executor = self._submit(fn, (info.name, str(info.path), info.max_model_len), arg)
+    @staticmethod
+    async def _check_fits(info: ModelInfo, what: Any, param: str) -> None:
+        """`PromptTooLong` when the input (messages, or a prompt's text) needs more tokens than
+        a prompt may have. The tokenizer's bounds are learnt once, on a thread."""
+        if not prompt_bound.known(info.tokenizer):
+            await asyncio.to_thread(prompt_bound.learn, info.tokenizer)
+        measure = prompt_bound.min_chat_tokens if param == "messages" else prompt_bound.min_tokens
+        least = measure(info.tokenizer, what)
+        if least > info.max_model_len - 1:
+            raise PromptTooLong(least, info.max_model_len, param)
+
+    async def _run(self, fn: Callable[[ModelSpec, Any], list[int]], info: ModelInfo, arg: Any,
+                   tenant: str | None) -> list[int]:
+        job = self._enqueue(fn, (info.name, str(info.path), info.max_model_len), arg, tenant)
         deadline = asyncio.timeout(self.timeout_s)
         try:
             async with deadline:
-                return await asyncio.wrap_future(future)
-        except BrokenProcessPool:
-            self._replace(executor)
-            raise TokenizerUnavailable("a tokenizer worker stopped while holding this input") from None
+                return await job.done
         except TimeoutError:
-            if deadline.expired():   # waiting: dropped (the wait's cancel); running: its worker ends it
+            self._abandon(job)
+            if deadline.expired():   # waiting: dropped; running: its worker ends it
                 raise TokenizerUnavailable(f"tokenizing took longer than {self.timeout_s:g} s") from None
             raise
         except asyncio.CancelledError:
-            task = asyncio.current_task()
-            if future.cancelled() and task is not None and not task.cancelling():   # by close()
-                raise TokenizerUnavailable("the tokenizer pool closed with this input waiting") from None
+            self._abandon(job)
             raise
 
-    def _submit(self, fn: Callable[..., list[int]], spec: ModelSpec,
-                arg: Any) -> tuple[Future[list[int]], ProcessPoolExecutor]:
-        """The job on the pool (a broken pool replaced first), counted until it finishes."""
+    def _enqueue(self, fn: Callable[[ModelSpec, Any], list[int]], spec: ModelSpec, arg: Any,
+                 tenant: str | None) -> _Job:
+        """The job handed to a worker, or waiting its tenant's turn; `TokenizerBusy` when the
+        queue is full and this tenant holds as many of its places as any other."""
         if self._closed:
             raise TokenizerUnavailable("the tokenizer pool is closed")
-        with self._lock:
-            if self._num_jobs >= self.workers + self.max_queued:
-                raise TokenizerBusy(f"the tokenizer is busy ({self._num_jobs} large inputs in hand); "
-                                    "retry shortly")
-            self._num_jobs += 1
-        try:
-            executor = self._current()
-            try:
-                future = executor.submit(fn, spec, arg)
-            except BrokenProcessPool:    # a worker died while the pool was idle
-                self._replace(executor)
-                executor = self._current()
-                future = executor.submit(fn, spec, arg)
-        except BaseException:
-            self._release()
-            raise
-        future.add_done_callback(self._release)
-        return future, executor
+        who = tenant if tenant is not None else (current_tenant.get() or "")
+        job = _Job(fn, spec, arg, who, asyncio.get_running_loop().create_future())
+        if self._running < self.workers and not self._queued:
+            self._start(job)
+            return job
+        if self._queued >= self.max_queued:
+            self._make_room(who)
+        self._queues.setdefault(who, deque()).append(job)
+        self._queued += 1
+        return job
 
-    def _release(self, _future: Future[list[int]] | None = None) -> None:
-        with self._lock:
-            self._num_jobs -= 1
+    def _make_room(self, who: str) -> None:
+        """Shed the newest job of the tenant holding the most places, if it holds more than
+        `who` does; else `who` is the one refused."""
+        mine = len(self._queues.get(who, ()))
+        hog = max(self._queues, key=lambda t: len(self._queues[t]), default=None)
+        if hog is None or len(self._queues[hog]) <= mine:
+            raise TokenizerBusy(f"the tokenizer is busy ({self.num_jobs} large inputs in hand, "
+                                f"{mine} of them this tenant's); retry shortly")
+        shed = self._queues[hog].pop()
+        if not self._queues[hog]:
+            del self._queues[hog]
+        self._queued -= 1
+        if not shed.done.done():
+            shed.done.set_exception(TokenizerBusy("the tokenizer is busy (this tenant holds the "
+                                                  "most of its queue); retry shortly"))
+
+    def _abandon(self, job: _Job) -> None:
+        """Its waiter gave up: a waiting job leaves its queue; a running one is cancelled if
+        its worker has not taken it yet (else it runs on, counted, until it ends)."""
+        queue = self._queues.get(job.tenant)
+        if queue is not None and job in queue:
+            queue.remove(job)
+            self._queued -= 1
+            if not queue:
+                del self._queues[job.tenant]
+        elif job.running is not None:
+            job.running.cancel()
+
+    def _dispatch(self) -> None:
+        """Hand waiting jobs to free workers, one tenant at a time in turn."""
+        while self._running < self.workers and self._queues:
+            tenant = next(iter(self._queues))
+            queue = self._queues.pop(tenant)
+            job = queue.popleft()
+            self._queued -= 1
+            if queue:
+                self._queues[tenant] = queue          # to the back of the turn
+            if job.done.done():
+                continue
+            try:
+                self._start(job)
+            except Exception as exc:  # noqa: BLE001 - whatever stops the hand-over fails this job only
+                job.done.set_exception(TokenizerUnavailable(f"the tokenizer could not take the input: {exc}"))
+
+    def _start(self, job: _Job) -> None:
+        """Hand `job` to a worker (a broken pool replaced first); counted until it ends."""
+        executor = self._current()
+        try:
+            running = executor.submit(job.fn, job.spec, job.arg)
+        except BrokenProcessPool:    # a worker died while the pool was idle
+            self._replace(executor)
+            executor = self._current()
+            running = executor.submit(job.fn, job.spec, job.arg)
+        self._running += 1
+        job.running = running
+        loop = job.done.get_loop()
+
+        def back(f: Future[list[int]]) -> None:     # on the executor's thread
+            with contextlib.suppress(RuntimeError):     # a closed loop: nobody waits any more
+                loop.call_soon_threadsafe(self._finished, job, executor, f)
+
+        running.add_done_callback(back)
+
+    def _finished(self, job: _Job, executor: ProcessPoolExecutor, f: Future[list[int]]) -> None:
+        self._running -= 1
+        exc = None if f.cancelled() else f.exception()
+        if isinstance(exc, BrokenProcessPool):
+            self._replace(executor)
+            exc = TokenizerUnavailable("a tokenizer worker stopped while holding this input")
+        if not job.done.done():
+            if f.cancelled():
+                job.done.set_exception(TokenizerUnavailable("the tokenizer pool closed with this input waiting"))
+            elif exc is not None:
+                job.done.set_exception(exc)
+            else:
+                job.done.set_result(f.result())
+        if not self._closed:
+            self._dispatch()
 
     def _current(self) -> ProcessPoolExecutor:
         if self._executor is None:
@@ -204,9 +330,15 @@ class TokenizePool:
         return sorted(processes or {})
 
     async def close(self, timeout_s: float = 5.0) -> None:
-        """Stop the workers: jobs waiting are cancelled, those running get `timeout_s` to end,
-        then their processes are killed. New jobs are refused from here on."""
+        """Stop the workers: jobs waiting fail, those running get `timeout_s` to end, then
+        their processes are killed. New jobs are refused from here on."""
         self._closed = True
+        for queue in self._queues.values():
+            for job in queue:
+                if not job.done.done():
+                    job.done.set_exception(TokenizerUnavailable("the tokenizer pool closed with this input waiting"))
+        self._queues.clear()
+        self._queued = 0
         executor, self._executor = self._executor, None
         if executor is None:
             return

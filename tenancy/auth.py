@@ -11,7 +11,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from lockgate.tenancy import keys
 from lockgate.tenancy.api_keys import key_quota
-from lockgate.tenancy.errors import AuthError
+from lockgate.tenancy.errors import AuthError, UnknownKeyPrefix
 from lockgate.tenancy.models import ApiKey, Tenant, utcnow
 from lockgate.tenancy.quota import Quota
 from lockgate.tenancy.tenants import tenant_quota
@@ -58,7 +58,7 @@ async def authenticate(session: AsyncSession, plaintext: str, pepper: bytes) -> 
     row = (await session.execute(stmt)).first()
     if row is None:
         keys.verify(plaintext, _DUMMY_HASH, pepper)     # same work as a real miss
-        raise AuthError("invalid")
+        raise UnknownKeyPrefix()
     key, tenant = row
     if not keys.verify(plaintext, key.secret_hash, pepper):
         raise AuthError("invalid")

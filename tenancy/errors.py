@@ -53,6 +53,14 @@ class AuthError(TenancyError):
         self.reason = reason
 
 
+class UnknownKeyPrefix(AuthError):
+    """No stored key has the presented key's lookup prefix: every key with that prefix is
+    invalid until one is created (so a refusal for this reason may be remembered)."""
+
+    def __init__(self) -> None:
+        super().__init__("invalid")
+
+
 class LimiterUnavailable(TenancyError, RuntimeError):
     """The limiter's shared store cannot be reached or refused the call: nothing was decided
     (callers refuse the request rather than guess)."""

@@ -25,6 +25,7 @@ async def create_key(tenant_id: str, body: KeyCreate, state: StateDep, session: 
         session, tenant_id=tenant_id, name=body.name, scopes=tuple(body.scopes or ("inference",)),
         expires_at=body.expires_at, quota=body.quota.quota() if body.quota else None,
         pepper=state.pepper, actor=admin.key_id)
+    state.auth.keys.forget_missing(k.prefix)      # a miss of its prefix, seen before, ends now
     return KeyCreatedPublic.from_row(k, key=plaintext)
 
 
@@ -41,6 +42,7 @@ async def create_admin_key(body: AdminKeyCreate, state: StateDep, session: Sessi
     k, plaintext = await api_keys.create_key(
         session, tenant_id=None, name=body.name, scopes=("admin",), expires_at=body.expires_at,
         pepper=state.pepper, actor=admin.key_id)
+    state.auth.keys.forget_missing(k.prefix)      # a miss of its prefix, seen before, ends now
     return KeyCreatedPublic.from_row(k, key=plaintext)
 
 

@@ -11,7 +11,7 @@ from lockgate.gateway.errors import APIError
 from lockgate.gateway.model_directory import ModelDirectory, ModelEntry
 from lockgate.gateway.protocol import SamplingBody, parse, refuse_unsupported
 from lockgate.gateway.settings import Settings
-from lockgate.gateway.tokenize_pool import TokenizerBusy, TokenizerError
+from lockgate.gateway.tokenize_pool import PromptTooLong, TokenizerBusy, TokenizerError
 from lockgate.tenancy.auth import Principal
 
 R = TypeVar("R", bound=SamplingBody)
@@ -109,7 +109,11 @@ def max_tokens_for(settings: Settings, entry: ModelEntry, prompt_len: int, reque
 
 
 def tokenizer_error(exc: TokenizerError) -> APIError:
-    """The tokenizer's worker pool is full (`tokenizer_busy`) or failed: a 503 to retry."""
+    """The tokenizer's worker pool is full (`tokenizer_busy`) or failed: a 503 to retry; or
+    the prompt could never fit (`PromptTooLong`, known before tokenizing): a 400."""
+    if isinstance(exc, PromptTooLong):
+        return _too_long(exc.max_model_len, exc.param,
+                         f"your {exc.param} would be at least {exc.min_tokens} tokens")
     busy = isinstance(exc, TokenizerBusy)
     retry = exc.retry_after_s if isinstance(exc, TokenizerBusy) else 1
     return APIError(503, f"The prompt could not be tokenized now: {exc}. Retry shortly.",

@@ -15,6 +15,11 @@ lease freed (`release`), as OpenAI counts failed requests against the rate. Once
 capacity (the engine's 503, flex's 429 `resource_unavailable`) cancels the admission, so it
 never counts. A request refused by a limit writes no usage row.
 
+Before either step, this replica's own bounds (`local_admissions`): a tenant's requests here
+already at its concurrency (its plan's, else `default_max_concurrent_requests`) are refused
+429 without asking the limiter, and past `max_admissions_in_flight` admissions under way the
+replica answers 503 `server_busy`; so a burst meets its own limits, not a busy event loop.
+
 A body declared no larger than `FAST_BODY_BYTES` is cheap to read, so its request takes one
 round trip instead of two: it is admitted at once with its tokens once they are known, and
 one that ends before (a 400, a token refusal) is counted then (`Ticket.count`), with the same
@@ -29,11 +34,14 @@ import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
+from dataclasses import replace
 
 from fastapi import Request
 
 from lockgate.gateway.errors import APIError
+from lockgate.gateway.serving.local_admissions import LocalAdmissions, check
 from lockgate.gateway.state import AppState
+from lockgate.gateway.tokenize_pool import current_tenant
 from lockgate.tenancy.auth import Principal
 from lockgate.tenancy.errors import Invalid, LimiterUnavailable
 from lockgate.tenancy.limiter import Decision, Lease, LimitScope
@@ -55,9 +63,13 @@ def key_scope(tenant_id: str | None, key_id: str, quota: Quota) -> LimitScope:
     return LimitScope(f"key:{key_id}", quota, tag=f"tenant:{tenant_id}")
 
 
-def scopes_of(principal: Principal) -> list[LimitScope]:
-    """The limits a tenant's request is counted against: its tenant's and its key's."""
-    return [tenant_scope(principal.tenant_id, principal.tenant_quota),
+def scopes_of(principal: Principal, default_concurrency: int | None = None) -> list[LimitScope]:
+    """The limits a tenant's request is counted against: its tenant's and its key's; a tenant
+    whose plan sets no `max_concurrent_requests` gets `default_concurrency`."""
+    quota = principal.tenant_quota
+    if quota.max_concurrent_requests is None and default_concurrency is not None:
+        quota = replace(quota, max_concurrent_requests=default_concurrency)
+    return [tenant_scope(principal.tenant_id, quota),
             key_scope(principal.tenant_id, principal.key_id, principal.key_quota)]
 
 
@@ -135,17 +147,39 @@ class Ticket:
         # request the tenant sent, so it is not counted against the request rate
         self.count_refusals = count_refusals
         self.principal = principal
+        self.scopes = scopes_of(principal, state.settings.default_max_concurrent_requests)
         self.id = request_id
         self.t0 = t0
         self.decision = decision
         self.deferred = decision is None
         self.lease: Lease | None = decision.lease if decision is not None else None
         self.taken = False
+        self.under_way = False      # counted among this replica's admissions under way
         if self.lease is not None:
             state.inflight[request_id] = self.lease     # heart-beaten from now on
 
+    def start(self) -> None:
+        """Count this admission as under way on the replica until it holds a lease or ends
+        (`LocalAdmissions`); a replica's or a tenant's bound there refuses it first."""
+        table = self.state.inflight
+        if not isinstance(table, LocalAdmissions) or self.under_way:
+            return
+        d = check(table, self.scopes, self.id, self.state.settings.max_admissions_in_flight)
+        if d is not None:
+            raise refusal(self.state, self.principal, d)
+        table.start(self.scopes)
+        self.under_way = True
+
+    def end(self) -> None:
+        """No longer under way: it holds its lease now, or it ended. Idempotent."""
+        table = self.state.inflight
+        if self.under_way and isinstance(table, LocalAdmissions):
+            table.end(self.scopes)
+        self.under_way = False
+
     def _hold(self, d: Decision) -> Decision:
         """Keep an allowed decision and its lease (heart-beaten from now on)."""
+        self.end()
         self.decision = d
         self.lease = d.lease
         if self.lease is not None:
@@ -161,7 +195,7 @@ class Ticket:
         nothing. If the rate or the concurrency refuses it, that 429 is its answer, as it
         would have been before its body was read."""
         self.deferred = False
-        d = await ask(self.state.limiter.acquire(self.id, scopes_of(self.principal), 0), self.id)
+        d = await ask(self.state.limiter.acquire(self.id, self.scopes, 0), self.id)
         if not d.allowed:
             raise self._refusal(d)
         if d.lease is not None:
@@ -171,7 +205,7 @@ class Ticket:
                 logger.warning("could not settle the count of %s", self.id, exc_info=True)
 
     async def _admit_at_once(self, tokens: int) -> Decision:
-        d = await ask(self.state.limiter.acquire(self.id, scopes_of(self.principal), tokens), self.id)
+        d = await ask(self.state.limiter.acquire(self.id, self.scopes, tokens), self.id)
         self.deferred = False           # admitted or refused: counted either way from here
         if not d.allowed:
             if self.count_refusals and d.limit not in ("requests_per_minute", "max_concurrent_requests"):
@@ -226,27 +260,41 @@ def small_body(request: Request) -> bool:
 
 @asynccontextmanager
 async def admitted(state: AppState, principal: Principal, request: Request) -> AsyncIterator[Ticket]:
+    """`_admitted`, with the tenant's large prompts queued as its own in the tokenizer pool."""
+    token = current_tenant.set(principal.tenant_id)
+    try:
+        async with _admitted(state, principal, request) as ticket:
+            yield ticket
+    finally:
+        current_tenant.reset(token)
+
+
+@asynccontextmanager
+async def _admitted(state: AppState, principal: Principal, request: Request) -> AsyncIterator[Ticket]:
     """Step 1, around everything a route does before its run takes the ticket: an exception,
     or a route that ends without a run, releases the admission. A small body's request is
     admitted at `reserve` instead (one round trip); if it fails before (4xx), it is counted."""
-    request_id = new_request_id()
-    t0 = time.time()
-    if small_body(request):
-        ticket = Ticket(state, principal, request_id, t0, None)
+    ticket = Ticket(state, principal, new_request_id(), time.time(), None)
+    ticket.start()          # this replica's own bounds, before any limiter call
+    try:
+        if small_body(request):
+            try:
+                yield ticket
+            except APIError as exc:
+                if ticket.deferred and 400 <= exc.status < 500:
+                    await ticket.count()        # may answer the rate's 429 instead
+                raise
+            finally:
+                await ticket.release()
+            return
+        d = await ask(state.limiter.acquire(ticket.id, ticket.scopes, 0), ticket.id)
+        if not d.allowed:
+            raise refusal(state, principal, d)
+        ticket.deferred = False
+        ticket._hold(d)
         try:
             yield ticket
-        except APIError as exc:
-            if ticket.deferred and 400 <= exc.status < 500:
-                await ticket.count()        # may answer the rate's 429 instead
-            raise
         finally:
             await ticket.release()
-        return
-    d = await ask(state.limiter.acquire(request_id, scopes_of(principal), 0), request_id)
-    if not d.allowed:
-        raise refusal(state, principal, d)
-    ticket = Ticket(state, principal, request_id, t0, d)
-    try:
-        yield ticket
     finally:
-        await ticket.release()
+        ticket.end()

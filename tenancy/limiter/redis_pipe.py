@@ -22,12 +22,23 @@ swapping, stuck in a slow script) makes the waiting command raise `redis.excepti
 and the connection is dropped: replies come in order, so every command written on it after the
 one that timed out would wait behind it. Its other waiters fail at once with ConnectionError,
 and the next command opens a new connection.
+
+The timeout measures Redis, not this process's event loop (`_Deadline`): it runs from when
+the command is written, and when it passes with no reply, Redis is declared silent only if
+it said nothing during it: no byte read on the connection in that time, none waiting unread
+in the socket, and the command not stuck in our own write buffer while the socket would take
+it. Otherwise the loop, not Redis, is behind (a flood keeping it busy, a long callback), and
+the command is given another ``timeout``, at most `MAX_EXTENSIONS` times. So a Redis that
+stops answering fails a command within 2 x ``timeout`` of its last byte (``timeout`` when it
+said nothing since the command was written), and any command within
+(1 + `MAX_EXTENSIONS`) x ``timeout`` whatever happens.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import select
 import ssl as ssl_lib
 from collections import deque
 from typing import Any
@@ -47,11 +58,13 @@ class _Pipe(asyncio.Protocol):
         self.waiters: deque[asyncio.Future] = deque()
         self.transport: asyncio.Transport | None = None
         self.lost: RedisConnectionError | None = None
+        self.received = 0           # bytes read so far: a deadline's evidence that Redis speaks
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
+        self.received += len(data)
         self.reader.feed(data)
         try:
             while (reply := self.reader.gets()) is not False:
@@ -108,13 +121,11 @@ class RedisPipe:
         waiter = asyncio.get_running_loop().create_future()
         pipe.waiters.append(waiter)
         pipe.transport.write(hiredis.pack_command(args))
+        deadline = _Deadline(self, pipe, waiter)
         try:
-            async with asyncio.timeout(self.timeout):
-                reply = await waiter
-        except TimeoutError:
-            self._drop(pipe, f"no reply from Redis at {self.where} within {self.timeout:g} s")
-            raise RedisTimeoutError(f"Redis at {self.where} did not answer within "
-                                    f"{self.timeout:g} s") from None
+            reply = await waiter
+        finally:
+            deadline.cancel()
         if isinstance(reply, hiredis.ReplyError):
             raise ResponseError(str(reply))
         return reply
@@ -166,6 +177,61 @@ class RedisPipe:
         pipe, self._pipe = self._pipe, None
         if pipe is not None and pipe.transport is not None and self._loop is asyncio.get_running_loop():
             pipe.transport.close()
+
+
+MAX_EXTENSIONS = 20
+"""How many more timeouts a command may wait while the event loop, not Redis, is behind."""
+
+
+def _socket_ready(transport: asyncio.Transport, events: int) -> bool:
+    """Whether the transport's socket is ready for `events` (poll's) right now."""
+    sock = transport.get_extra_info("socket")
+    if sock is None or not hasattr(select, "poll"):
+        return False
+    try:
+        poller = select.poll()
+        poller.register(sock.fileno(), events)
+        return bool(poller.poll(0))
+    except (OSError, ValueError):
+        return False
+
+
+class _Deadline:
+    """One command's timeout, armed when it is written: see the module docstring."""
+
+    def __init__(self, owner: RedisPipe, pipe: _Pipe, waiter: asyncio.Future) -> None:
+        self.owner = owner
+        self.pipe = pipe
+        self.waiter = waiter
+        self.seen = pipe.received
+        self.extensions = 0
+        self.handle = asyncio.get_running_loop().call_later(owner.timeout, self._expire)
+
+    def cancel(self) -> None:
+        self.handle.cancel()
+
+    def _loop_behind(self) -> bool:
+        """Whether Redis spoke since the deadline was armed, or the command is ours to send."""
+        transport = self.pipe.transport
+        if self.pipe.received != self.seen:
+            return True
+        if transport is None or transport.is_closing():
+            return False
+        if _socket_ready(transport, select.POLLIN):
+            return True
+        return transport.get_write_buffer_size() > 0 and _socket_ready(transport, select.POLLOUT)
+
+    def _expire(self) -> None:
+        if self.waiter.done():
+            return
+        if self.extensions < MAX_EXTENSIONS and self._loop_behind():
+            self.extensions += 1
+            self.seen = self.pipe.received
+            self.handle = asyncio.get_running_loop().call_later(self.owner.timeout, self._expire)
+            return
+        where, timeout = self.owner.where, self.owner.timeout
+        self.waiter.set_exception(RedisTimeoutError(f"Redis at {where} did not answer within {timeout:g} s"))
+        self.owner._drop(self.pipe, f"no reply from Redis at {where} within {timeout:g} s")
 
 
 class RedisScript:

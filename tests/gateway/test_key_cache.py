@@ -8,7 +8,8 @@ import time
 import pytest
 
 from lockgate.gateway.key_cache import KeyCache
-from lockgate.tenancy.errors import AuthError
+from lockgate.tenancy import keys
+from lockgate.tenancy.errors import AuthError, UnknownKeyPrefix
 
 
 class Lookups:
@@ -95,3 +96,19 @@ async def test_adapter_misses_are_cached_briefly_and_bounded(tmp_path, monkeypat
         assert len(reads) == 501
     finally:
         await engine.dispose()
+
+
+async def test_remembered_refusals_are_bounded_oldest_first():
+    cache = KeyCache(ttl=60.0)
+    cache.MAX_REFUSALS = 3
+
+    async def unknown(key):
+        raise UnknownKeyPrefix()
+
+    presented = ["lg-" + f"{i:012d}" + "s" * 20 for i in range(5)]
+    for key in presented:
+        with pytest.raises(AuthError):
+            await cache.resolve(key, unknown, lambda c: None)
+    assert list(cache._missing) == [keys.lookup_prefix(k) for k in presented[2:]]
+    cache.forget_missing(keys.lookup_prefix(presented[4]))
+    assert keys.lookup_prefix(presented[4]) not in cache._missing

@@ -20,9 +20,11 @@ from pathlib import Path
 import psutil
 import pytest
 
+from lockgate.engine import Tokenizer
+from lockgate.gateway import prompt_bound
 from lockgate.gateway.model_catalog import ModelInfo, read_model_info
 from lockgate.gateway.settings import Settings
-from lockgate.gateway.tokenize_pool import TokenizePool, TokenizerBusy, TokenizerUnavailable
+from lockgate.gateway.tokenize_pool import PromptTooLong, TokenizePool, TokenizerBusy, TokenizerUnavailable
 from tests.support.helpers import demo_model
 
 WORDS = ["alpha", "beta", "gamma", "delta", "hello", "world", "é", "日本", "tokens", "\n"]
@@ -158,7 +160,7 @@ async def test_the_loop_keeps_running_while_a_large_prompt_is_tokenized(info):
         ids: list[int] = []
 
         async def tokenize() -> None:
-            ids.extend(await pool.chat_prompt_ids(info, messages))
+            ids.extend(await pool.chat_prompt_ids(info, messages, bound=False))
 
         gap = await max_tick_gap(tokenize())
         assert ids == expected
@@ -173,16 +175,16 @@ async def test_past_the_queue_bound_the_pool_is_busy_at_once(info):
     texts = [text_of(300_000, seed=k) for k in range(3)]
     pool = TokenizePool(workers=1, max_queued=2)
     try:
-        jobs = [asyncio.create_task(pool.encode(info, t)) for t in texts]
+        jobs = [asyncio.create_task(pool.encode(info, t, bound=False)) for t in texts]
         await asyncio.sleep(0)                      # each job submitted (the worker still starting)
         assert pool.num_jobs == 3
         with pytest.raises(TokenizerBusy, match="busy") as busy:
-            await pool.encode(info, texts[0])
+            await pool.encode(info, texts[0], bound=False)
         assert busy.value.retry_after_s >= 1
         assert await pool.encode(info, "small") == info.encode("small")
         assert await asyncio.gather(*jobs) == [info.encode(t) for t in texts]
         assert pool.num_jobs == 0
-        assert await pool.encode(info, texts[1]) == info.encode(texts[1])
+        assert await pool.encode(info, texts[1], bound=False) == info.encode(texts[1])
     finally:
         await pool.close()
 
@@ -208,7 +210,7 @@ async def test_a_killed_worker_fails_its_job_and_is_replaced(info):
     try:
         await pool.encode(info, "warm")
         [pid] = pool.worker_pids()
-        job = asyncio.create_task(pool.encode(info, text))
+        job = asyncio.create_task(pool.encode(info, text, bound=False))
         await asyncio.sleep(0.1)                    # the job on the worker (or about to be)
         os.kill(pid, signal.SIGKILL)
         async with asyncio.timeout(20):             # a failure, never a hang
@@ -227,10 +229,10 @@ async def test_close_stops_every_worker_and_fails_waiting_jobs(info):
     those still waiting fail with the pool's error (not a cancellation), and no worker is left."""
     text = text_of(200_000, seed=5)
     pool = TokenizePool(workers=2, max_queued=8, inline_chars=0)
-    await asyncio.gather(pool.encode(info, text), pool.encode(info, text))
+    await asyncio.gather(pool.encode(info, text, bound=False), pool.encode(info, text, bound=False))
     pids = pool.worker_pids()
     assert len(pids) == 2
-    jobs = [asyncio.create_task(pool.encode(info, text)) for _ in range(6)]
+    jobs = [asyncio.create_task(pool.encode(info, text, bound=False)) for _ in range(6)]
     await asyncio.sleep(0)
     await pool.close()
     results = await asyncio.gather(*jobs, return_exceptions=True)
@@ -239,7 +241,7 @@ async def test_close_stops_every_worker_and_fails_waiting_jobs(info):
     assert all(gone(pid) for pid in pids), [pid for pid in pids if not gone(pid)]
     assert pool.worker_pids() == []
     with pytest.raises(TokenizerUnavailable, match="closed"):
-        await pool.encode(info, text)
+        await pool.encode(info, text, bound=False)
 
 
 def test_settings_bound_the_pool():
@@ -251,3 +253,58 @@ def test_settings_bound_the_pool():
         Settings(tokenizer_inline_chars=-1)
     with pytest.raises(ValueError, match="fork"):
         TokenizePool(start_method="fork")
+
+
+async def test_a_full_queue_sheds_the_tenant_holding_the_most(info):
+    """One worker, four places: tenant a's backlog fills them; b's inputs take the places of
+    a's newest (a's are refused busy), b is never refused while it holds fewer than a, and
+    the worker serves the tenants in turn."""
+    text = text_of(20_000, seed=6)
+    pool = TokenizePool(workers=1, max_queued=4, inline_chars=0)
+    try:
+        await pool.encode(info, "warm" * 10)
+        a = [asyncio.create_task(pool.encode(info, text, tenant="a")) for _ in range(5)]
+        await asyncio.sleep(0)
+        assert pool.num_jobs == 5                   # one running, four waiting
+        with pytest.raises(TokenizerBusy):
+            await pool.encode(info, text, tenant="a")
+        b = [asyncio.create_task(pool.encode(info, text, tenant="b")) for _ in range(2)]
+        await asyncio.sleep(0)
+        assert await asyncio.gather(*b) == [info.encode(text)] * 2
+        results = await asyncio.gather(*a, return_exceptions=True)
+        assert sum(isinstance(r, TokenizerBusy) for r in results) == 2, results
+        assert results.count(info.encode(text)) == 3
+        assert pool.num_jobs == 0
+    finally:
+        await pool.close()
+
+
+async def test_a_prompt_that_can_never_fit_is_refused_before_any_worker(info):
+    pool = TokenizePool(inline_chars=0)
+    try:
+        with pytest.raises(PromptTooLong) as refused:
+            await pool.encode(info, text_of(1_000_000))
+        assert refused.value.param == "prompt" and refused.value.min_tokens > info.max_model_len
+        with pytest.raises(PromptTooLong, match="messages"):
+            await pool.chat_prompt_ids(info, [{"role": "user", "content": text_of(1_000_000)}])
+        assert pool.worker_pids() == [] and pool.num_jobs == 0
+        # the bound is a floor: what it lets through tokenizes to at least as many tokens
+        for text in (text_of(150_000, seed=7), "日本" * 50_000, "x" * 190_000):
+            assert prompt_bound.min_tokens(info.tokenizer, text) <= len(info.encode(text))
+    finally:
+        await pool.close()
+
+
+def test_no_bound_for_a_tokenizer_that_may_drop_text(info, tmp_path):
+    """A normalizer that strips, a pre-tokenizer that drops whitespace, a fused unknown token:
+    any of them may shrink a prompt to nothing, so no early refusal is ever given."""
+    spec = json.loads((Path(info.tokenizer.model_dir) / "tokenizer.json").read_text())
+    assert prompt_bound.bytes_per_token(info.tokenizer) is not None
+    for change in ({"normalizer": {"type": "Strip", "strip_left": True, "strip_right": True}},
+                   {"pre_tokenizer": {"type": "Whitespace"}},
+                   {"model": {**spec["model"], "unk_token": "<|endoftext|>", "fuse_unk": True}}):
+        path = tmp_path / str(len(list(tmp_path.iterdir())))
+        shutil.copytree(info.tokenizer.model_dir, path)
+        (path / "tokenizer.json").write_text(json.dumps({**spec, **change}))
+        assert prompt_bound.bytes_per_token(Tokenizer(path)) is None, change
+        assert prompt_bound.min_tokens(Tokenizer(path), "x" * 1_000_000) == 0

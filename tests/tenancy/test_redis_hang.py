@@ -85,6 +85,24 @@ async def test_a_hung_redis_fails_within_the_timeout_and_the_call_after_sigcont_
     await pipe.aclose()
 
 
+async def test_a_busy_event_loop_is_not_a_dead_redis(redis_url):
+    """The loop held past the timeout (a flood's work) while Redis answered at once: the
+    reply is read, not declared missing. A hung Redis is still found within the bound (the
+    tests around this one)."""
+    pipe = RedisPipe(redis_url)
+    assert await pipe.execute("PING") == b"PONG"
+    calls = [asyncio.ensure_future(pipe.execute("ECHO", f"v{i}")) for i in range(5)]
+    await asyncio.sleep(0)                      # every command written
+    time.sleep(3 * TIMEOUT)                     # the loop held on purpose
+    assert await asyncio.gather(*calls) == [f"v{i}".encode() for i in range(5)]
+    # and a command written while the loop is already behind: timed from its write
+    call = asyncio.ensure_future(pipe.execute("PING"))
+    await asyncio.sleep(0)
+    time.sleep(3 * TIMEOUT)
+    assert await call == b"PONG"
+    await pipe.aclose()
+
+
 async def test_select_at_connect_is_bounded_by_the_timeout(own_redis):
     pipe = RedisPipe(own_redis.url.replace("/0", "/2"))
     own_redis.pause()       # the kernel still accepts the connection; SELECT is never answered
