@@ -14,6 +14,10 @@ import uvicorn
 
 from lockgate.gateway.admin import tenants as tenant_routes
 from lockgate.gateway.usage_api import encode_cursor
+from lockgate.tenancy import api_keys, tenants
+from lockgate.tenancy.errors import Invalid
+from lockgate.tenancy.quota import Quota
+from lockgate.tenancy.validation import check_count
 from tests.support.gateway_server import free_port
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -201,3 +205,25 @@ async def test_after_a_500_on_the_wire_the_client_reconnects_and_its_next_reques
     finally:
         server.should_exit = True
         await asyncio.wait_for(task, 30)
+
+
+async def test_tenancy_refuses_nul_and_bigint_overflow_itself(gateway, tenant):
+    """The same checks one level down, for callers that are not routes (the command line)."""
+    t = tenant[0]
+    async with gateway.app.state.lockgate.sessions() as s:
+        for call, field in ((tenants.get_tenant(s, NUL), "tenant_id"), (api_keys.get_key(s, NUL), "key_id"),
+                            (tenants.list_tenants(s, after=NUL), "after"),
+                            (tenants.update_tenant(s, t["id"], actor="test", models=[NUL]), "models"),
+                            (api_keys.create_key(s, tenant_id=t["id"], name="k", pepper=b"p" * 32, actor="test",
+                                                 scopes=("inference", NUL)), "scopes")):
+            with pytest.raises(Invalid) as exc:
+                await call
+            assert exc.value.field == field, exc.value
+        with pytest.raises(Invalid) as exc:
+            await tenants.set_quota(s, t["id"], {"daily_token_budget": BIG}, actor="test")
+        assert exc.value.field == "quota" and "daily_token_budget" in str(exc.value), exc.value
+    with pytest.raises(ValueError, match="daily_token_budget"):
+        Quota(daily_token_budget=BIG)
+    assert check_count(BIG - 1, "n") == BIG - 1
+    with pytest.raises(Invalid):
+        check_count(BIG, "n")
