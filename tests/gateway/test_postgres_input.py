@@ -105,6 +105,12 @@ async def test_nul_in_an_admin_field_is_a_400(gateway, path, body, param):
     assert_400(await gateway.admin.post(path, json=body), param)
 
 
+async def test_nul_in_a_batch_input_file_id_is_a_400(gateway, tenant):
+    body = {"input_file_id": NUL, "endpoint": "/v1/chat/completions", "completion_window": "24h"}
+    r = await gateway.http.post("/v1/batches", headers=gateway.auth(tenant[1]), json=body)
+    assert_400(r, "input_file_id")
+
+
 async def test_nul_in_tenant_and_key_changes_is_a_400(gateway, tenant):
     t = tenant[0]
     assert_400(await gateway.admin.patch(f"/tenants/{t['id']}", json={"name": NUL}), "name")
