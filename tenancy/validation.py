@@ -32,7 +32,10 @@ def as_utc(value: Any, field: str) -> datetime | None:
         return None
     if not isinstance(value, datetime):
         raise Invalid(field, f"must be a datetime, got {type(value).__name__}")
-    return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+    try:
+        return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+    except OverflowError:       # year 9999 behind UTC, or year 1 ahead of it
+        raise Invalid(field, f"{value.isoformat()} is out of range in UTC") from None
 
 
 def check_name(name: Any) -> str:

@@ -143,6 +143,13 @@ async def test_an_integer_past_64_bits_in_a_request_is_a_400(gateway, tenant, fi
     assert_400(r, field)
 
 
+@pytest.mark.parametrize("when", ["9999-12-31T23:59:59-23:00", "0001-01-01T00:00:00+01:00"])
+async def test_an_expiry_out_of_range_in_utc_is_a_400(gateway, tenant, when):
+    assert_400(await gateway.admin.post("/keys", json={"name": "k", "expires_at": when}), "expires_at")
+    r = await gateway.admin.post(f"/tenants/{tenant[0]['id']}/keys", json={"name": "k", "expires_at": when})
+    assert_400(r, "expires_at")
+
+
 @pytest.mark.parametrize("path, param", [
     ("/admin/v1/tenants?limit=9223372036854775808", "limit"),
     ("/admin/v1/files?limit=9223372036854775808", "limit"),
