@@ -10,7 +10,8 @@ test on it alone never sees the difference.
   parameters, whatever the route reads them with.
 
 Free text (prompts, messages, stop sequences) is not checked: a NUL is a character a
-tokenizer takes, and no prompt text is stored in a text column.
+tokenizer takes, and no prompt is stored in a text column (a batch line's body is in a JSON
+column, where PostgreSQL keeps a NUL escaped, as `\u0000`).
 """
 
 from __future__ import annotations
