@@ -17,7 +17,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from lockgate.engine import AsyncEngine, ModelBinding, WorkerPoolStats
@@ -28,6 +28,7 @@ from lockgate.gateway.background import Background
 from lockgate.gateway.batch_runner import BatchRunner
 from lockgate.gateway.draining import DrainGate
 from lockgate.gateway.errors import install_error_handlers
+from lockgate.gateway.fields import refuse_nul_params
 from lockgate.gateway.http_limits import BodyLimits
 from lockgate.gateway.memory import trim_loop
 from lockgate.gateway.metrics import CountResponses, Metrics
@@ -352,7 +353,9 @@ def create_app(settings: Settings | None = None, engine_factory: EngineFactory =
     settings = settings or Settings()
     app = FastAPI(title="Lockgate", version="0.1.0",
                   lifespan=partial(lifespan, settings=settings, engine_factory=engine_factory),
-                  docs_url=None, redoc_url=None, openapi_url="/openapi.json")
+                  docs_url=None, redoc_url=None, openapi_url="/openapi.json",
+                  # no NUL in any route's path or query parameters: PostgreSQL refuses them
+                  dependencies=[Depends(refuse_nul_params)])
     app.state.lifecycle = Lifecycle()
     install_error_handlers(app)
     app.include_router(openai_api.router)

@@ -31,6 +31,7 @@ from starlette.requests import ClientDisconnect
 
 from lockgate.gateway.deps import SessionDep, StateDep, TenantDep
 from lockgate.gateway.errors import APIError
+from lockgate.gateway.fields import refuse_nul
 from lockgate.gateway.openapi import error_responses
 from lockgate.gateway.protocol import read_json
 from lockgate.gateway.serving.ticket import admitted
@@ -290,6 +291,7 @@ async def create_batch(request: Request, principal: TenantDep, state: StateDep, 
     for name in ("input_file_id", "endpoint", "completion_window"):
         if not isinstance(data.get(name), str):
             raise APIError(400, f"{name}: required, a string", param=name)
+        refuse_nul(data[name], name)      # looked up and stored: PostgreSQL refuses a NUL in text
     if "flex" not in principal.service_tiers:
         raise APIError(403, "A batch runs in the flex tier, which is not in this tenant's plan "
                        f"(allowed: {', '.join(principal.service_tiers)})", param="service_tier",

@@ -61,7 +61,8 @@ class APIError(Exception):
 
 
 def _loc_to_param(loc: tuple[Any, ...]) -> str | None:
-    parts = [str(p) for p in loc if p not in ("body", "query", "path", "header")]
+    # the first item says where (a field may be named "path" or "body" too)
+    parts = [str(p) for p in (loc[1:] if loc and loc[0] in ("body", "query", "path", "header") else loc)]
     if not parts:
         return None
     out = parts[0]
@@ -108,8 +109,15 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error on %s %s", request.method, request.url.path)
-        return APIError(500, "The server had an error while processing your request.",
-                        code="internal_error").response()
+        return internal_error().response()
+
+
+def internal_error() -> APIError:
+    """The one 500. It says `Connection: close`: Starlette raises the exception again once the
+    answer is sent, and the server then drops the connection; a client told so opens a fresh
+    one for its next request instead of sending it down a connection about to close."""
+    return APIError(500, "The server had an error while processing your request.",
+                    code="internal_error", headers={"connection": "close"})
 
 
 def database_unavailable() -> APIError:

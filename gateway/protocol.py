@@ -19,11 +19,13 @@ from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError, mode
 from starlette.requests import ClientDisconnect
 
 from lockgate.gateway.errors import APIError, validation_error
+from lockgate.gateway.fields import INT64_MAX, INT64_MIN, Ident
 
 logger = logging.getLogger(__name__)
 
-# JSON's own types, strictly: `true` is not the integer 1 (an integer is still a valid float)
-Int = Annotated[int, Strict()]
+# JSON's own types, strictly: `true` is not the integer 1 (an integer is still a valid float);
+# an integer inside 64 bits, as everything downstream (the limiter, the database) counts
+Int = Annotated[int, Strict(), Field(ge=INT64_MIN, le=INT64_MAX)]
 Float = Annotated[float, Strict()]
 Bool = Annotated[bool, Strict()]
 
@@ -156,7 +158,7 @@ class StructuredOutputsBody(_Strict):
 class SamplingBody(_Strict):
     """The sampling fields chat and completions share (OpenAI's and vLLM's)."""
 
-    model: str = Field(min_length=1, max_length=256)
+    model: Ident = Field(min_length=1, max_length=256)
     temperature: Float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: Float | None = Field(default=None, gt=0.0, le=1.0)
     n: Int | None = Field(default=None, ge=1)
@@ -181,7 +183,7 @@ class SamplingBody(_Strict):
     guided_regex: str | None = None
     guided_choice: list[str] | None = Field(default=None, min_length=1, max_length=1024)
     structured_outputs: StructuredOutputsBody | None = None
-    stop_token_ids: list[Annotated[int, Strict(), Field(ge=0)]] | None = Field(default=None, max_length=64)
+    stop_token_ids: list[Annotated[Int, Field(ge=0)]] | None = Field(default=None, max_length=64)
     skip_special_tokens: Bool | None = None
     include_stop_str_in_output: Bool | None = None
     # smaller runs sooner, among this tenant's own requests of its class (never past another

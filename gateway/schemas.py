@@ -8,6 +8,7 @@ from typing import Any, Generic, Literal, Self, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from lockgate.gateway.fields import Count, Ident
 from lockgate.tenancy import api_keys, tenants
 from lockgate.tenancy.quota import Quota
 
@@ -28,52 +29,52 @@ class _Strict(BaseModel):
 
 
 class QuotaBody(_Strict):
-    requests_per_minute: int | None = Field(default=None, ge=0)
-    tokens_per_minute: int | None = Field(default=None, ge=0)
-    max_concurrent_requests: int | None = Field(default=None, ge=0)
-    daily_token_budget: int | None = Field(default=None, ge=0)
-    monthly_token_budget: int | None = Field(default=None, ge=0)
+    requests_per_minute: Count | None = None
+    tokens_per_minute: Count | None = None
+    max_concurrent_requests: Count | None = None
+    daily_token_budget: Count | None = None
+    monthly_token_budget: Count | None = None
 
     def quota(self) -> Quota:
         return Quota(**self.model_dump())
 
 
 class TenantCreate(_Strict):
-    name: str = Field(min_length=1, max_length=64)
+    name: Ident = Field(min_length=1, max_length=64)
     weight: float = Field(default=1.0, gt=0, le=1000)
     service_tiers: list[Tier] | None = None
     default_tier: Tier | None = None
-    models: list[str] | None = None
+    models: list[Ident] | None = None
     status: Literal["active", "suspended"] = "active"
     quota: QuotaBody | None = None
 
 
 class TenantPatch(_Strict):
-    name: str | None = Field(default=None, min_length=1, max_length=64)
+    name: Ident | None = Field(default=None, min_length=1, max_length=64)
     weight: float | None = Field(default=None, gt=0, le=1000)
     service_tiers: list[Tier] | None = None
     default_tier: Tier | None = None
-    models: list[str] | None = None
+    models: list[Ident] | None = None
     status: Literal["active", "suspended"] | None = None
 
 
 class KeyCreate(_Strict):
-    name: str = Field(min_length=1, max_length=128)
+    name: Ident = Field(min_length=1, max_length=128)
     expires_at: datetime | None = None
     scopes: list[Literal["inference", "admin"]] | None = None
     quota: QuotaBody | None = None
 
 
 class AdminKeyCreate(_Strict):
-    name: str = Field(min_length=1, max_length=128)
+    name: Ident = Field(min_length=1, max_length=128)
     expires_at: datetime | None = None
 
 
 class AdapterCreate(_Strict):
-    name: str = Field(min_length=1, max_length=64)
-    base_model: str = Field(min_length=1, max_length=128)
-    owner_tenant_id: str | None = None   # the tenant that alone may use it; absent or null: public
-    path: str = Field(min_length=1, max_length=1024)    # a directory under the adapter root
+    name: Ident = Field(min_length=1, max_length=64)
+    base_model: Ident = Field(min_length=1, max_length=128)
+    owner_tenant_id: Ident | None = None   # the tenant that alone may use it; absent or null: public
+    path: Ident = Field(min_length=1, max_length=1024)    # a directory under the adapter root
 
 
 # -- answers -----------------------------------------------------------------------------------------

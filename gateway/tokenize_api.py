@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from lockgate.gateway.deps import StateDep, TenantDep
 from lockgate.gateway.errors import APIError
+from lockgate.gateway.fields import Ident
 from lockgate.gateway.model_catalog import ModelInfo
 from lockgate.gateway.openapi import error_responses, json_body
 from lockgate.gateway.protocol import Bool, ChatMessage, Int, parse, read_json
@@ -36,7 +37,7 @@ _ERRORS = error_responses(400, 401, 403, 404, 413, 415, 429, 503)
 class TokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    model: str = Field(min_length=1, max_length=256)
+    model: Ident = Field(min_length=1, max_length=256)
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     add_special_tokens: Bool | None = None       # prompt: default true; messages: false only
@@ -58,7 +59,7 @@ class TokenizeRequest(BaseModel):
 class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    model: str = Field(min_length=1, max_length=256)
+    model: Ident = Field(min_length=1, max_length=256)
     tokens: list[Int] = Field(max_length=1 << 20)
 
 

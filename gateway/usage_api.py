@@ -75,7 +75,8 @@ def decode_cursor(value: str | None) -> list[str] | None:
         values = json.loads(base64.urlsafe_b64decode(value + "=" * (-len(value) % 4)))
     except (ValueError, binascii.Error):
         values = None
-    if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
+    # its values reach the query's WHERE clause: no NUL (PostgreSQL refuses one in text)
+    if not isinstance(values, list) or not all(isinstance(v, str) and "\x00" not in v for v in values):
         raise APIError(400, "after: not a cursor of this report (the last_id of a page)",
                        param="after")
     return values

@@ -21,7 +21,7 @@ from lockgate.tenancy.errors import Conflict, Invalid, NotFound
 from lockgate.tenancy.models import SCOPES, ApiKey, utcnow
 from lockgate.tenancy.quota import Quota, quota_of, store_quota
 from lockgate.tenancy.tenants import get_tenant, tenant_for_update
-from lockgate.tenancy.validation import as_utc, check_actor, check_pepper, check_quota, check_str_list
+from lockgate.tenancy.validation import as_utc, check_actor, check_pepper, check_quota, check_str_list, check_text
 
 KEY_NAME_MAX = 64
 _MIN_ADMIN_SECRET = 32     # characters after "lg-" in a bootstrap admin key
@@ -130,7 +130,7 @@ async def list_keys(session: AsyncSession, tenant_id: str | None) -> list[ApiKey
 
 async def get_key(session: AsyncSession, key_id: str) -> ApiKey:
     """The key (revoked or not); NotFound if no such id."""
-    key = await session.get(ApiKey, key_id)
+    key = await session.get(ApiKey, check_text(key_id, "key_id"))
     if key is None:
         raise NotFound("key", key_id)
     return key
@@ -141,7 +141,7 @@ async def revoke_key(session: AsyncSession, key_id: str, *, actor: str) -> ApiKe
     check_actor(actor)
 
     async def work() -> ApiKey:
-        key = await session.get(ApiKey, key_id, populate_existing=True)
+        key = await session.get(ApiKey, check_text(key_id, "key_id"), populate_existing=True)
         if key is None:
             raise NotFound("key", key_id)
         if key.revoked_at is None:
@@ -161,7 +161,7 @@ async def set_key_quota(session: AsyncSession, key_id: str, quota: Quota, *,
     q = check_quota(quota)
 
     async def work() -> ApiKey:
-        key = await session.get(ApiKey, key_id, populate_existing=True)
+        key = await session.get(ApiKey, check_text(key_id, "key_id"), populate_existing=True)
         if key is None:
             raise NotFound("key", key_id)
         before = key_quota(key).to_dict()

@@ -6,6 +6,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+# PostgreSQL's bigint, the quota columns' type: a larger limit fails mid-statement there
+BIGINT_MAX = 2**63 - 1
+
 QUOTA_FIELDS = (
     "requests_per_minute",
     "tokens_per_minute",
@@ -30,8 +33,8 @@ class Quota:
                 continue
             if isinstance(v, bool) or not isinstance(v, int):
                 raise ValueError(f"{f.name}: must be an integer or null, got {v!r}")
-            if v < 0:
-                raise ValueError(f"{f.name}: must be >= 0, got {v}")
+            if not 0 <= v <= BIGINT_MAX:
+                raise ValueError(f"{f.name}: must be from 0 to {BIGINT_MAX}, got {v}")
 
     @property
     def unlimited(self) -> bool:

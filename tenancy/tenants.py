@@ -37,6 +37,7 @@ from lockgate.tenancy.validation import (
     check_name,
     check_quota,
     check_str_list,
+    check_text,
 )
 
 TENANT_FIELDS = frozenset({"name", "weight", "status", "service_tiers", "default_tier", "models"})
@@ -126,7 +127,7 @@ def tenant_quota(t: Tenant) -> Quota:
 
 async def tenant_for_update(session: AsyncSession, tenant_id: str) -> Tenant:
     """The live tenant, read again from the database (for a change); NotFound otherwise."""
-    tenant = await session.get(Tenant, tenant_id, populate_existing=True)
+    tenant = await session.get(Tenant, check_text(tenant_id, "tenant_id"), populate_existing=True)
     if tenant is None or tenant.deleted_at is not None:
         raise NotFound("tenant", tenant_id)
     return tenant
@@ -146,8 +147,8 @@ async def list_tenants(session: AsyncSession, *, limit: int = 50,
                        after: str | None = None) -> list[Tenant]:
     """Live tenants ordered by id; pass the last id seen as `after` for the next page."""
     check_list_limit(limit)
-    if after is not None and not isinstance(after, str):
-        raise Invalid("after", "must be a tenant id")
+    if after is not None:
+        check_text(after, "after")
     stmt = select(Tenant).where(Tenant.deleted_at.is_(None)).order_by(Tenant.id).limit(limit)
     if after is not None:
         stmt = stmt.where(Tenant.id > after)
@@ -156,7 +157,7 @@ async def list_tenants(session: AsyncSession, *, limit: int = 50,
 
 async def get_tenant(session: AsyncSession, tenant_id: str) -> Tenant:
     """The tenant; NotFound if it does not exist or is deleted."""
-    tenant = await session.get(Tenant, tenant_id)
+    tenant = await session.get(Tenant, check_text(tenant_id, "tenant_id"))
     if tenant is None or tenant.deleted_at is not None:
         raise NotFound("tenant", tenant_id)
     return tenant

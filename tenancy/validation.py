@@ -11,7 +11,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from lockgate.tenancy.errors import Invalid
-from lockgate.tenancy.quota import Quota
+from lockgate.tenancy.quota import BIGINT_MAX, Quota
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 NAME_MAX = 64
@@ -32,7 +32,10 @@ def as_utc(value: Any, field: str) -> datetime | None:
         return None
     if not isinstance(value, datetime):
         raise Invalid(field, f"must be a datetime, got {type(value).__name__}")
-    return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+    try:
+        return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+    except OverflowError:       # year 9999 behind UTC, or year 1 ahead of it
+        raise Invalid(field, f"{value.isoformat()} is out of range in UTC") from None
 
 
 def check_name(name: Any) -> str:
@@ -47,21 +50,32 @@ def check_name(name: Any) -> str:
     return name
 
 
+def check_text(value: Any, field: str) -> str:
+    """A string the database looks up or stores (an id, a name): PostgreSQL refuses a NUL in
+    text mid-statement, so it is refused here first, whatever the backend."""
+    if not isinstance(value, str):
+        raise Invalid(field, f"must be a string, got {type(value).__name__}")
+    if "\x00" in value:
+        raise Invalid(field, "must not contain a NUL character (\\u0000)")
+    return value
+
+
 def check_str_list(value: Any, field: str) -> list[str]:
-    """Any iterable of strings (not a string itself), as a list."""
+    """Any iterable of strings (not a string itself, none holding a NUL), as a list."""
     if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
         raise Invalid(field, f"must be a list of strings, got {type(value).__name__}")
     items = list(value)
     for item in items:
         if not isinstance(item, str):
             raise Invalid(field, f"must be a list of strings; found {item!r}")
+        check_text(item, field)
     return items
 
 
 def check_count(value: Any, field: str) -> int:
-    """An integer >= 0 (a bool is not one)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise Invalid(field, f"must be an integer >= 0, got {value!r}")
+    """An integer from 0 to `BIGINT_MAX` (a bool is not one)."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= BIGINT_MAX:
+        raise Invalid(field, f"must be an integer from 0 to {BIGINT_MAX}, got {value!r}")
     return value
 
 

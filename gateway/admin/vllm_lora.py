@@ -21,6 +21,7 @@ from lockgate.gateway.admin.adapters import in_use_error, register_adapter
 from lockgate.gateway.admin.route import admin_router
 from lockgate.gateway.deps import AdminDep, SessionDep, StateDep
 from lockgate.gateway.errors import APIError
+from lockgate.gateway.fields import Ident, Int64
 from lockgate.gateway.openapi import error_responses
 from lockgate.gateway.schemas import AdapterCreate
 from lockgate.gateway.state import AppState
@@ -37,17 +38,17 @@ _PARAMS = {"name": "lora_name", "path": "lora_path", "base_model": "base_model"}
 class LoadLoRAAdapter(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    lora_name: str = Field(min_length=1, max_length=64)
-    lora_path: str = Field(min_length=1, max_length=1024)
-    base_model: str | None = Field(default=None, min_length=1, max_length=128)
+    lora_name: Ident = Field(min_length=1, max_length=64)
+    lora_path: Ident = Field(min_length=1, max_length=1024)
+    base_model: Ident | None = Field(default=None, min_length=1, max_length=128)
     load_inplace: bool = False      # vLLM's: replace an adapter of the same name (refused here)
 
 
 class UnloadLoRAAdapter(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    lora_name: str = Field(min_length=1, max_length=64)
-    lora_int_id: int | None = None  # vLLM's; the name alone identifies an adapter here
+    lora_name: Ident = Field(min_length=1, max_length=64)
+    lora_int_id: Int64 | None = None  # vLLM's; the name alone identifies an adapter here
 
 
 def _base_model(state: AppState, given: str | None) -> str:
