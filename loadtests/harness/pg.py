@@ -5,6 +5,8 @@ binaries (`initdb`, `pg_ctl`), to stop and start mid-load: the database going do
         pg.url            # postgresql+asyncpg://postgres@127.0.0.1:PORT/postgres
         pg.stop()         # immediate shutdown: connections refused from now on
         pg.start()        # back, same data
+        pg.pause()        # SIGSTOP of every server process: connections open, nothing answers
+        pg.resume()       # SIGCONT
 
 As root, the server runs as the `postgres` user (PostgreSQL refuses to run as root). Raises
 ServiceUnavailable where the binaries are missing. (The tests use it through
@@ -16,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import signal
 import subprocess
 import tempfile
 from collections.abc import Iterator
@@ -54,6 +57,29 @@ class ThrowawayPostgres:
 
     def stop(self) -> None:
         self._run("pg_ctl", "-D", str(self.data), "-w", "-m", "immediate", "stop")
+
+    def _processes(self) -> list[int]:
+        """The postmaster (first line of postmaster.pid) and its children, from /proc."""
+        postmaster = int((self.data / "postmaster.pid").read_text().split()[0])
+        pids = [postmaster]
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                # the field after the parenthesised command name is the state, then the ppid
+                if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == postmaster:
+                    pids.append(int(stat.parent.name))
+        return pids
+
+    def pause(self) -> None:
+        """SIGSTOP the whole server (a hung database): connections stay open, the kernel
+        still accepts new ones, and nothing answers until `resume`."""
+        for pid in self._processes():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        for pid in self._processes():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
 
 
 def postgres_available() -> bool:
