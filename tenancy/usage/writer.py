@@ -84,6 +84,7 @@ class UsageRow:
 
 _STOP = object()
 _REPLAY = object()     # the ticker's mark: time to try the spool's rows again
+_CLOSE_GRACE_S = 0.25  # a replaced SQLAlchemy connection's close, at most
 
 
 class UsageWriter:
@@ -96,8 +97,9 @@ class UsageWriter:
     the last moments' rows.
 
     With `spool_dir`, a batch the database does not take (unreachable, or no answer within
-    `timeout_s`) is appended to a `UsageSpool` there and fsynced instead, and its `record`s
-    return as committed: the rows are durable. While rows are spooled, new batches go to the
+    `timeout_s`, the whole wait: a hung server's connection is dropped, not closed politely)
+    is appended to a `UsageSpool` there and fsynced instead, and its `record`s return as
+    committed: the rows are durable. While rows are spooled, new batches go to the
     spool too (no waiting on a dead database per batch), and every `replay_interval_s` the
     writer tries to insert the spool's rows (duplicates of a `request_id` skipped, so a crash
     mid-replay duplicates nothing); `pending` counts the rows not yet in the database. Only a
@@ -218,7 +220,9 @@ class UsageWriter:
                 if first is _STOP:
                     break
                 if first is _REPLAY:
-                    await self._replay()
+                    # rows first: a replay may wait timeout_s on a database that hangs
+                    if self._replay_due and self._queue.empty():
+                        await self._replay()
                     continue
                 batch = [first]
                 stop = self._drain(batch)
@@ -227,7 +231,7 @@ class UsageWriter:
                     stop = self._drain(batch)
                 await self._write(batch)
                 batch = []
-                if self._replay_due:
+                if self._replay_due and self._queue.empty():
                     await self._replay()
             # Rows queued after the stop mark (a record racing close) still get written.
             while not self._queue.empty():
@@ -250,11 +254,15 @@ class UsageWriter:
                 if isinstance(item, tuple):
                     _settle(item[1], gone)
 
-    async def _insert(self, rows: list[dict[str, Any]]) -> None:
+    async def _insert(self, rows: list[dict[str, Any]], skip_existing: bool = False) -> None:
+        """Insert `rows` in one transaction; `skip_existing`: rows whose request_id is already
+        there are skipped (a replay of the spool)."""
         if self._engine is None:       # a sessionmaker without an engine: plain sessions
             async with self._sessionmaker() as session:
                 try:
-                    await session.execute(insert(UsageRecord), rows)
+                    stmt = _statement(session.get_bind().dialect.name, skip_existing)
+                    for start in range(0, len(rows), self.MAX_BATCH_LIMIT):
+                        await session.execute(stmt, rows[start:start + self.MAX_BATCH_LIMIT])
                     await session.commit()
                 except BaseException:
                     await session.rollback()
@@ -265,12 +273,14 @@ class UsageWriter:
         for attempt in (0, 1):        # a connection the server dropped is replaced once
             try:
                 if on_asyncpg:
-                    await self._insert_asyncpg(engine, rows)
+                    await self._insert_asyncpg(engine, rows, skip_existing)
                     return
                 if self._conn is None:
                     self._conn = await engine.connect()
+                stmt = _statement(engine.dialect.name, skip_existing)
                 async with self._conn.begin():
-                    await self._conn.execute(insert(UsageRecord), rows)
+                    for start in range(0, len(rows), self.MAX_BATCH_LIMIT):
+                        await self._conn.execute(stmt, rows[start:start + self.MAX_BATCH_LIMIT])
                 return
             except IntegrityError:
                 raise
@@ -281,10 +291,12 @@ class UsageWriter:
                 if attempt:
                     raise
 
-    async def _insert_asyncpg(self, engine: AsyncEngine, rows: list[dict[str, Any]]) -> None:
+    async def _insert_asyncpg(self, engine: AsyncEngine, rows: list[dict[str, Any]],
+                              skip_existing: bool = False) -> None:
         """PostgreSQL through asyncpg directly: one prepared INSERT, executemany in one
         transaction. A tenth of the CPU of going through SQLAlchemy's async adapter, which
-        matters on the path every response waits on."""
+        matters on the path every response waits on; and a connection of the writer's own,
+        which it can drop at once when the server hangs."""
         import asyncpg
 
         if self._conn is None:
@@ -298,53 +310,73 @@ class UsageWriter:
             if not self.synchronous_commit:   # this connection is the writer's alone
                 await self._conn.execute("SET synchronous_commit TO off")
         args = [tuple(r.get(c) for c in self._columns) for r in rows]
+        sql = self._sql + " ON CONFLICT (request_id) DO NOTHING" if skip_existing else self._sql
         # asyncpg runs executemany atomically (in a transaction of its own when none is open)
-        await self._conn.executemany(self._sql, args)
+        await self._conn.executemany(sql, args)
 
     async def _release_quietly(self) -> None:
-        """Close the connection, ignoring its errors: it is being replaced."""
-        if self._conn is not None:
-            with contextlib.suppress(Exception):    # a hung server: given up after timeout_s
-                async with asyncio.timeout(self.timeout_s):
-                    await self._conn.close()
-            self._conn = None
+        """Drop the connection at once, ignoring its errors: it is being replaced, and a hung
+        server would answer a polite close no sooner than the insert (asyncpg's `terminate`
+        closes the socket without a word to the server)."""
+        conn, self._conn = self._conn, None
+        with contextlib.suppress(Exception):
+            if hasattr(conn, "terminate"):      # asyncpg's own connection
+                conn.terminate()
+            elif conn is not None:              # SQLAlchemy's (SQLite, other drivers): a short grace
+                async with asyncio.timeout(min(self.timeout_s, _CLOSE_GRACE_S)):
+                    await conn.close()
 
     async def _release(self) -> None:
-        if self._conn is not None:
-            try:
+        """Close the connection at shutdown: politely within `timeout_s`, else dropped."""
+        if self._conn is None:
+            return
+        try:
+            async with asyncio.timeout(self.timeout_s):
                 await self._conn.close()
-            finally:
-                self._conn = None
+            self._conn = None
+        except Exception:  # noqa: BLE001 - a server that does not answer a close: dropped
+            await self._release_quietly()
 
     async def _write(self, batch: list[tuple[dict[str, Any], asyncio.Future[None]]]) -> None:
+        """Commit `batch`, or spool what is not committed: the whole of it, database work and
+        dropping a hung connection included, within `timeout_s`, and then the spool's fsync."""
+        rows = [values for values, _ in batch]
+        results: dict[int, BaseException | None] = {}     # row index -> its outcome, once known
         try:
             if self.pending:      # the database is known down: to the spool, in order
                 raise ConnectionError("usage rows are being spooled")
             async with asyncio.timeout(self.timeout_s):
-                await self._insert([values for values, _ in batch])
+                await self._commit(rows, results)
+        except Exception as exc:  # noqa: BLE001 - spooled, else handed to every caller left
+            await self._release_quietly()
+            rest = [i for i in range(len(rows)) if i not in results]
+            error = await self._to_spool([rows[i] for i in rest], exc)
+            results.update(dict.fromkeys(rest, error))
+        for i, (_, fut) in enumerate(batch):
+            _settle(fut, results[i])
+
+    async def _commit(self, rows: list[dict[str, Any]], results: dict[int, BaseException | None]) -> None:
+        """Insert `rows` in one transaction; should one be refused (an integrity error, e.g. a
+        repeated request_id), each on its own so that it does not sink the others. Each
+        outcome goes into `results` as soon as it is known; an error that is not a refusal
+        propagates (the caller spools the rows without one)."""
+        try:
+            await self._insert(rows)
         except IntegrityError as exc:
-            if len(batch) == 1:
-                _settle(batch[0][1], exc)
+            if len(rows) == 1:
+                results[0] = exc
                 return
-            # One bad row (e.g. a repeated request_id) must not sink the others.
-            for values, fut in batch:
+            for i, values in enumerate(rows):
                 try:
                     await self._insert([values])
-                except Exception as one_exc:  # noqa: BLE001 - handed to the caller
-                    _settle(fut, one_exc)
+                except IntegrityError as one_exc:
+                    results[i] = one_exc
                 else:
                     self._count(1)
-                    _settle(fut, None)
+                    results[i] = None
             return
-        except Exception as exc:  # noqa: BLE001 - spooled, else handed to every caller of the batch
-            await self._release_quietly()
-            error = await self._to_spool([values for values, _ in batch], exc)
-            for _, fut in batch:
-                _settle(fut, error)
-            return
-        self._count(len(batch))
-        for _, fut in batch:
-            _settle(fut, None)
+        self._count(len(rows))
+        results.update(dict.fromkeys(range(len(rows))))
 
     async def _to_spool(self, rows: list[dict[str, Any]], exc: BaseException) -> BaseException | None:
         """Spool rows the database did not take; None once they are on disk, else the error."""
@@ -362,38 +394,38 @@ class UsageWriter:
         return None
 
     async def _replay(self) -> None:
-        """Move the spool's rows into the database, file by file; stop at the first failure
-        (the next tick tries again)."""
-        self._replay_due = False
+        """Move the spool's rows into the database, file by file, each within timeout_s
+        (duplicates of a request_id skipped); stop at the first failure (the next tick tries
+        again)."""
         spool = self._spool
-        if spool is None or not spool.pending:
-            return
         try:
+            if spool is None:
+                return
             for path in await asyncio.to_thread(spool.take):
                 rows = await asyncio.to_thread(spool.read, path)
                 async with asyncio.timeout(self.timeout_s):
-                    await self._insert_new(rows)
+                    await self._insert(rows, skip_existing=True)
                 await asyncio.to_thread(spool.done, path)
                 self.replayed += len(rows)
                 logger.info("usage spool: %d rows replayed into the database", len(rows))
         except Exception as exc:  # noqa: BLE001 - the database is still away: retried on the next tick
-            logger.info("usage spool replay deferred (%d rows pending): %r", spool.pending, exc)
-
-    async def _insert_new(self, rows: list[dict[str, Any]]) -> None:
-        """Insert `rows` in one transaction, skipping any whose request_id is already there."""
-        async with self._sessionmaker() as session:
-            dialect = session.get_bind().dialect.name
-            make = postgresql.insert if dialect == "postgresql" else sqlite.insert
-            stmt = make(UsageRecord).on_conflict_do_nothing(index_elements=["request_id"])
-            for start in range(0, len(rows), self.MAX_BATCH_LIMIT):
-                if rows[start:start + self.MAX_BATCH_LIMIT]:
-                    await session.execute(stmt, rows[start:start + self.MAX_BATCH_LIMIT])
-            await session.commit()
+            await self._release_quietly()
+            logger.info("usage spool replay deferred (%d rows pending): %r", self.pending, exc)
+        finally:
+            self._replay_due = False      # until now: no second mark while this one runs
 
     def _count(self, n: int) -> None:
         self.batches += 1
         self.rows += n
         self.largest_batch = max(self.largest_batch, n)
+
+
+def _statement(dialect: str, skip_existing: bool) -> Any:
+    """INSERT into usage_records; with `skip_existing`, rows whose request_id is there are skipped."""
+    if not skip_existing:
+        return insert(UsageRecord)
+    make = postgresql.insert if dialect == "postgresql" else sqlite.insert
+    return make(UsageRecord).on_conflict_do_nothing(index_elements=["request_id"])
 
 
 def _is_integrity_error(exc: BaseException) -> bool:

@@ -114,3 +114,50 @@ async def test_a_replay_cut_by_a_crash_duplicates_nothing(pg, setup, tmp_path):
         await writer.close()
     assert await stored(sessions, tid) == [(f"d{i}", f"client-d{i}") for i in range(4)]
     assert not list(tmp_path.glob("usage-spool*"))
+
+
+def spooled_ids(directory) -> list[str]:
+    """The request ids in the spool's files (replays first, as `UsageSpool.take` orders them)."""
+    return [json.loads(x)["request_id"] for f in sorted(directory.glob("usage-spool*"))
+            for x in f.read_text().splitlines()]
+
+
+async def test_a_hung_database_spools_the_row_within_the_timeout_and_replays_it_once(pg, setup, tmp_path):
+    """PostgreSQL SIGSTOPped under open connections: the insert gets no answer, and neither
+    would a graceful close. `record` returns once the row is spooled, within `timeout_s` plus
+    a margin, the bound being the total (a hung connection is dropped, not closed politely),
+    whether the hang meets an insert or a replay of the spool (the second round: its pooled
+    connection open too); once the server answers again the rows are replayed, once each."""
+    _, tid, kid = setup
+    timeout = 1.0
+    # as the gateway builds it (gateway/app.py `database_engine`): every wait bounded
+    engine = db.make_engine(pg.url, pool_timeout=timeout,
+                            connect_args={"timeout": timeout, "command_timeout": timeout})
+    sessions = db.make_sessionmaker(engine)
+    writer = UsageWriter(sessions, spool_dir=tmp_path, timeout_s=timeout, replay_interval_s=0.1)
+
+    async def drained() -> bool:
+        return writer.pending == 0
+
+    await writer.start()
+    try:
+        await writer.record(row("h0", tid, kid))          # the writer's connection is open
+        for names in (("h1", "h2"), ("h3", "h4")):
+            pg.pause()
+            try:
+                # the first meets the hang; the second a replay under way, then the spool
+                for name in names:
+                    task = asyncio.create_task(writer.record(row(name, tid, kid)))
+                    done, _ = await asyncio.wait({task}, timeout=timeout + 0.5)
+                    assert task in done, f"record({name}) not spooled within timeout + 0.5 s of a hung database"
+                    await task
+                    await asyncio.sleep(0.2)              # the ticker's replay begins
+                assert spooled_ids(tmp_path) == list(names)
+            finally:
+                pg.resume()
+            await until(drained, timeout=15)
+    finally:
+        await writer.close()
+        await engine.dispose()
+    assert await stored(sessions, tid) == [(r, f"client-{r}") for r in ("h0", "h1", "h2", "h3", "h4")]
+    assert writer.replayed == 4 and writer.spooled == 4
