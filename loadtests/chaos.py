@@ -1,11 +1,12 @@
 """The chaos run: two `lockgate serve` replicas on a PostgreSQL and a redis-server of the
 run's own, tenants with a concurrency limit and a daily token budget, `num_requests` chat
-completions with client-side ids (streaming and not), while a fault driver kills a replica
-with SIGKILL `kills` times (restarting it on its port and data directory after
-`restart_pause_s`), hangs Redis (SIGSTOP ... SIGCONT) for `redis_hang_s` once and stops the
-database for `db_stop_s` once, one fault at a time. Then the checks of
-`harness.chaos_checks`: usage rows against attempts, the killed replicas' leases from the
-limiter's own state, budgets against rows; and the time to recover from each fault.
+completions with client-side ids (streaming and not), while a fault driver injects, one at a
+time (`harness.chaos_faults`): `kills` SIGKILLs of a replica (restarted on its port and data
+directory after `restart_pause_s`), a Redis hang (SIGSTOP ... SIGCONT) of `redis_hang_s`, a
+database stop of `db_stop_s`, `redis_restarts` Redis restarts (killed, back empty) and an
+overlap (database down, Redis hung, a replica killed, all cleared: `overlap_s`). Then the
+checks of `harness.chaos_checks`: usage rows against attempts, the killed replicas' leases
+from the limiter's own state, budgets against rows; and the time to recover from each fault.
 
     result = asyncio.run(run_chaos(ChaosConfig(num_requests=150, kills=1), work_dir))
     print("\\n".join(format_report(result)))
@@ -36,6 +37,7 @@ from lockgate.loadtests.harness.chaos_checks import (
     lease_key,
 )
 from lockgate.loadtests.harness.chaos_client import Attempt, LoadPlan, LoadState, run_load
+from lockgate.loadtests.harness.chaos_faults import KILLS, Cluster, Fault, drive_faults, plan_faults
 from lockgate.loadtests.harness.own_redis import OwnRedis
 from lockgate.loadtests.harness.pg import ThrowawayPostgres, throwaway_postgres
 from lockgate.loadtests.harness.replica import Replica, serve_env
@@ -50,6 +52,8 @@ class ChaosConfig:
     kills: int = 3
     redis_hang_s: float = 5.0
     db_stop_s: float = 5.0
+    redis_restarts: int = 1          # Redis killed and started again empty, mid-run
+    overlap_s: float = 6.0           # database down, Redis hung, a replica killed; 0: none
     duration_s: float = 120.0        # requests are paced at num_requests / duration_s
     concurrency: int = 16            # client requests in flight, at most
     lease_ttl_s: float = 6.0         # the replicas' LOCKGATE_LEASE_TTL_S (heartbeat: a third)
@@ -72,8 +76,11 @@ class ChaosConfig:
         return max(0.5, self.lease_ttl_s / 3)
 
     def fault_kinds(self) -> list[str]:
-        """Kills interleaved with the Redis hang and the database stop."""
-        others = [k for k, on in (("redis_hang", self.redis_hang_s > 0), ("db_stop", self.db_stop_s > 0)) if on]
+        """Kills interleaved with the other faults (harness/chaos_faults.py): the Redis hang,
+        the database stop, the Redis restarts, the overlap."""
+        others = [k for k, n in (("redis_hang", self.redis_hang_s > 0), ("db_stop", self.db_stop_s > 0),
+                                 ("redis_restart", self.redis_restarts), ("overlap", self.overlap_s > 0))
+                  for _ in range(int(n))]
         kinds: list[str] = []
         for i in range(max(self.kills, len(others))):
             if i < self.kills:
@@ -81,25 +88,6 @@ class ChaosConfig:
             if i < len(others):
                 kinds.append(others[i])
         return kinds
-
-
-@dataclass(slots=True)
-class Fault:
-    kind: str                       # "kill", "redis_hang" or "db_stop"
-    target: str                     # "replica 0", "redis", "postgres"
-    planned: float                  # seconds after the load's start
-    started: float = 0.0            # time.time()
-    ended: float = 0.0              # kill: the restarted replica ready; else the service back
-    in_flight: int = 0              # kill: the client's attempts in flight on it at the kill
-    leases_at_kill: int = 0         # kill: the dead process's unsettled admissions
-
-    def recovery(self, attempts: list[Attempt]) -> float | None:
-        """Seconds from the fault's end to the end of the first "ok" attempt that started
-        after it (for a kill, on the restarted replica)."""
-        replica = int(self.target.split()[1]) if self.kind == "kill" else None
-        ends = [a.ended for a in attempts if a.outcome == "ok" and a.started >= self.ended
-                and (replica is None or a.replica == replica)]
-        return min(ends) - self.ended if ends else None
 
 
 @dataclass
@@ -139,7 +127,8 @@ class ChaosResult:
             "config": asdict(self.config), "load_s": self.load_s, "requests": self.requests,
             "requests_ok": self.requests_ok, "attempts": len(self.attempts),
             "faults": [{**asdict(f), "started": f.started - self.started,
-                        "ended": f.ended - self.started, "recover_s": r}
+                        "ended": f.ended - self.started, "recover_s": r,
+                        "ready": f.ready - self.started if f.ready else None}
                        for f, r in zip(self.faults, self.recoveries(), strict=True)],
             "rows": asdict(self.rows), "leases": {**asdict(self.leases), "ok": self.leases.ok},
             "budgets": self.budgets, "budgets_ok": self.budgets_ok,
@@ -149,17 +138,6 @@ class ChaosResult:
 
 
 # -- the services and the tenants ---------------------------------------------------------------
-@dataclass
-class Cluster:
-    pg: ThrowawayPostgres
-    redis: OwnRedis
-    replicas: list[Replica]
-    admin_key: str
-    tenant_ids: list[str] = field(default_factory=list)
-    keys: list[list[str]] = field(default_factory=list)       # [tenant][replica] the key
-    key_ids: list[list[str]] = field(default_factory=list)    # [tenant][replica] its id
-
-
 def _replicas(cfg: ChaosConfig, work: Path, pg: ThrowawayPostgres, redis: OwnRedis,
               admin_key: str) -> list[Replica]:
     from lockgate.engine.demo_model import write_demo_model
@@ -201,71 +179,6 @@ def _make_tenants(cfg: ChaosConfig, cluster: Cluster) -> None:
             cluster.tenant_ids.append(tid)
             cluster.keys.append(keys)
             cluster.key_ids.append(ids)
-
-
-# -- the fault driver ---------------------------------------------------------------------------
-async def _kill(fault: Fault, replica: Replica, cfg: ChaosConfig, state: LoadState,
-                watch: LeaseWatch) -> None:
-    """Kill it under load: once it holds a live lease with 2 attempts in flight (or 10 s
-    passed), SIGKILL, reap, read its leases; restart it after `restart_pause_s`."""
-    deadline = time.monotonic() + 10.0
-    while time.monotonic() < deadline and not state.done:
-        if state.in_flight[replica.index] >= 2 and await watch.holds_lease(replica.index):
-            break
-        await asyncio.sleep(0.005)
-    fault.in_flight = state.in_flight[replica.index]
-    fault.started = time.time()
-    await asyncio.to_thread(replica.kill)
-    snap = await watch.at_kill(replica.index)
-    fault.leases_at_kill = len(snap.leases)
-    await asyncio.sleep(cfg.restart_pause_s)
-    await asyncio.to_thread(replica.start)
-    fault.ended = time.time()
-
-
-async def _inject(fault: Fault, cfg: ChaosConfig, cluster: Cluster, state: LoadState,
-                  watch: LeaseWatch) -> None:
-    if fault.kind == "kill":
-        await _kill(fault, cluster.replicas[int(fault.target.split()[1])], cfg, state, watch)
-    elif fault.kind == "redis_hang":
-        fault.started = time.time()
-        cluster.redis.pause()
-        try:
-            await asyncio.sleep(cfg.redis_hang_s)
-        finally:
-            cluster.redis.resume()
-        fault.ended = time.time()
-    else:
-        fault.started = time.time()
-        await asyncio.to_thread(cluster.pg.stop)
-        try:
-            await asyncio.sleep(cfg.db_stop_s)
-        finally:
-            await asyncio.to_thread(cluster.pg.start)
-        fault.ended = time.time()
-
-
-def plan_faults(cfg: ChaosConfig) -> list[Fault]:
-    kinds = cfg.fault_kinds()
-    span = max(0.0, cfg.duration_s - cfg.warmup_s - cfg.tail_s)
-    step = span / max(1, len(kinds))
-    faults, kill_no = [], 0
-    for i, kind in enumerate(kinds):
-        target = {"redis_hang": "redis", "db_stop": "postgres"}.get(kind, f"replica {kill_no % 2}")
-        kill_no += kind == "kill"
-        faults.append(Fault(kind, target, cfg.warmup_s + i * step))
-    return faults
-
-
-async def drive_faults(faults: list[Fault], cfg: ChaosConfig, cluster: Cluster, state: LoadState,
-                       load_start: asyncio.Future, watch: LeaseWatch) -> None:
-    """Each fault at its planned time, or 1 s after the previous one ended if that is later."""
-    t0 = await load_start
-    previous_end = 0.0
-    for f in faults:
-        await asyncio.sleep(max(0.0, t0 + f.planned - time.time(), previous_end + 1.0 - time.time()))
-        await _inject(f, cfg, cluster, state, watch)
-        previous_end = f.ended
 
 
 # -- after the load -----------------------------------------------------------------------------
@@ -384,8 +297,9 @@ def format_report(r: ChaosResult) -> list[str]:
     lines.append("faults:")
     for f, rec in zip(r.faults, r.recoveries(), strict=True):
         extra = (f", {f.in_flight} attempts in flight, {f.leases_at_kill} leases held"
-                 if f.kind == "kill" else "")
-        lines.append(f"  {f.kind:<10} {f.target:<9} at {f.started - r.started:6.1f} s, "
+                 if f.kind in KILLS else "")
+        extra += f", replica ready at {f.ready - r.started:.1f} s" if f.kind == "overlap" else ""
+        lines.append(f"  {f.kind:<13} {f.target:<9} at {f.started - r.started:6.1f} s, "
                      f"back at {f.ended - r.started:6.1f} s{extra}; time to recover {_fmt_s(rec)}")
     rows = r.rows
     lines.append(f"usage rows {rows.rows}: lost {rows.lost} / invented {rows.invented} / "
@@ -408,7 +322,7 @@ def format_report(r: ChaosResult) -> list[str]:
     lines.append(f"  live leases {le.checked_after_last_kill_s or 0:.1f} s after the last kill: {live}"
                  f" -> {'ok' if le.ok else 'FAILED'}")
     conv = ("converged " + _fmt_s(r.budgets_converged_s) + " after the checks began"
-            if r.budgets_ok else "NOT equal (needs the lease reconciler)")
+            if r.budgets_ok else "NOT equal")
     lines.append(f"budgets vs rows: {conv}")
     for tid, b in r.budgets.items():
         lines.append(f"  {tid}: day counter {b['counter']}, rows {b['rows']}, gap {b['gap']}")

@@ -408,6 +408,9 @@ def bench_chaos(
     kills: Annotated[int, typer.Option(min=0, help="replica kills (SIGKILL, then a restart)")] = 3,
     redis_hang: Annotated[float, typer.Option(min=0.0, help="seconds Redis is stopped (SIGSTOP), once")] = 5.0,
     db_stop: Annotated[float, typer.Option(min=0.0, help="seconds PostgreSQL is down, once")] = 5.0,
+    redis_restarts: Annotated[int, typer.Option(min=0, help="Redis killed and started again empty")] = 1,
+    overlap: Annotated[float, typer.Option(
+        min=0.0, help="seconds of database down, Redis hung and a replica killed together, once")] = 6.0,
     duration: Annotated[float, typer.Option(min=1.0, help="seconds the requests are paced over")] = 120.0,
     concurrency: Annotated[int, typer.Option(min=1, help="client requests in flight, at most")] = 16,
     lease_ttl: Annotated[float, typer.Option(min=0.5, help="the replicas' LOCKGATE_LEASE_TTL_S")] = 6.0,
@@ -415,13 +418,15 @@ def bench_chaos(
     work_dir: Annotated[Path | None, typer.Option(help="keep the replicas' data and logs here")] = None,
     json_out: Annotated[Path | None, typer.Option("--json", help="also write the results here")] = None,
 ) -> None:
-    """Two replicas on a PostgreSQL and a Redis of their own, killed, hung and stopped under
-    load: usage rows lost / invented / duplicated, lease release, budgets, time to recover."""
+    """Two replicas on a PostgreSQL and a Redis of their own, killed, hung, stopped and restarted
+    under load, alone and together: usage rows lost / invented / duplicated, lease release,
+    budgets, time to recover."""
     from lockgate.loadtests.chaos import ChaosConfig
     from lockgate.loadtests.chaos import bench_chaos as run
     from lockgate.loadtests.harness.services import ServiceUnavailable
 
     cfg = ChaosConfig(num_requests=num_requests, kills=kills, redis_hang_s=redis_hang, db_stop_s=db_stop,
+                      redis_restarts=redis_restarts, overlap_s=overlap,
                       duration_s=duration, concurrency=concurrency, lease_ttl_s=lease_ttl, seed=seed)
     try:
         ok = run(cfg, work_dir=work_dir, json_out=json_out, echo=typer.echo)

@@ -15,7 +15,9 @@ replica's leases are the members of its keys' lease sets. At a kill the driver r
 process, then reads Redis's TIME (T_k) and those sets: their members are the dead process's
 unsettled admissions (nothing else writes to those sets while the replica is down). A dead
 process heartbeats no more, so each such lease's score, its last heartbeat + ttl, is at most
-T_k + ttl: the slot is back by then, whatever the reconciler does. The check asserts every
+T_k + ttl: the slot is back by then, whatever the reconciler does. (A kill while Redis is
+hung is read once Redis answers again, and T_k is then: a heartbeat the process sent before
+it died, still unread in Redis's socket, runs only then, so its lease lives ttl from there.) The check asserts every
 score ever seen for such a member (sampled through the run, at the kill, and at the end) is
 <= T_k + ttl + one heartbeat (the promise), reports the largest score - T_k, and, once
 Redis's clock is past the last kill + ttl + heartbeat, that no scope holds a live lease
@@ -146,7 +148,9 @@ class LeaseWatch:
             return False
 
     async def at_kill(self, replica: int) -> KillSnapshot:
-        """Call once the killed process is reaped: its unsettled admissions, and T_k."""
+        """Call once the killed process is reaped: its unsettled admissions, and T_k. (A kill
+        while Redis was hung: once it answers again. Commands the dead process had sent and
+        Redis had not read yet, a heartbeat, run when it does, so T_k is then.)"""
         now = await self.now_us()
         sets = await self._read(self.replica_keys[replica])
         earlier = {m for k in self.kills for m in k.leases}

@@ -50,6 +50,7 @@ class Attempt:
     outcome: str = "unreachable"
     error_code: str | None = None
     usage: tuple[int, int] | None = None   # (prompt, completion) as the client was told
+    max_tokens: int = 0          # asked for
 
 
 @dataclass(slots=True)
@@ -158,11 +159,12 @@ async def _request(i: int, plan: LoadPlan, clients: Sequence[httpx.AsyncClient],
                    rng: random.Random, state: LoadState) -> None:
     tenant = i % len(plan.keys)
     stream = rng.random() < plan.stream_fraction
-    body = _body(stream, rng.choice(plan.max_tokens), i)
+    max_tokens = rng.choice(plan.max_tokens)
+    body = _body(stream, max_tokens, i)
     for number in range(plan.max_attempts):
         replica = (i + number) % len(plan.urls)
         a = Attempt(i, number, f"{plan.run_id}-{i:05d}-{number}", replica, tenant, stream,
-                    time.time())
+                    time.time(), max_tokens=max_tokens)
         state.attempts.append(a)
         state.last_start = a.started
         state.in_flight[replica] += 1

@@ -18,17 +18,19 @@ class OwnRedis:
     """`redis-server` on a free port, no persistence, its files under `work_dir`."""
 
     def __init__(self, work_dir: Path) -> None:
-        import redis
-
         server = shutil.which("redis-server")
         if server is None:
             raise ServiceUnavailable("no redis-server on PATH")
         self.port = free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.proc = subprocess.Popen(
-            [server, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", str(work_dir)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self._args = [server, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                      "--appendonly", "no", "--dir", str(work_dir)]
+        self._launch()
+
+    def _launch(self) -> None:
+        import redis
+
+        self.proc = subprocess.Popen(self._args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         client = redis.Redis(port=self.port, socket_timeout=1)
         deadline = time.monotonic() + 10
         try:
@@ -43,6 +45,14 @@ class OwnRedis:
                     time.sleep(0.02)
         finally:
             client.close()
+
+    def restart(self) -> None:
+        """SIGKILL, then a fresh redis-server on the same port: Redis lost with all its data
+        (no persistence) and back empty. Clients' connections break and must reconnect."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+        self._launch()
 
     def pause(self) -> None:
         """SIGSTOP: connections stay open and nothing answers (a hung Redis)."""

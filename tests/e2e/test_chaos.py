@@ -1,11 +1,14 @@
 """The chaos test, scaled down for CI: the gateway's reliability promises hold through a
-killed replica, a hung Redis and a stopped database. 150 chat completions with client-side
-ids over two `lockgate serve` replicas on a PostgreSQL and a redis-server of the run's own,
-while the driver kills a replica with SIGKILL once (under load: once it holds a lease),
-hangs Redis for 1.5 s and stops the database for 2 s (one fault at a time), lease ttl 3 s
+killed replica, a hung Redis, a stopped database, a Redis restarted empty and all of them at
+once. 180 chat completions with client-side ids over two `lockgate serve` replicas on a
+PostgreSQL and a redis-server of the run's own, while the driver (one fault at a time, see
+`loadtests/harness/chaos_faults.py`) kills a replica with SIGKILL once (under load: once it
+holds a lease), hangs Redis for 1.5 s, stops the database for 2 s, kills Redis and starts it
+again empty, then overlaps: the database down, Redis hung, a replica killed, all cleared
+within 3 s (the replica restarted on its data directory, replaying its spool). Lease ttl 3 s
 (heartbeat 1 s). The full 1,000-request run is `lockgate bench chaos`.
 
-The run happens once (module fixture, about 40 s); each test asserts one promise on it:
+The run happens once (module fixture, about 70 s); each test asserts one promise on it:
 
 - every attempt answered 200 (JSON, or a stream to [DONE]) has exactly one usage row, "ok",
   with the tokens the client was told; every other attempt at most one; no row invented;
@@ -32,7 +35,8 @@ from lockgate.loadtests.harness.chaos_client import Attempt
 from lockgate.loadtests.harness.services import ServiceUnavailable
 
 CONFIG = ChaosConfig(
-    num_requests=150, kills=1, redis_hang_s=1.5, db_stop_s=2.0, duration_s=30.0,
+    num_requests=180, kills=1, redis_hang_s=1.5, db_stop_s=2.0, redis_restarts=1, overlap_s=3.0,
+    duration_s=36.0,
     concurrency=8, lease_ttl_s=3.0, tenants=3, tenant_concurrency=2,
     max_tokens=(16, 64, 128, 256),      # long enough that a kill finds requests in flight
     warmup_s=3.0, tail_s=4.0,
@@ -89,7 +93,7 @@ def test_every_200_has_exactly_one_row_and_no_row_is_invented(chaos: ChaosResult
 def test_killed_replica_leases_released_within_ttl_plus_heartbeat(chaos: ChaosResult):
     leases = chaos.leases
     bound = CONFIG.lease_ttl_s + CONFIG.heartbeat_s
-    assert len(leases.kills) == CONFIG.kills
+    assert len(leases.kills) == CONFIG.kills + 1           # the overlap kills one too
     for k in leases.kills:
         assert k["leases"] >= 1, "the kill found no lease of the replica: nothing was checked"
         assert k["over_bound"] == 0, k
@@ -109,7 +113,10 @@ def test_killed_replica_reservations_reconciled_within_the_bound(chaos: ChaosRes
 
 def test_budgets_equal_the_sum_of_usage_rows(chaos: ChaosResult):
     # Needs the lease reconciler (gateway/reconciler.py, 8b13fd7): without it a killed
-    # replica's reservations stay on the day counters and this fails. Not xfailed on purpose.
+    # replica's reservations stay on the day counters and this fails. Needs the day counters
+    # rebuilt from the rows once Redis is back empty (the Redis restart), and a spooled row
+    # replayed after its reservation was refunded charged again (the overlap). Not xfailed
+    # on purpose.
     for tenant, b in chaos.budgets.items():
         assert b["gap"] == 0, (tenant, b)
     assert all(b["rows"] > 0 for b in chaos.budgets.values())
@@ -118,7 +125,7 @@ def test_budgets_equal_the_sum_of_usage_rows(chaos: ChaosResult):
 
 
 def test_each_fault_injected_under_load_and_recovered(chaos: ChaosResult):
-    assert [f.kind for f in chaos.faults] == ["kill", "redis_hang", "db_stop"]
+    assert [f.kind for f in chaos.faults] == ["kill", "redis_hang", "db_stop", "redis_restart", "overlap"]
     assert chaos.notes == []                      # every fault began while requests were sent
     for f in chaos.faults:
         assert f.started < f.ended
@@ -129,3 +136,5 @@ def test_each_fault_injected_under_load_and_recovered(chaos: ChaosResult):
     outcomes = {a.outcome for a in chaos.attempts}
     assert "unreachable" in outcomes or "cut" in outcomes        # the kill was felt
     assert any(a.error_code == "limiter_unavailable" for a in chaos.attempts)   # the hang was
+    overlap = chaos.faults[-1]
+    assert overlap.leases_at_kill >= 1 and overlap.ended < overlap.ready   # killed under load, restarted
