@@ -54,7 +54,8 @@ class ChaosConfig:
     db_stop_s: float = 5.0
     redis_restarts: int = 1          # Redis killed and started again empty, mid-run
     overlap_s: float = 6.0           # database down, Redis hung, a replica killed; 0: none
-    duration_s: float = 120.0        # requests are paced at num_requests / duration_s
+    duration_s: float = 120.0        # requests are paced at num_requests / duration_s, and go on
+                                     # at that pace until every fault is over and tail_s has passed
     concurrency: int = 16            # client requests in flight, at most
     lease_ttl_s: float = 6.0         # the replicas' LOCKGATE_LEASE_TTL_S (heartbeat: a third)
     tenants: int = 3
@@ -228,10 +229,14 @@ async def _run(cfg: ChaosConfig, cluster: Cluster, echo: Callable[[str], None]) 
     load_start: asyncio.Future = asyncio.get_running_loop().create_future()
     sampler = asyncio.create_task(watch.run(stop))
     try:
-        echo(f"load: {cfg.num_requests} requests at {plan.rate:.1f}/s; faults: "
+        echo(f"load: {cfg.num_requests} requests (or more, until the faults are over) at {plan.rate:.1f}/s; faults: "
              + ", ".join(f"{f.kind} ({f.target}) at {f.planned:.0f} s" for f in faults))
         driver = asyncio.create_task(drive_faults(faults, cfg, cluster, state, load_start, watch))
-        await run_load(plan, state, on_start=load_start.set_result)
+
+        def more() -> bool:   # slow restarts: the load goes on until every fault ended, and the tail
+            return not all(f.ended for f in faults) or time.time() < max(f.ended for f in faults) + cfg.tail_s
+
+        await run_load(plan, state, on_start=load_start.set_result, more=more)
         started = load_start.result()
         load_s = time.time() - started
         await driver
@@ -244,8 +249,9 @@ async def _run(cfg: ChaosConfig, cluster: Cluster, echo: Callable[[str], None]) 
         stop.set()
         await sampler
         budgets, converged, _ = await _budgets(cfg, cluster, watch, cluster.pg.dsn)
-        return ChaosResult(cfg, started, load_s, cfg.num_requests, state.attempts, faults, rows,
-                           leases, budgets, converged, (watch.samples, watch.failed_samples), notes)
+        requests = len({a.request for a in state.attempts})
+        return ChaosResult(cfg, started, load_s, requests, state.attempts, faults, rows, leases,
+                           budgets, converged, (watch.samples, watch.failed_samples), notes)
     finally:
         stop.set()
         sampler.cancel()

@@ -4,7 +4,8 @@ replica when a replica is gone and after a pause when the gateway answers 503 or
 concurrency 429.
 
 Request i is due at t0 + i/rate and runs once a slot of `concurrency` is free; its first
-attempt goes to replica i % 2, each retry to the other one. What ends a request:
+attempt goes to replica i % 2, each retry to the other one. Past `num_requests`, requests go
+on at that pace while the caller says so (the chaos run: until its faults are over). What ends a request:
 
 - a 200 JSON body, or a stream that ended with `data: [DONE]`: "ok";
 - a 429 `insufficient_quota` (the budget is spent) or any other 4xx: final, not retried;
@@ -180,10 +181,10 @@ async def _request(i: int, plan: LoadPlan, clients: Sequence[httpx.AsyncClient],
         await asyncio.sleep(pause)
 
 
-async def run_load(plan: LoadPlan, state: LoadState,
-                   on_start: Callable[[float], None] | None = None) -> None:
-    """Send every request of `plan`, paced and bounded; attempts land in `state.attempts`."""
-    rngs = [random.Random(plan.seed * 1_000_003 + i) for i in range(plan.num_requests)]
+async def run_load(plan: LoadPlan, state: LoadState, on_start: Callable[[float], None] | None = None,
+                   more: Callable[[], bool] | None = None) -> None:
+    """Send every request of `plan`, paced and bounded, and then, at the same pace, more while
+    `more()` says so; attempts land in `state.attempts`."""
     slots = asyncio.Semaphore(plan.concurrency)
     limits = httpx.Limits(max_connections=plan.concurrency, max_keepalive_connections=plan.concurrency)
     timeout = httpx.Timeout(plan.timeout_s, connect=2.0)
@@ -194,15 +195,17 @@ async def run_load(plan: LoadPlan, state: LoadState,
 
     async def one(i: int) -> None:
         async with slots:
-            await _request(i, plan, clients, rngs[i], state)
+            await _request(i, plan, clients, random.Random(plan.seed * 1_000_003 + i), state)
 
     tasks = []
     try:
-        for i in range(plan.num_requests):
+        i = 0
+        while i < plan.num_requests or (more is not None and more()):
             await asyncio.sleep(max(0.0, t0 + i / plan.rate - time.monotonic()))
             await slots.acquire()      # no request is due while all slots are busy
             slots.release()
             tasks.append(asyncio.create_task(one(i)))
+            i += 1
         await asyncio.gather(*tasks)
     finally:
         for t in tasks:
