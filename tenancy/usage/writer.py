@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, fields
 from datetime import datetime
 from pathlib import Path
@@ -101,14 +102,19 @@ class UsageWriter:
     spool too (no waiting on a dead database per batch), and every `replay_interval_s` the
     writer tries to insert the spool's rows (duplicates of a `request_id` skipped, so a crash
     mid-replay duplicates nothing); `pending` counts the rows not yet in the database. Only a
-    refused row (an integrity error) or a spool that cannot be written fails its `record`."""
+    refused row (an integrity error) or a spool that cannot be written fails its `record`.
+    `on_replayed`, if given, is called with each replayed file's rows once they are in the
+    database (before the file is deleted; bounded by `timeout_s`, its failure logged): the
+    limiter's charge for rows whose reservations were refunded meanwhile, which must be
+    idempotent (a crash before the delete replays the file again)."""
 
     MAX_BATCH_LIMIT = 2000     # 13 bound values a row; stays under SQLite/PostgreSQL limits
 
     def __init__(self, sessionmaker: async_sessionmaker[AsyncSession], max_batch: int = 256,
                  max_delay_s: float = 0.0, synchronous_commit: bool = True, *,
                  spool_dir: Path | None = None, timeout_s: float = 5.0,
-                 replay_interval_s: float = 1.0) -> None:
+                 replay_interval_s: float = 1.0,
+                 on_replayed: Callable[[list[dict[str, Any]]], Awaitable[object]] | None = None) -> None:
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) \
                 or not 1 <= max_batch <= self.MAX_BATCH_LIMIT:
             raise Invalid("max_batch", f"must be an integer from 1 to {self.MAX_BATCH_LIMIT}")
@@ -121,6 +127,7 @@ class UsageWriter:
         self.timeout_s = float(timeout_s)
         self.replay_interval_s = float(replay_interval_s)
         self._spool = UsageSpool(spool_dir) if spool_dir is not None else None
+        self.on_replayed = on_replayed
         self._ticker: asyncio.Task[None] | None = None
         self._replay_due = False
         self.spooled = 0          # rows this writer put in the spool
@@ -373,11 +380,21 @@ class UsageWriter:
                 rows = await asyncio.to_thread(spool.read, path)
                 async with asyncio.timeout(self.timeout_s):
                     await self._insert_new(rows)
+                await self._replayed(rows)
                 await asyncio.to_thread(spool.done, path)
                 self.replayed += len(rows)
                 logger.info("usage spool: %d rows replayed into the database", len(rows))
         except Exception as exc:  # noqa: BLE001 - the database is still away: retried on the next tick
             logger.info("usage spool replay deferred (%d rows pending): %r", spool.pending, exc)
+
+    async def _replayed(self, rows: list[dict[str, Any]]) -> None:
+        if self.on_replayed is None or not rows:
+            return
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                await self.on_replayed(rows)
+        except Exception:  # the rows are in; only their charge is missing, logged
+            logger.exception("usage spool: the hook on %d replayed rows failed", len(rows))
 
     async def _insert_new(self, rows: list[dict[str, Any]]) -> None:
         """Insert `rows` in one transaction, skipping any whose request_id is already there."""
