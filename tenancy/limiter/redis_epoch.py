@@ -40,6 +40,7 @@ logger = logging.getLogger(__name__)
 
 _US = 1_000_000
 REFUND_MS = int(REFUND_TTL * 1000)
+_REPLAY_BATCH = 64
 
 
 def high_water(epoch: str) -> int:
@@ -127,17 +128,21 @@ class EpochMixin:
 
     async def charge_replayed(self, rows: Sequence[ReplayedRow]) -> int:
         charged = 0
-        for row in rows:
-            try:
-                charged += await self._charge_one(row)
-            except Invalid as exc:
-                logger.error("replayed row %s: unreadable refund description (%s)", row.request_id, exc)
+        for i in range(0, len(rows), _REPLAY_BATCH):     # pipelined, a batch at a time
+            charged += sum(await asyncio.gather(*(self._charge_one(r) for r in rows[i:i + _REPLAY_BATCH])))
         if charged:
             logger.warning("%d usage row(s) replayed from a spool charged to the budgets (their "
                            "admissions were refunded, or lost with Redis)", charged)
         return charged
 
     async def _charge_one(self, row: ReplayedRow) -> int:
+        try:
+            return await self._charge(row)
+        except Invalid as exc:
+            logger.error("replayed row %s: unreadable refund description (%s)", row.request_id, exc)
+            return 0
+
+    async def _charge(self, row: ReplayedRow) -> int:
         tag = tenant_scope_key(row.tenant_id)
         head = [K.marker(self.prefix, tag, row.request_id), K.epoch(self.prefix, tag),
                 K.refund(self.prefix, tag, row.request_id)]
