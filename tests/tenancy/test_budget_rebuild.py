@@ -164,3 +164,40 @@ async def test_the_in_process_limiter_has_no_epoch_to_lose():
     await lim.settle(lease, 40)
     assert await lim.charge_replayed([ReplayedRow("r1", "t-local", "k", 40, 0.0)]) == 0
     assert await day(lim, s) == 40
+
+
+async def test_on_redis_cluster_one_tags_node_losing_it_rebuilds_that_tag(
+        sessions, tenant, redis_cluster, cluster_prefix):
+    """The rebuild, a stale settlement, a refund and its replayed row, each one script on the
+    tag's slot; the other tag keeps its epoch and counters."""
+    lim = RedisLimiter(redis_cluster.url, prefix=cluster_prefix, lease_ttl=0.3,
+                       rebuilder=BudgetRebuilder(sessions, 5.0))
+    other = scope("t-other")
+    try:
+        s = scope(tenant)
+        running = await admit(lim, "a", s, 500)
+        await lim.settle(await admit(lim, "o", other, 70), 70)
+        await row(sessions, tenant, "b", 100)
+        await lim.settle(await admit(lim, "b", s, 100), 100)
+        for port in redis_cluster.ports:       # the tag's node, emptied of the tag's slot
+            node = redis.Redis(host="127.0.0.1", port=port)
+            try:
+                keys = list(node.scan_iter(match=f"{cluster_prefix}{{tenant:{tenant}}}*"))
+                if keys:
+                    node.delete(*keys)
+            finally:
+                node.close()
+        died = await admit(lim, "c", s, 50)                      # rebuilt: b's row
+        assert await day(lim, s) == 100 + 50
+        await lim.settle(running, 300)                           # no row yet: charged
+        await row(sessions, tenant, "a", 300)
+        assert await day(lim, s) == 100 + 50 + 300
+        await asyncio.sleep(0.4)                                 # c's replica died
+        assert await lim.abandon(died) is True                   # refunded: no row
+        assert await day(lim, s) == 100 + 300
+        await row(sessions, tenant, "c", 40)                     # its row, replayed
+        assert await lim.charge_replayed([ReplayedRow("c", tenant, "key_x", 40, 0.0)]) == 1
+        assert await day(lim, s) == 100 + 300 + 40              # == the rows
+        assert (await lim.usage(other))["day_tokens"] == 70     # the other tag: untouched
+    finally:
+        await lim.close()
