@@ -35,13 +35,14 @@ from lockgate.gateway.metrics import CountResponses, Metrics
 from lockgate.gateway.model_catalog import read_catalog
 from lockgate.gateway.model_directory import ModelDirectory, ModelEntry
 from lockgate.gateway.openapi import install_openapi
-from lockgate.gateway.reconciler import reconcile_once
+from lockgate.gateway.reconciler import reconcile_once, replay_charger
 from lockgate.gateway.request_context import RequestContext
 from lockgate.gateway.settings import Settings, parse_model_specs
 from lockgate.gateway.state import AppState, Lifecycle
 from lockgate.gateway.tokenize_pool import TokenizePool
 from lockgate.tenancy import api_keys, db, keys, tenants
 from lockgate.tenancy.limiter import FailoverLimiter, InProcessLimiter, Limiter, RedisLimiter
+from lockgate.tenancy.limiter.rebuild import BudgetRebuilder
 from lockgate.tenancy.usage.refusals import RefusalCounter
 from lockgate.tenancy.usage.writer import UsageWriter
 
@@ -217,13 +218,15 @@ def load_pepper(s: Settings) -> bytes:
             else keys.load_or_create_pepper(s.data_dir))
 
 
-def make_limiter(s: Settings) -> Limiter:
+def make_limiter(s: Settings, sessions: Any = None) -> Limiter:
     """In-process without Redis; on Redis, bounded by `redis_timeout_s` and, while Redis fails,
-    closed (503) or open (this replica's in-process limiter) as `limits_on_redis_failure` says."""
+    closed (503) or open (this replica's in-process limiter) as `limits_on_redis_failure` says;
+    budgets Redis lost are rebuilt from the usage rows of `sessions` (`limiter.rebuild`)."""
     if not s.redis_url:
         return InProcessLimiter(lease_ttl=s.lease_ttl_s)
+    rebuilder = BudgetRebuilder(sessions, s.database_timeout_s) if sessions is not None else None
     shared = RedisLimiter(s.redis_url, prefix=s.redis_prefix, lease_ttl=s.lease_ttl_s,
-                          timeout=s.redis_timeout_s)
+                          timeout=s.redis_timeout_s, rebuilder=rebuilder)
     fallback = InProcessLimiter(lease_ttl=s.lease_ttl_s) if s.limits_on_redis_failure == "open" else None
     return FailoverLimiter(shared, fallback=fallback, max_queued=s.limiter_max_queued_settlements)
 
@@ -295,12 +298,14 @@ async def stop_serving(state: AppState | None, runner: BatchRunner | None, tasks
         await state.refusals.close()     # the last 429 counts, within database_timeout_s
 
 
-def usage_writer(s: Settings, sessions: Any) -> UsageWriter:
+def usage_writer(s: Settings, sessions: Any, limiter: Limiter) -> UsageWriter:
     # rows the database cannot take (down, or no answer within database_timeout_s) are
-    # spooled under the data directory and replayed once it is back
+    # spooled under the data directory and replayed once it is back, charged to the budgets
+    # then if their reservations were refunded meanwhile (`reconciler.replay_charger`)
     return UsageWriter(sessions, max_batch=s.usage_batch_max, max_delay_s=s.usage_batch_delay_s,
                        synchronous_commit=s.usage_synchronous_commit, spool_dir=s.data_dir / "usage-spool",
-                       timeout_s=s.database_timeout_s, replay_interval_s=s.usage_replay_interval_s)
+                       timeout_s=s.database_timeout_s, replay_interval_s=s.usage_replay_interval_s,
+                       on_replayed=replay_charger(limiter))
 
 
 @asynccontextmanager
@@ -314,8 +319,8 @@ async def lifespan(app: FastAPI, settings: Settings, engine_factory: EngineFacto
     database = database_engine(s, await prepare_database(s))
     sessions = db.make_sessionmaker(database)
     pepper = load_pepper(s)
-    limiter = make_limiter(s)
-    usage = usage_writer(s, sessions)
+    limiter = make_limiter(s, sessions)
+    usage = usage_writer(s, sessions, limiter)
     await usage.start()
     entries: dict[str, ModelEntry] = {}
     state: AppState | None = None

@@ -13,19 +13,37 @@ so the first wins and the rest are no-ops. A request found expired but alive aft
 replica lost Redis for longer than `lease_ttl_s`) is charged in full when it settles.
 
 With the database unreachable nothing is decided (a row may be there): the next beat retries.
+
+"No row" is not "never a row": a replica that answered while the database was down kept its
+rows in its spool (`tenancy.usage.spool`), and if it died before replaying them another
+replica finds their admissions expired with no row and refunds them; the rows arrive when the
+dead replica restarts. Two ways to keep budgets equal to rows: never refund an admission
+whose row may still be spooled, or charge a refunded admission when its row arrives. The
+first cannot be decided here: no replica can see another's disk, so it would mean never
+refunding at all (or only after a guess of how long a spool may wait), and every request that
+truly died before its row (a replica killed mid-stream) would keep its whole reservation on
+the budget. So refunds stay, and the replay charges them: `abandon` leaves the admission's
+marker 'r' with its lease's scopes, day and month for `REFUND_TTL` (days), and the usage
+writer, once it has inserted a spooled file's rows, hands them to `replay_charger`, which
+charges each whose marker says refunded and consumes the marker in the same script
+(`Limiter.charge_replayed`): once, however many replicas replay it or however often. A row
+whose admission was not refunded finds no 'r' and is not charged again.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from datetime import datetime
+from typing import Any
 
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from lockgate.gateway.state import AppState
-from lockgate.tenancy.limiter import Lease
+from lockgate.tenancy.limiter import Lease, Limiter
+from lockgate.tenancy.limiter.base import ReplayedRow
 from lockgate.tenancy.models import UsageRecord
 
 logger = logging.getLogger(__name__)
@@ -69,3 +87,17 @@ async def reconcile_once(state: AppState) -> dict[str, int]:
                    "rows, %d refunded (no row), %d skipped", counts["settled"],
                    counts["abandoned"], counts["skipped"])
     return counts
+
+
+def replay_charger(limiter: Limiter) -> Callable[[list[dict[str, Any]]], Awaitable[int]]:
+    """The usage writer's hook for rows it replayed from its spool: each charged to the
+    budgets if its admission was refunded meanwhile (see the module docstring)."""
+    async def charge(rows: list[dict[str, Any]]) -> int:
+        replayed = [ReplayedRow(request_id=r["request_id"], tenant_id=r["tenant_id"],
+                                api_key_id=r["api_key_id"],
+                                tokens=int(r["prompt_tokens"]) + int(r["completion_tokens"]),
+                                created_at=r["created_at"].timestamp()
+                                if isinstance(r.get("created_at"), datetime) else 0.0)
+                    for r in rows]
+        return await limiter.charge_replayed(replayed)
+    return charge

@@ -45,6 +45,7 @@ from lockgate.gateway.tokenize_pool import current_tenant
 from lockgate.tenancy.auth import Principal
 from lockgate.tenancy.errors import Invalid, LimiterUnavailable
 from lockgate.tenancy.limiter import Decision, Lease, LimitScope
+from lockgate.tenancy.limiter.rebuild import key_scope_key, tenant_scope_key
 from lockgate.tenancy.quota import Quota
 
 logger = logging.getLogger(__name__)
@@ -55,12 +56,13 @@ def new_request_id() -> str:
 
 
 def tenant_scope(tenant_id: str | None, quota: Quota) -> LimitScope:
-    return LimitScope(f"tenant:{tenant_id}", quota)
+    """A tenant's limits (the names `limiter.rebuild` finds its usage rows by)."""
+    return LimitScope(tenant_scope_key(tenant_id), quota)
 
 
 def key_scope(tenant_id: str | None, key_id: str, quota: Quota) -> LimitScope:
     """A key's limits, in its tenant's group (one Redis Cluster slot with the tenant's)."""
-    return LimitScope(f"key:{key_id}", quota, tag=f"tenant:{tenant_id}")
+    return LimitScope(key_scope_key(key_id), quota, tag=tenant_scope_key(tenant_id))
 
 
 def scopes_of(principal: Principal, default_concurrency: int | None = None) -> list[LimitScope]:

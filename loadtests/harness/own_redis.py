@@ -1,5 +1,6 @@
 """A redis-server of a benchmark's own on a free loopback port, to hang (SIGSTOP) and resume
-(SIGCONT). (The tests use it too, through tests/support/own_redis.py.)"""
+(SIGCONT), or to lose (`restart`: kill -9, then a fresh empty one on the same port). (The tests
+use it too, through tests/support/own_redis.py.)"""
 
 from __future__ import annotations
 
@@ -21,16 +22,20 @@ class OwnRedis:
         server = shutil.which("redis-server")
         if server is None:
             raise ServiceUnavailable("no redis-server on PATH")
+        self.server = server
+        self.work_dir = work_dir
         self.port = free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
-        self._args = [server, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                      "--appendonly", "no", "--dir", str(work_dir)]
-        self._launch()
+        self._start()
 
-    def _launch(self) -> None:
+    def _start(self) -> None:
+        """Start redis-server on `port` and wait (10 s at most) until it answers a PING."""
         import redis
 
-        self.proc = subprocess.Popen(self._args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(
+            [self.server, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--dir", str(self.work_dir)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         client = redis.Redis(port=self.port, socket_timeout=1)
         deadline = time.monotonic() + 10
         try:
@@ -46,17 +51,17 @@ class OwnRedis:
         finally:
             client.close()
 
-    def restart(self) -> None:
-        """SIGKILL, then a fresh redis-server on the same port: Redis lost with all its data
-        (no persistence) and back empty. Clients' connections break and must reconnect."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(10)
-        self._launch()
-
     def pause(self) -> None:
         """SIGSTOP: connections stay open and nothing answers (a hung Redis)."""
         os.kill(self.proc.pid, signal.SIGSTOP)
+
+    def restart(self) -> None:
+        """kill -9 the server, then start a fresh one on the same port: every key is gone (no
+        persistence), as after a crash; clients' connections break and must reconnect."""
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+        self._start()
 
     def resume(self) -> None:
         os.kill(self.proc.pid, signal.SIGCONT)

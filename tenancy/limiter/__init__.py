@@ -38,7 +38,43 @@ used in full).
 
 A settlement or cancellation whose marker is gone (already settled or cancelled, or abandoned
 for longer than `PENDING_TTL` without heartbeats) only drops the concurrency lease; the
-reservation then stays charged to the budgets, the conservative choice.
+reservation then stays charged to the budgets, the conservative choice. A refunded admission's
+usage row that reaches the database later (replayed from a replica's spool) is charged then,
+once (`Limiter.charge_replayed`; the marker of a refund is kept `REFUND_TTL`, 7 days).
+
+Losing Redis (a restart without persistence, a Cluster node back without its slots): the
+usage rows are the truth, the budgets their running sum, and the budgets are rebuilt from them
+(`redis_epoch`, `rebuild`). Each hash tag has an epoch; a tag without one answers every
+admission and settlement with 'rebuild', and the limiter sets the tag's day and month
+counters to the sums of its rows (prompt + completion tokens by tenant and key, UTC day and
+month of `created_at`), sets the epoch and tries once more; the database unreachable, the call
+raises `LimiterUnavailable` (the gateway's 503, or the fallback if `open`): a lost budget is
+never read as zero. What is not rebuilt, and the rule for it:
+
+- requests-per-minute and tokens-per-minute windows start empty: for up to one window after
+  the loss a tenant may be admitted up to twice its per-minute limits;
+- concurrency leases start empty: requests in flight during the loss hold no lease, so for as
+  long as they run a tenant may have up to twice its concurrency;
+- reservations of requests in flight during the loss are in no counter (the rebuild counts
+  rows, not reservations): until they end the budget under-reserves them. Each *settles after
+  the rebuild*: an admission from before the current epoch (`Lease.epoch`) is stale, and its
+  settlement charges its used tokens unless the rebuild already counted its row (the rebuild
+  records the highest row id it counted, under a lock that orders it with the row inserts, so
+  "counted" is "its row id is at or below it"); its marker 's' makes that once, whoever
+  settles it and however often. So the order of a request's row and its settlement does not
+  matter: row first, the rebuild counted it or the settlement charges it; settlement first,
+  the row comes later and is not counted. A stale reservation or cancellation charges
+  nothing; a stale admission the reconciler abandons is refunded nothing (it held nothing) and
+  its row, if replayed later, is charged as a refunded one's.
+- A spooled row replayed after the rebuild whose settlement was lost with Redis (its request
+  ended before the epoch, its marker is gone) is charged on replay unless the rebuild counted
+  it; it is told apart by its `created_at` against the epoch's time (the gateway's clock
+  against Redis's: rows within the clocks' skew of a rebuild may be misjudged).
+
+The epoch key has no expiry, so that only losing the tag's keys loses it; run Redis with an
+eviction policy that evicts only keys with a TTL (`noeviction` or `volatile-*`). Deleting a
+tag's epoch forces its rebuild. A Redis restored from an older snapshot keeps its epoch and is
+not detected. The in-process limiter has no epoch to lose: it dies with its process.
 
 Why this is written here rather than taken from the ``limits`` library: ``limits`` checks one
 rate limit per call (``hit``/``test`` of one item), so checking the tenant's and the key's
@@ -68,6 +104,8 @@ The package:
   the script runs on Redis Cluster, on the node that owns the slot.
 - `failover`: `FailoverLimiter`, the Redis limiter while Redis fails: closed (refuse) or open
   (the in-process limiter per replica), settlements queued until Redis answers again.
+- `redis_epoch`: the Redis limiter's epochs (above); `rebuild`: `BudgetRebuilder`, a tag's
+  day and month totals from the usage rows, and whether a rebuild counted a request's row.
 
 Errors: a bad argument is `tenancy.errors.Invalid` (a ValueError naming the field); a Redis
 that cannot be reached, or does not answer within the timeout, is

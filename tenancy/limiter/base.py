@@ -20,6 +20,11 @@ PENDING_TTL = 3600.0
 """How long an unsettled admission is remembered after its last admission or heartbeat, seconds.
 Settling it later is a no-op for tokens and budgets."""
 
+REFUND_TTL = 7 * 86400.0
+"""How long the marker of an admission the reconciler refunded (with its lease's description),
+or of one charged once after a rebuild, is kept, seconds: a usage row spooled on a replica's
+disk is charged when it is replayed within this time (`Limiter.charge_replayed`)."""
+
 CONCURRENCY_RETRY_HINT = 1.0
 """Upper bound of ``retry_after`` for a concurrency refusal: any in-flight request may finish at
 any moment, so the expiry of the oldest lease is only a worst case."""
@@ -97,6 +102,18 @@ class Lease:
     day: str
     month: str
     acquired_at: float
+    epoch: str = ""     # the Redis tag's epoch it was admitted in ("" in-process)
+
+
+@dataclass(frozen=True)
+class ReplayedRow:
+    """A usage row replayed from a replica's spool, as `Limiter.charge_replayed` needs it."""
+
+    request_id: str
+    tenant_id: str
+    api_key_id: str
+    tokens: int             # prompt + completion
+    created_at: float       # epoch seconds
 
 
 @dataclass(frozen=True)
@@ -221,6 +238,14 @@ class Limiter(ABC):
         takes it out of the windows."""
         return False
 
+    async def charge_replayed(self, rows: Sequence[ReplayedRow]) -> int:
+        """Charge the budgets for usage rows replayed from a spool whose tokens no counter
+        holds: the reconciler refunded their admission (`abandon`) before the row reached the
+        database, or Redis lost the settlement and the rebuild ran before the row arrived.
+        Each at most once (whoever replays it, however often); the number charged. The
+        in-process backend never refunds and has no epoch to lose: 0."""
+        return 0
+
     async def check(self) -> str:
         """The backend's health for a readiness probe, answered within the backend's own
         timeout: "ok", "degraded" (limits enforced, but not as configured: per replica), or
@@ -293,7 +318,8 @@ def limits_of(q: Quota) -> tuple[int, int, int, int, int]:
 def describe_lease(limited: Sequence[LimitScope], day: str, month: str, acquired_at: float) -> str:
     """A lease's scopes and periods as one string (stored with a Redis admission for the
     reconciler): ``day|month|acquired_at|key,rpm,tpm,conc,day,month;...``, the key written
-    ``key@tag`` for a scope with a tag (``@`` is not a key's character)."""
+    ``key@tag`` for a scope with a tag (``@`` is not a key's character). Redis appends
+    ``|epoch``, the tag's epoch the admission was made in."""
     scopes = ";".join(",".join([s.key if s.tag is None else f"{s.key}@{s.tag}",
                                 *(str(v) for v in limits_of(s.quota))]) for s in limited)
     return f"{day}|{month}|{acquired_at!r}|{scopes}"
@@ -302,7 +328,9 @@ def describe_lease(limited: Sequence[LimitScope], day: str, month: str, acquired
 def parse_lease(request_id: str, info: str, reserved: int) -> Lease:
     """The `Lease` that `describe_lease` described (Invalid if ``info`` is not one)."""
     try:
-        day, month, acquired, scopes = info.split("|")
+        day, month, acquired, scopes, *epoch = info.split("|")
+        if len(epoch) > 1:
+            raise ValueError("too many parts")
         parsed = []
         for part in scopes.split(";") if scopes else []:
             name, *lims = part.split(",")
@@ -310,6 +338,7 @@ def parse_lease(request_id: str, info: str, reserved: int) -> Lease:
             values = [None if int(v) < 0 else int(v) for v in lims]
             parsed.append(LimitScope(key, Quota(*values), tag or None))
         return Lease(request_id=request_id, scopes=tuple(parsed), reserved_tokens=reserved,
-                     day=day, month=month, acquired_at=float(acquired))
+                     day=day, month=month, acquired_at=float(acquired),
+                     epoch=epoch[0] if epoch else "")
     except (ValueError, TypeError) as exc:
         raise Invalid("info", f"not a lease description: {info!r} ({exc})") from None

@@ -99,6 +99,7 @@ def decide(
     periods: Periods,
     refusals: list[Refusal],
     headers: list[Header],
+    epoch: str = "",
 ) -> Decision:
     """Build the Decision from the raw findings of a backend (same for both backends)."""
     req = _tightest(headers, 0)
@@ -113,7 +114,7 @@ def decide(
     }
     if not refusals:
         lease = Lease(request_id=request_id, scopes=scopes, reserved_tokens=tokens,
-                      day=periods.day, month=periods.month, acquired_at=now)
+                      day=periods.day, month=periods.month, acquired_at=now, epoch=epoch)
         return Decision(allowed=True, lease=lease, code=None, limit=None, scope=None,
                         message="ok", retry_after=None, **hdr)
 

@@ -32,7 +32,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from lockgate.tenancy.errors import Invalid, LimiterUnavailable
-from lockgate.tenancy.limiter.base import Decision, Lease, Limiter, LimitScope, ScopeUsage
+from lockgate.tenancy.limiter.base import Decision, Lease, Limiter, LimitScope, ReplayedRow, ScopeUsage
 from lockgate.tenancy.limiter.in_process import InProcessLimiter
 from lockgate.tenancy.limiter.redis import RedisLimiter
 from lockgate.tenancy.validation import check_count
@@ -135,6 +135,18 @@ class FailoverLimiter(Limiter):
         except LimiterUnavailable as exc:
             self._outage(exc)
             return False
+
+    async def charge_replayed(self, rows: Sequence[ReplayedRow]) -> int:
+        """On Redis; while Redis fails the charges are not made (logged: the rows are in the
+        database, and the budget is short of them)."""
+        if self._down_since is None:
+            try:
+                return await self.primary.charge_replayed(rows)
+            except LimiterUnavailable as exc:
+                self._outage(exc)
+        logger.error("Redis at %s is not answering: %d replayed usage row(s) not checked for a "
+                     "refunded reservation to charge", self.primary.where, len(rows))
+        return 0
 
     async def settle(self, lease: Lease, used_tokens: int) -> None:
         if self.fallback is not None and lease.request_id in self._local:

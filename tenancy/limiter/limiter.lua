@@ -1,12 +1,19 @@
 -- Lockgate's rate and quota limiter on Redis: one script, run by EVALSHA from
 -- tenancy/limiter/redis.py (whose docstring gives the key layout), ARGV[1] naming the
--- operation: acquire, reserve, settle, cancel, heartbeat, expired, usage, or register, tags and
--- prune (the registry of tags). Each runs atomically and reads the
+-- operation: acquire, reserve, settle, cancel, heartbeat, expired, usage, register, tags and
+-- prune (the registry of tags), or rebuild, peek and replayed (the tag's epoch: budgets rebuilt
+-- from the usage rows, rows replayed from a spool). Each runs atomically and reads the
 -- time from Redis's own clock.
 --
 -- KEYS layout for acquire, reserve, settle and cancel: [marker, then per limited scope: win,
--- tok, lease, day, month, then the pending index: pending, info, res], all of one hash tag
--- (the request's), so that on Redis Cluster they are in one slot.
+-- tok, lease, day, month, then the pending index: pending, info, res, then the tag's epoch
+-- and the request's refund description], all of one hash tag (the request's), so that on Redis Cluster they are in one slot.
+--
+-- The epoch (`H:time:nonce`, H the highest usage row id the rebuild counted) exists once the
+-- tag's day and month counters were rebuilt from the usage rows; a tag without one (Redis
+-- restarted empty, a Cluster node lost its slots) answers 'rebuild' to every admission and
+-- settlement until the caller rebuilds it. An admission carries the epoch it was made in: one
+-- from before the current epoch is 'stale' (its reservation is in no counter).
 -- Per-scope limits in ARGV: rpm, tpm, conc, day, month (-1 = unlimited). Times are integer
 -- microseconds (TIME), passed to Redis commands through fmt() so large numbers are never
 -- written in exponent notation.
@@ -16,7 +23,10 @@
 -- lease's description, written by the caller at acquire) and `res` (hash: request id -> its
 -- reserved tokens). Settle and cancel remove a request from all three.
 -- Markers: '1' unsettled; '0' a cancelled request's tombstone; 'r' an admission the reconciler
--- abandoned (its reservation refunded): a late settle of it charges its used tokens in full.
+-- abandoned (its reservation refunded): a late settle of it charges its used tokens in full,
+-- a replayed row of it (`replayed`) too; 's' a stale admission settled, or a refunded one
+-- charged: nothing more to charge. 'r' and 's' last the refund's lifetime (days), and an 'r'
+-- comes with `P{T}:refund:<id>`, the lease's description (its scopes, day and month).
 
 local op = ARGV[1]
 
@@ -117,6 +127,46 @@ local function finish(rid, n, base)
   return live, held
 end
 
+-- The reconciler refunded an admission: its marker 'r' and its lease's description (`info`,
+-- read from the pending index before `finish` dropped it) kept for `refund_ms`.
+local function refunded(info, refund_ms)
+  redis.call('SET', KEYS[1], 'r', 'PX', refund_ms)
+  if info then redis.call('SET', KEYS[#KEYS], info, 'PX', refund_ms) end
+end
+
+-- The end of an admission from before the current epoch (mode 'settle', 'abandon' or
+-- 'cancel'): it holds nothing on any counter. A settle charges its used tokens unless the
+-- rebuild counted its row, which the caller finds out from the database: without that
+-- finding against the current epoch the answer is {'stale', epoch} and nothing changes.
+-- Ends with the marker 's' (or 'r' for an abandon: a row replayed later is charged), so that
+-- the end is charged once. Returns 0 if it had ended already.
+local function stale_end(rid, n, base, used, mode, epoch, finding, against, refund_ms)
+  local m = redis.call('GET', KEYS[1])
+  if m == '0' or m == 's' then
+    finish(rid, n, base)
+    return 0
+  end
+  if mode == 'settle' and (against ~= epoch or (finding ~= 'counted' and finding ~= 'charge')) then
+    return {'stale', epoch}
+  end
+  local info = redis.call('HGET', KEYS[1 + n * 5 + 2], rid)
+  finish(rid, n, base)
+  if mode == 'abandon' then
+    refunded(info, refund_ms)
+    return 1
+  end
+  if finding == 'charge' and used > 0 then
+    for i = 1, n do
+      local k = 1 + (i - 1) * 5
+      for _, key in ipairs({KEYS[k + 4], KEYS[k + 5]}) do
+        if redis.call('EXISTS', key) == 1 then redis.call('INCRBY', key, fmt(used)) end
+      end
+    end
+  end
+  redis.call('SET', KEYS[1], 's', 'PX', refund_ms)
+  return 1
+end
+
 -- A budget counter's refusal of `tokens` more, or nil: {scope index, field, wait, used}.
 local function budget_refusal(i, field, key, budget, tokens, period_end, now)
   if budget < 0 then return nil end
@@ -142,6 +192,8 @@ if op == 'acquire' then
   if now < day_start or now >= day_end or now < month_start or now >= month_end then
     return {'clock', now}
   end
+  local epoch = redis.call('GET', KEYS[#KEYS - 1])
+  if not epoch then return {'rebuild', now} end
   if redis.call('EXISTS', KEYS[1]) == 1 then return {'duplicate', now} end
 
   local refusals, counts, sums = {}, {}, {}
@@ -217,7 +269,7 @@ if op == 'acquire' then
     redis.call('SET', KEYS[1], '1', 'PX', pending_ms)
     local p = 1 + n * 5
     redis.call('ZADD', KEYS[p + 1], fmt(now + ttl), rid)
-    redis.call('HSET', KEYS[p + 2], rid, ARGV[14 + n * 5])
+    redis.call('HSET', KEYS[p + 2], rid, ARGV[14 + n * 5] .. '|' .. epoch)
     redis.call('HSET', KEYS[p + 3], rid, ARGV[3])
   end
 
@@ -227,17 +279,22 @@ if op == 'acquire' then
   else
     headers = header_rows(n, 13, counts, sums, 0, 0, now, window)
   end
-  if admitted then return {'ok', now, refusals, headers} end
+  if admitted then return {'ok', now, refusals, headers, epoch} end
   return {'refused', now, refusals, headers}
 
 elseif op == 'reserve' then
-  -- ARGV: rid, tokens, window, day end, month end, n, then the limits of each scope. Adds
-  -- `tokens` to an unsettled admission's reservation if every tokens-per-minute and budget
-  -- limit has room; otherwise changes nothing.
+  -- ARGV: rid, tokens, window, day end, month end, n, the limits of each scope, then the
+  -- lease's epoch. Adds `tokens` to an unsettled admission's reservation if every
+  -- tokens-per-minute and budget limit has room; otherwise changes nothing. An admission from
+  -- before the current epoch is gone (what it held is in no counter).
   local rid, tokens, window = ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
   local day_end, month_end = tonumber(ARGV[5]), tonumber(ARGV[6])
   local n = tonumber(ARGV[7])
   local now = clock()
+  local epoch = redis.call('GET', KEYS[#KEYS - 1])
+  if not epoch then return {'rebuild', now} end
+  local of = ARGV[8 + n * 5]
+  if of ~= '' and of ~= epoch then return {'gone', now} end
   if redis.call('GET', KEYS[1]) ~= '1' then return {'gone', now} end
   local refusals, counts, sums = {}, {}, {}
   for i = 1, n do
@@ -286,13 +343,25 @@ elseif op == 'reserve' then
 elseif op == 'settle' then
   -- ARGV: rid, used, reserved, window, n, the limits of each scope, then the mode: 'settle',
   -- or 'abandon' (the reconciler: only if the pending entry expired; used is 0; the marker
-  -- becomes 'r' so that a late settle charges what it used), and the marker's lifetime (ms).
+  -- becomes 'r' so that a late settle, or a replayed row, charges what it used), the marker's
+  -- lifetime (ms), the lease's epoch, and for a stale admission the caller's finding about
+  -- its row ('counted': the rebuild counted it; 'charge': it did not), the epoch that finding
+  -- is against, and the lifetime of an 'r' or 's' marker (ms).
   local rid = ARGV[2]
   local used = tonumber(ARGV[3])
   local window = tonumber(ARGV[5])
   local n = tonumber(ARGV[6])
   local mode, pending_ms = ARGV[7 + n * 5], ARGV[8 + n * 5]
+  local of, finding, against = ARGV[9 + n * 5], ARGV[10 + n * 5], ARGV[11 + n * 5]
+  local refund_ms = ARGV[12 + n * 5]
+  local epoch = redis.call('GET', KEYS[#KEYS - 1])
+  if not epoch then return {'rebuild'} end
+  if of ~= '' and of ~= epoch then
+    return stale_end(rid, n, 6, used, mode, epoch, finding, against, refund_ms)
+  end
   local now = clock()
+  local info = nil
+  if mode == 'abandon' then info = redis.call('HGET', KEYS[1 + n * 5 + 2], rid) end
   if mode == 'abandon' then
     local exp = tonumber(redis.call('ZSCORE', KEYS[1 + n * 5 + 1], rid))
     if exp and exp > now then return -1 end   -- a heartbeat renewed it meanwhile
@@ -329,15 +398,22 @@ elseif op == 'settle' then
       redis.call('INCRBY', KEYS[k + 5], delta)
     end
   end
-  if mode == 'abandon' then redis.call('SET', KEYS[1], 'r', 'PX', pending_ms) end
+  if mode == 'abandon' then refunded(info, refund_ms) end
   return 1
 
 elseif op == 'cancel' then
-  -- ARGV: rid, reserved tokens, window, n, then the limits of each scope.
+  -- ARGV: rid, reserved tokens, window, n, the limits of each scope, then the lease's epoch
+  -- and the lifetime of an 's' marker (ms).
   local rid = ARGV[2]
   local reserved = ARGV[3]
   local window = tonumber(ARGV[4])
   local n = tonumber(ARGV[5])
+  local epoch = redis.call('GET', KEYS[#KEYS - 1])
+  if not epoch then return {'rebuild'} end
+  local of = ARGV[6 + n * 5]
+  if of ~= '' and of ~= epoch then   -- what it held is in no counter: it only ends
+    return stale_end(rid, n, 5, 0, 'cancel', epoch, 'counted', epoch, ARGV[7 + n * 5])
+  end
   local now = clock()
   local marker, held = finish(rid, n, 5)
   if not marker then return 0 end
@@ -438,6 +514,44 @@ elseif op == 'prune' then
     return 1
   end
   return 0
+
+elseif op == 'rebuild' then
+  -- KEYS: the tag's epoch, then counters to set. ARGV: H (the highest usage row id the
+  -- rebuild counted), a nonce, then per counter its value and its expiry (ms since the epoch).
+  -- Only if the tag has no epoch (another replica may have rebuilt it meanwhile, and
+  -- admitted against it since): returns the epoch in force.
+  local epoch = redis.call('GET', KEYS[1])
+  if epoch then return epoch end
+  for i = 2, #KEYS do
+    redis.call('SET', KEYS[i], ARGV[2 + (i - 1) * 2])
+    redis.call('PEXPIREAT', KEYS[i], ARGV[3 + (i - 1) * 2])
+  end
+  epoch = ARGV[2] .. ':' .. fmt(clock()) .. ':' .. ARGV[3]
+  redis.call('SET', KEYS[1], epoch)
+  return epoch
+
+elseif op == 'peek' then
+  -- KEYS: a request's marker, its tag's epoch, its refund description. Read-only.
+  return {redis.call('GET', KEYS[1]) or '', redis.call('GET', KEYS[2]) or '',
+          redis.call('GET', KEYS[3]) or ''}
+
+elseif op == 'replayed' then
+  -- KEYS: a request's marker, its tag's epoch, its refund description, then the day and month
+  -- counters to charge. ARGV: the row's tokens, what the caller saw ('r': refunded; '': no
+  -- marker, its row uncounted by the rebuild of the epoch given), that epoch, the lifetime of
+  -- the 's' marker (ms). Charges once: the marker becomes 's'. 1 charged, 0 not.
+  local m = redis.call('GET', KEYS[1])
+  if ARGV[3] == 'r' then
+    if m ~= 'r' then return 0 end
+  elseif m or redis.call('GET', KEYS[2]) ~= ARGV[4] then
+    return 0
+  end
+  for i = 4, #KEYS do
+    if redis.call('EXISTS', KEYS[i]) == 1 then redis.call('INCRBY', KEYS[i], ARGV[2]) end
+  end
+  redis.call('SET', KEYS[1], 's', 'PX', ARGV[5])
+  redis.call('DEL', KEYS[3])
+  return 1
 
 elseif op == 'usage' then
   -- KEYS: win, tok, lease, day, month. Read-only.

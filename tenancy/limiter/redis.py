@@ -15,8 +15,14 @@ itself, else ``P{T}S``; ``P`` the prefix):
 - ``P{T}:req:<request id>``  ``1``: marker of an unsettled admission (makes settlement and
   cancellation idempotent). ``0``: tombstone of a cancelled one, so that its id stays taken
   for as long as its window entry would have been in the window (as a settled one's is).
-  ``r``: an admission the reconciler abandoned (`abandon`: reservation refunded). Request ids
-  must be unique; a reused one is caught (Invalid) within its tag.
+  ``r``: an admission the reconciler abandoned (`abandon`: reservation refunded), kept
+  `REFUND_TTL` with ``P{T}:refund:<request id>``, its lease's description (for a row replayed
+  later: `charge_replayed`). ``s``: charged once after a rebuild or a refund, nothing more to
+  charge (`REFUND_TTL`). Request ids must be unique; a reused one is caught (Invalid) within
+  its tag.
+- ``P{T}:epoch``  ``H:time:nonce``: the tag's counters were rebuilt from the usage rows up to
+  row id ``H`` (no expiry; `redis_epoch`). A tag without one is rebuilt before anything of it
+  is admitted or settled.
 - ``P{T}:pending`` sorted set, request id -> lease expiry (µs), renewed by heartbeats;
   ``P{T}:pending:info`` / ``P{T}:pending:res`` hashes, request id -> the lease's description
   (`describe_lease`) / its reserved tokens: the tag's unsettled admissions, so that
@@ -69,6 +75,8 @@ from lockgate.tenancy.limiter.base import (
 )
 from lockgate.tenancy.limiter.decision import Header, Refusal, decide, grown
 from lockgate.tenancy.limiter.periods import Periods
+from lockgate.tenancy.limiter.rebuild import BudgetRebuilder
+from lockgate.tenancy.limiter.redis_epoch import REFUND_MS, EpochMixin
 from lockgate.tenancy.validation import check_count
 
 _US = 1_000_000
@@ -92,15 +100,16 @@ def _us(seconds: float) -> int:
     return round(seconds * _US)
 
 
-class RedisLimiter(Limiter):
+class RedisLimiter(EpochMixin, Limiter):
     """The limiter shared by all gateway replicas, on one Redis (see the module docstring)."""
 
     def __init__(self, url: str, *, prefix: str = "lockgate:", lease_ttl: float = 30.0,
-                 timeout: float = 0.25) -> None:
+                 timeout: float = 0.25, rebuilder: BudgetRebuilder | None = None) -> None:
         """``url``: ``redis://``, ``rediss://``, ``unix://``, ``redis+cluster://`` or
         ``redis+sentinel://`` (`redis_conn`). ``timeout``: the most any wait on Redis may
         take (connect, each reply), seconds; past it the call raises LimiterUnavailable and
-        the connection is dropped."""
+        the connection is dropped. ``rebuilder``: the usage rows a tag's lost budgets are
+        rebuilt from (`redis_epoch`); without one they count on from what Redis holds."""
         from redis.exceptions import RedisError
 
         from lockgate.tenancy.limiter.redis_conn import connect
@@ -117,6 +126,8 @@ class RedisLimiter(Limiter):
         self._script = RedisScript(self._redis, lua_source())
         self._skew = 0.0  # Redis's clock minus ours, as last seen: to guess the UTC day
         self._registered: dict[str, float] = {}   # tag -> when we last registered it (monotonic)
+        self.rebuilder = rebuilder
+        self._rebuilds: dict[str, asyncio.Future[None]] = {}   # tag -> its rebuild under way
 
     @property
     def where(self) -> str:
@@ -145,11 +156,13 @@ class RedisLimiter(Limiter):
 
     def _request_keys(self, request_id: str, limited: Sequence[LimitScope], tag: str,
                       day: str, month: str) -> list[str]:
-        """A request's marker, its scopes' keys and its tag's pending index."""
+        """A request's marker, its scopes' keys, its tag's pending index and epoch, and its
+        refund description."""
         keys = [K.marker(self.prefix, tag, request_id)]
         for s in limited:
             keys += K.scope_keys(self.prefix, s, day, month)
-        return keys + K.pending_keys(self.prefix, tag)
+        return [*keys, *K.pending_keys(self.prefix, tag), K.epoch(self.prefix, tag),
+                K.refund(self.prefix, tag, request_id)]
 
     @staticmethod
     def _period_args(p: Periods) -> list[int]:
@@ -168,7 +181,8 @@ class RedisLimiter(Limiter):
                           refusals=[], headers=[])
         tag = self._tag(limited)
         await self._register(tag)
-        for _ in range(4):
+        rebuilt = False
+        for _ in range(5):
             p = Periods.at(guess)
             args: list[Any] = [
                 "acquire", request_id, tokens, _us(WINDOW), _us(self.lease_ttl),
@@ -189,11 +203,19 @@ class RedisLimiter(Limiter):
                 self._skew = now - time.time()
                 guess = now
                 continue
+            if status == b"rebuild" and not rebuilt:   # the tag's counters were lost
+                await self._rebuild(tag, p)
+                rebuilt = True
+                continue
+            if status == b"rebuild":
+                raise LimiterUnavailable(f"the budgets of {tag} on Redis at {self.where} were "
+                                         f"lost again while being rebuilt")
             if status == b"duplicate":
                 raise duplicate(request_id)
             refusals, headers = _findings(reply)
             return decide(request_id=request_id, scopes=all_scopes, limited=limited,
-                          tokens=tokens, now=now, periods=p, refusals=refusals, headers=headers)
+                          tokens=tokens, now=now, periods=p, refusals=refusals, headers=headers,
+                          epoch=reply[4].decode() if len(reply) > 4 else "")
         raise RuntimeError("could not agree with Redis on the current UTC day")
 
     async def _finish(self, lease: Lease, args: list[Any], tail: Sequence[Any] = ()) -> Any:
@@ -203,12 +225,20 @@ class RedisLimiter(Limiter):
         limited = [s for s in lease.scopes if not s.quota.unlimited]
         if not limited:
             return None
-        keys = self._request_keys(lease.request_id, limited, self._tag(limited), lease.day,
-                                  lease.month)
+        tag = self._tag(limited)
+        keys = self._request_keys(lease.request_id, limited, tag, lease.day, lease.month)
         args = [*args, len(limited)]
         for s in limited:
             args += limits_of(s.quota)
-        return await self._call(keys, [*args, *tail])
+        for attempt in (0, 1):
+            reply = await self._call(keys, [*args, *tail])
+            if not (isinstance(reply, list) and reply and reply[0] == b"rebuild"):
+                return reply
+            if attempt:
+                raise LimiterUnavailable(f"the budgets of {tag} on Redis at {self.where} were "
+                                         f"lost again while being rebuilt")
+            await self._rebuild(tag, Periods.at(time.time() + self._skew))
+        return None
 
     async def reserve(self, lease: Lease, tokens: int) -> Decision:
         lease = check_lease(lease)
@@ -219,7 +249,7 @@ class RedisLimiter(Limiter):
             raise Invalid("lease", "acquired_at is not in the lease's day and month")
         if limited:
             reply = await self._finish(lease, ["reserve", lease.request_id, tokens, _us(WINDOW),
-                                               _us(p.day_end), _us(p.month_end)])
+                                               _us(p.day_end), _us(p.month_end)], [lease.epoch])
             if reply[0] == b"gone":
                 raise Invalid("lease", f"the admission of {lease.request_id!r} is no longer "
                                        f"unsettled")
@@ -234,13 +264,15 @@ class RedisLimiter(Limiter):
     async def settle(self, lease: Lease, used_tokens: int) -> None:
         lease = check_lease(lease)
         used = check_count(used_tokens, "used_tokens")
-        await self._finish(lease, ["settle", lease.request_id, used, lease.reserved_tokens,
-                                   _us(WINDOW)], ["settle", int(PENDING_TTL * 1000)])
+        head = ["settle", lease.request_id, used, lease.reserved_tokens, _us(WINDOW)]
+        await self._settle_tail(lambda tail: self._finish(lease, head, tail), lease, "settle",
+                                int(PENDING_TTL * 1000))
 
     async def abandon(self, lease: Lease) -> bool:
         lease = check_lease(lease)
-        reply = await self._finish(lease, ["settle", lease.request_id, 0, lease.reserved_tokens,
-                                           _us(WINDOW)], ["abandon", int(PENDING_TTL * 1000)])
+        head = ["settle", lease.request_id, 0, lease.reserved_tokens, _us(WINDOW)]
+        reply = await self._settle_tail(lambda tail: self._finish(lease, head, tail), lease,
+                                        "abandon", int(PENDING_TTL * 1000))
         return reply == 1
 
     async def expired(self, limit: int = 100) -> list[Lease]:
@@ -276,7 +308,8 @@ class RedisLimiter(Limiter):
     async def cancel(self, lease: Lease) -> None:
         lease = check_lease(lease)
         reserved = check_count(lease.reserved_tokens, "lease.reserved_tokens")
-        await self._finish(lease, ["cancel", lease.request_id, reserved, _us(WINDOW)])
+        await self._finish(lease, ["cancel", lease.request_id, reserved, _us(WINDOW)],
+                           [lease.epoch, REFUND_MS])
 
     async def heartbeat(self, leases: Iterable[Lease]) -> None:
         """One round trip per tag among ``leases`` (one on a single node's usual load: the

@@ -9,7 +9,9 @@ script runs on the one node that owns it. With prefix ``P`` and tag ``T``:
   ``:lease``, ``:day:<day>``, ``:month:<month>``;
 - another scope ``S`` of group ``T`` (an API key's ``key:K``): ``P{T}S:win`` and so on;
 - the request's marker ``P{T}:req:<request id>``, and the tag's pending index ``P{T}:pending``,
-  ``P{T}:pending:info``, ``P{T}:pending:res``.
+  ``P{T}:pending:info``, ``P{T}:pending:res``;
+- the tag's epoch ``P{T}:epoch`` (its counters were rebuilt from the usage rows), and a
+  refunded request's description ``P{T}:refund:<request id>``.
 
 A scope key never starts with ``:``, and a group's own keys end in the fixed words above, so
 no two of these names meet. The one key outside any tag is the registry of tags with pending
@@ -34,6 +36,11 @@ def scope_base(prefix: str, scope: LimitScope) -> str:
     return f"{prefix}{{{group}}}" + ("" if scope.key == group else scope.key)
 
 
+def counter_base(prefix: str, tag: str, key: str) -> str:
+    """`scope_base` of the scope ``key`` in the group ``tag``."""
+    return f"{prefix}{{{tag}}}" + ("" if key == tag else key)
+
+
 def scope_keys(prefix: str, scope: LimitScope, day: str, month: str) -> list[str]:
     """A scope's win, tok, lease, day and month keys (the Lua script's order)."""
     base = scope_base(prefix, scope)
@@ -55,6 +62,14 @@ def pending_keys(prefix: str, tag: str) -> list[str]:
     """The tag's pending index: the sorted set, the info hash and the reserved-tokens hash."""
     base = f"{prefix}{{{tag}}}:pending"
     return [base, f"{base}:info", f"{base}:res"]
+
+
+def epoch(prefix: str, tag: str) -> str:
+    return f"{prefix}{{{tag}}}:epoch"
+
+
+def refund(prefix: str, tag: str, request_id: str) -> str:
+    return f"{prefix}{{{tag}}}:refund:{request_id}"
 
 
 def registry(prefix: str) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, fields
 from datetime import datetime
 from pathlib import Path
@@ -81,10 +82,8 @@ class UsageRow:
         return out
 
 
-
 _STOP = object()
 _REPLAY = object()     # the ticker's mark: time to try the spool's rows again
-_CLOSE_GRACE_S = 0.25  # a replaced SQLAlchemy connection's close, at most
 
 
 class UsageWriter:
@@ -103,14 +102,19 @@ class UsageWriter:
     spool too (no waiting on a dead database per batch), and every `replay_interval_s` the
     writer tries to insert the spool's rows (duplicates of a `request_id` skipped, so a crash
     mid-replay duplicates nothing); `pending` counts the rows not yet in the database. Only a
-    refused row (an integrity error) or a spool that cannot be written fails its `record`."""
+    refused row (an integrity error) or a spool that cannot be written fails its `record`.
+    `on_replayed`, if given, is called with each replayed file's rows once they are in the
+    database (before the file is deleted; bounded by `timeout_s`, its failure logged): the
+    limiter's charge for rows whose reservations were refunded meanwhile, which must be
+    idempotent (a crash before the delete replays the file again)."""
 
     MAX_BATCH_LIMIT = 2000     # 13 bound values a row; stays under SQLite/PostgreSQL limits
 
     def __init__(self, sessionmaker: async_sessionmaker[AsyncSession], max_batch: int = 256,
                  max_delay_s: float = 0.0, synchronous_commit: bool = True, *,
                  spool_dir: Path | None = None, timeout_s: float = 5.0,
-                 replay_interval_s: float = 1.0) -> None:
+                 replay_interval_s: float = 1.0,
+                 on_replayed: Callable[[list[dict[str, Any]]], Awaitable[object]] | None = None) -> None:
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) \
                 or not 1 <= max_batch <= self.MAX_BATCH_LIMIT:
             raise Invalid("max_batch", f"must be an integer from 1 to {self.MAX_BATCH_LIMIT}")
@@ -123,6 +127,7 @@ class UsageWriter:
         self.timeout_s = float(timeout_s)
         self.replay_interval_s = float(replay_interval_s)
         self._spool = UsageSpool(spool_dir) if spool_dir is not None else None
+        self.on_replayed = on_replayed
         self._ticker: asyncio.Task[None] | None = None
         self._replay_due = False
         self.spooled = 0          # rows this writer put in the spool
@@ -255,8 +260,7 @@ class UsageWriter:
                     _settle(item[1], gone)
 
     async def _insert(self, rows: list[dict[str, Any]], skip_existing: bool = False) -> None:
-        """Insert `rows` in one transaction; `skip_existing`: rows whose request_id is already
-        there are skipped (a replay of the spool)."""
+        """Insert `rows` in one transaction (`skip_existing`: those whose request_id is there skipped)."""
         if self._engine is None:       # a sessionmaker without an engine: plain sessions
             async with self._sessionmaker() as session:
                 try:
@@ -316,30 +320,27 @@ class UsageWriter:
 
     async def _release_quietly(self) -> None:
         """Drop the connection at once, ignoring its errors: it is being replaced, and a hung
-        server would answer a polite close no sooner than the insert (asyncpg's `terminate`
-        closes the socket without a word to the server)."""
+        server answers a polite close no sooner than the insert (asyncpg's `terminate` does not ask)."""
         conn, self._conn = self._conn, None
         with contextlib.suppress(Exception):
             if hasattr(conn, "terminate"):      # asyncpg's own connection
                 conn.terminate()
-            elif conn is not None:              # SQLAlchemy's (SQLite, other drivers): a short grace
-                async with asyncio.timeout(min(self.timeout_s, _CLOSE_GRACE_S)):
+            elif conn is not None:              # SQLAlchemy's (SQLite, other drivers): 0.25 s of grace
+                async with asyncio.timeout(min(self.timeout_s, 0.25)):
                     await conn.close()
 
     async def _release(self) -> None:
         """Close the connection at shutdown: politely within `timeout_s`, else dropped."""
-        if self._conn is None:
-            return
         try:
-            async with asyncio.timeout(self.timeout_s):
-                await self._conn.close()
+            if self._conn is not None:
+                async with asyncio.timeout(self.timeout_s):
+                    await self._conn.close()
             self._conn = None
         except Exception:  # noqa: BLE001 - a server that does not answer a close: dropped
             await self._release_quietly()
 
     async def _write(self, batch: list[tuple[dict[str, Any], asyncio.Future[None]]]) -> None:
-        """Commit `batch`, or spool what is not committed: the whole of it, database work and
-        dropping a hung connection included, within `timeout_s`, and then the spool's fsync."""
+        """Commit `batch` within `timeout_s` in all, or spool (and fsync) what is not committed."""
         rows = [values for values, _ in batch]
         results: dict[int, BaseException | None] = {}     # row index -> its outcome, once known
         try:
@@ -357,15 +358,11 @@ class UsageWriter:
 
     async def _commit(self, rows: list[dict[str, Any]], results: dict[int, BaseException | None]) -> None:
         """Insert `rows` in one transaction; should one be refused (an integrity error, e.g. a
-        repeated request_id), each on its own so that it does not sink the others. Each
-        outcome goes into `results` as soon as it is known; an error that is not a refusal
-        propagates (the caller spools the rows without one)."""
+        repeated request_id), each on its own, so that it does not sink the others. Outcomes go
+        into `results` as they are known; any other error propagates (the rest are spooled)."""
         try:
             await self._insert(rows)
-        except IntegrityError as exc:
-            if len(rows) == 1:
-                results[0] = exc
-                return
+        except IntegrityError:
             for i, values in enumerate(rows):
                 try:
                     await self._insert([values])
@@ -405,6 +402,7 @@ class UsageWriter:
                 rows = await asyncio.to_thread(spool.read, path)
                 async with asyncio.timeout(self.timeout_s):
                     await self._insert(rows, skip_existing=True)
+                await self._replayed(rows)
                 await asyncio.to_thread(spool.done, path)
                 self.replayed += len(rows)
                 logger.info("usage spool: %d rows replayed into the database", len(rows))
@@ -413,6 +411,15 @@ class UsageWriter:
             logger.info("usage spool replay deferred (%d rows pending): %r", self.pending, exc)
         finally:
             self._replay_due = False      # until now: no second mark while this one runs
+
+    async def _replayed(self, rows: list[dict[str, Any]]) -> None:
+        if self.on_replayed is None or not rows:
+            return
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                await self.on_replayed(rows)
+        except Exception:  # the rows are in; only their charge is missing, logged
+            logger.exception("usage spool: the hook on %d replayed rows failed", len(rows))
 
     def _count(self, n: int) -> None:
         self.batches += 1

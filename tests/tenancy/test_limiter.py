@@ -616,15 +616,17 @@ async def test_redis_keys_expire_and_unlimited_costs_nothing(redis_url, redis_pr
         d = await lim.acquire("r1", [s, free], 100)
         assert d.allowed
         keys = sorted([k.decode() async for k in client.scan_iter(match=redis_prefix + "*")])
-        # win, tok, lease, day, month, marker; the pending index (3 keys) and the registry of
-        # tags; nothing for `free`
-        assert len(keys) == 10, keys
+        # win, tok, lease, day, month, marker; the pending index (3 keys), the tag's epoch and
+        # the registry of tags; nothing for `free`
+        assert len(keys) == 11, keys
         assert not any("tenant:free" in k for k in keys)
         index = {redis_prefix + "{tenant:t1}:" + k for k in ("pending", "pending:info", "pending:res")}
         registry = redis_prefix + "pending-tags"
-        assert index | {registry} <= set(keys)
+        epoch = redis_prefix + "{tenant:t1}:epoch"
+        assert index | {registry, epoch} <= set(keys)
+        assert await client.pttl(epoch) == -1     # kept: losing it means losing the counters
         assert [t async for t, _ in client.zscan_iter(registry)] == [b"tenant:t1"]
-        for k in set(keys) - index - {registry}:   # the index keys live as long as they hold an admission
+        for k in set(keys) - index - {registry, epoch}:   # the index keys live as long as they hold an admission
             ttl = await client.pttl(k)
             assert ttl > 0, (k, ttl)
             if k.endswith(":win") or k.endswith(":tok"):
@@ -891,7 +893,7 @@ async def test_redis_unreachable_is_limiter_unavailable():
 
 async def test_a_requests_keys_share_one_cluster_slot(redis_cluster, cluster_prefix):
     """Every key a request's scripts touch (both scopes' win/tok/lease/day/month, its marker,
-    its tag's pending index) hashes to one slot, asked of the cluster (CLUSTER KEYSLOT);
+    its tag's pending index and epoch) hashes to one slot, asked of the cluster (CLUSTER KEYSLOT);
     another tenant's keys are elsewhere, and the registry of tags is apart from both."""
     lim = RedisLimiter(redis_cluster.url, prefix=cluster_prefix)
     client = redis_cluster.client()
@@ -907,8 +909,8 @@ async def test_a_requests_keys_share_one_cluster_slot(redis_cluster, cluster_pre
             await lim.heartbeat([d.lease])
             keys = {k.decode() for port in redis_cluster.ports
                     for k in _node(port).scan_iter(match=f"{cluster_prefix}{{tenant:{t}}}*")}
-            # 2 scopes x (win, tok, lease, day, month) + marker + the pending index (3)
-            assert len(keys) == 14, sorted(keys)
+            # 2 scopes x (win, tok, lease, day, month) + marker + the pending index (3) + epoch
+            assert len(keys) == 15, sorted(keys)
             assert f"{cluster_prefix}{{tenant:{t}}}key:{t}k:lease" in keys
             slots[t] = {client.cluster_keyslot(k) for k in keys}
             assert len(slots[t]) == 1, (t, slots[t])
