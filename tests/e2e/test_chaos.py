@@ -94,11 +94,14 @@ def test_every_200_has_exactly_one_row_and_no_row_is_invented(chaos: ChaosResult
 def test_killed_replica_leases_released_within_ttl_plus_heartbeat(chaos: ChaosResult):
     leases = chaos.leases
     bound = CONFIG.lease_ttl_s + CONFIG.heartbeat_s
-    assert len(leases.kills) == CONFIG.kills + 1           # the overlap kills one too
-    for k in leases.kills:
-        assert k["leases"] >= 1, "the kill found no lease of the replica: nothing was checked"
+    kinds = [f.kind for f in chaos.faults if f.kind in ("kill", "overlap")]
+    assert len(leases.kills) == len(kinds) == CONFIG.kills + 1       # the overlap kills one too
+    for kind, k in zip(kinds, leases.kills, strict=True):
+        # a plain kill waits for a lease; the overlap's requests may all have ended in the hang
+        if kind == "kill":
+            assert k["leases"] >= 1, "the kill found no lease of the replica: nothing was checked"
         assert k["over_bound"] == 0, k
-        assert k["max_expiry_after_kill_s"] <= bound, k
+        assert not k["leases"] or k["max_expiry_after_kill_s"] <= bound, k
     # once Redis's clock is past every kill + ttl + heartbeat, no scope holds a live lease
     assert leases.checked_after_last_kill_s > bound
     assert leases.live_after_deadline == {}
@@ -109,7 +112,7 @@ def test_killed_replica_reservations_reconciled_within_the_bound(chaos: ChaosRes
     bound = CONFIG.lease_ttl_s + CONFIG.heartbeat_s + RECONCILE_SLACK_S
     for k in chaos.leases.kills:
         assert k["unreconciled"] == 0, k
-        assert k["reconciled_after_kill_s"] <= bound, k
+        assert not k["leases"] or k["reconciled_after_kill_s"] <= bound, k
 
 
 def test_budgets_equal_the_sum_of_usage_rows(chaos: ChaosResult):
@@ -138,4 +141,4 @@ def test_each_fault_injected_under_load_and_recovered(chaos: ChaosResult):
     assert "unreachable" in outcomes or "cut" in outcomes        # the kill was felt
     assert any(a.error_code == "limiter_unavailable" for a in chaos.attempts)   # the hang was
     overlap = chaos.faults[-1]
-    assert overlap.leases_at_kill >= 1 and overlap.ended < overlap.ready   # killed under load, restarted
+    assert overlap.started < overlap.ended < overlap.ready      # cleared, then its replica restarted
