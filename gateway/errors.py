@@ -131,5 +131,25 @@ def is_database_down(exc: BaseException) -> bool:
     wait run out), not a statement it refused."""
     if isinstance(exc, (OperationalError, OSError, TimeoutError)):
         return True
-    return isinstance(exc, DBAPIError) and (exc.connection_invalidated
-                                            or isinstance(exc.orig, (OSError, TimeoutError)))
+    if isinstance(exc, DBAPIError) and (exc.connection_invalidated
+                                        or isinstance(exc.orig, (OSError, TimeoutError))):
+        return True
+    return _sqlstate(exc)[:2] in _DOWN_CLASSES
+
+
+# SQLSTATE classes of a server that cannot serve now rather than a statement it refused:
+# 08 connection exceptions, 57 operator intervention (57P03: still starting up or recovering)
+_DOWN_CLASSES = ("08", "57")
+
+
+def _sqlstate(exc: BaseException) -> str:
+    """The PostgreSQL SQLSTATE under ``exc`` (SQLAlchemy's wrapper, its adapter, asyncpg), or ''."""
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        code = getattr(cur, "sqlstate", None) or getattr(cur, "pgcode", None)
+        if isinstance(code, str):
+            return code
+        cur = getattr(cur, "orig", None) or cur.__cause__
+    return ""

@@ -144,10 +144,12 @@ class RedisLimiter(EpochMixin, Limiter):
     def _tag(self, limited: Sequence[LimitScope]) -> str:
         return K.request_tag(limited, one_tag=self._redis.one_slot)
 
-    async def _register(self, tag: str) -> None:
-        """Put ``tag`` in the registry `expired` walks, unless we did within REGISTER_EVERY."""
+    async def _register(self, tag: str, *, again: bool = False) -> None:
+        """Put ``tag`` in the registry `expired` walks, unless we did within REGISTER_EVERY
+        (``again``: even so, as after the tag's keys were lost: the registry may have gone
+        with them)."""
         now = monotonic()   # (not time.monotonic: tests replace `time` to skew the clock)
-        if now - self._registered.get(tag, -REGISTER_EVERY) < REGISTER_EVERY:
+        if not again and now - self._registered.get(tag, -REGISTER_EVERY) < REGISTER_EVERY:
             return
         await self._call([K.registry(self.prefix)], ["register", tag])
         if len(self._registered) > 100_000:     # a bound on a long-lived replica's memory
@@ -205,6 +207,7 @@ class RedisLimiter(EpochMixin, Limiter):
                 continue
             if status == b"rebuild" and not rebuilt:   # the tag's counters were lost
                 await self._rebuild(tag, p)
+                await self._register(tag, again=True)
                 rebuilt = True
                 continue
             if status == b"rebuild":
@@ -280,6 +283,7 @@ class RedisLimiter(EpochMixin, Limiter):
         ``limit``, those acquired first first."""
         limit = check_count(limit, "limit")
         tags = [t.decode() for t in await self._call([K.registry(self.prefix)], ["tags"])]
+        await self._registry_lost(set(tags))
         leases: list[Lease] = []
         empty: list[str] = []
         for i in range(0, len(tags), EXPIRED_BATCH):
@@ -294,6 +298,22 @@ class RedisLimiter(EpochMixin, Limiter):
             await self._call([K.registry(self.prefix)], ["prune", tag, int(PRUNE_AFTER * 1000)])
         leases.sort(key=lambda lease: lease.acquired_at)
         return leases[:limit]
+
+    async def _registry_lost(self, tags: set[str]) -> None:
+        """A tag we registered within REGISTER_EVERY is missing from the registry only if the
+        registry was lost (a restarted Redis, or on Cluster its node): then every tag is
+        registered again at its next admission or heartbeat, those missing at once, so that
+        the admissions made since are found when their process dies."""
+        now = monotonic()
+        missing = [t for t, when in self._registered.items()
+                   if now - when < REGISTER_EVERY and t not in tags]
+        if not missing:
+            return
+        logger.warning("the limiter's registry of tags on Redis at %s lost %d tag(s) this replica "
+                       "registered; registering again", self.where, len(missing))
+        self._registered.clear()
+        for tag in missing:
+            await self._register(tag)
 
     @staticmethod
     def _parse_expired(rows: list[Any]) -> list[Lease]:
@@ -322,6 +342,7 @@ class RedisLimiter(EpochMixin, Limiter):
                 continue
             tag = self._tag(limited)
             keys, args = by_tag.setdefault(tag, ([], []))
+            await self._register(tag)   # a call only when not registered lately (or lost)
             lease_keys = [K.scope_key(self.prefix, s, "lease")
                           for s in limited if s.quota.max_concurrent_requests is not None]
             keys += [K.marker(self.prefix, tag, lease.request_id), *lease_keys]

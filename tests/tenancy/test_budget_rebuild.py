@@ -201,3 +201,38 @@ async def test_on_redis_cluster_one_tags_node_losing_it_rebuilds_that_tag(
         assert (await lim.usage(other))["day_tokens"] == 70     # the other tag: untouched
     finally:
         await lim.close()
+
+
+async def test_a_lost_registry_is_refilled_so_a_dead_replicas_admissions_are_found(
+        limiter, sessions, tenant, redis_url, redis_prefix):
+    """Redis restarted empty loses the registry of tags with the tag's keys: the admission
+    that rebuilds the tag registers it again at once, and a registry lost alone (its Cluster
+    node) is noticed by the next `expired` pass; either way an admission whose process dies
+    afterwards is found when its lease runs out."""
+    s = scope(tenant)
+    registry = redis_prefix + "pending-tags"
+    client = redis.Redis.from_url(redis_url)
+    try:
+        await admit(limiter, "reg-0", s, 10)
+        lose(redis_url, redis_prefix, tenant)
+        client.delete(registry)
+        await admit(limiter, "reg-1", s, 10)        # rebuilds the tag: registered again
+        assert [t async for t, _ in _zscan(client, registry)] == [f"tenant:{tenant}".encode()]
+        client.delete(registry)                    # the registry alone is lost
+        await limiter.expired()                    # noticed: the tag is registered again
+        assert [t async for t, _ in _zscan(client, registry)] == [f"tenant:{tenant}".encode()]
+        dead = RedisLimiter(redis_url, prefix=redis_prefix, lease_ttl=0.3,
+                            rebuilder=BudgetRebuilder(sessions, 5.0))
+        try:
+            await admit(dead, "reg-2", s, 10)       # a replica that dies without settling
+        finally:
+            await dead.close()
+        await asyncio.sleep(0.5)
+        assert "reg-2" in {lease.request_id for lease in await limiter.expired()}
+    finally:
+        client.close()
+
+
+async def _zscan(client, key):
+    for member in client.zscan_iter(key):
+        yield member
