@@ -174,15 +174,12 @@ class ResponsesRequest(_Strict):
     max_tool_calls: Int | None = None
     truncation: Literal["auto", "disabled"] | None = None
 
-    @model_validator(mode="after")
-    def _check(self):
+    def check(self) -> None:
+        """What one field alone cannot say: a 400 naming the field."""
         if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options: only allowed when stream is true")
-        if isinstance(self.input, str) and not self.input:
-            raise ValueError("input: must not be empty")
-        if isinstance(self.input, list) and not self.input and self.previous_response_id is None:
-            raise ValueError("input: must not be empty")
-        return self
+            raise APIError(400, "stream_options: only allowed when stream is true", param="stream_options")
+        if not self.input and (isinstance(self.input, str) or self.previous_response_id is None):
+            raise APIError(400, "input: must not be empty", param="input")
 
     def function_tools(self) -> list[FunctionTool]:
         return [FunctionTool.model_validate(t) for t in self.tools or []]
@@ -239,6 +236,7 @@ def parse_request(data: dict[str, Any]) -> tuple[ResponsesRequest, list[Item]]:
         req = ResponsesRequest.model_validate(data)
     except ValidationError as exc:
         raise _invalid(exc) from None
+    req.check()
     for i, tool in enumerate(req.tools or []):
         try:
             FunctionTool.model_validate(tool)
