@@ -358,13 +358,10 @@ def create_app(settings: Settings | None = None, engine_factory: EngineFactory =
                   dependencies=[Depends(refuse_nul_params)])
     app.state.lifecycle = Lifecycle()
     install_error_handlers(app)
-    app.include_router(openai_api.router)
-    app.include_router(batch_api.router)
-    app.include_router(responses_api.router)      # OpenAI's Responses API
-    app.include_router(admin.router)
-    app.include_router(vllm_lora.router)          # vLLM's adapter routes, admin keys only
-    app.include_router(tokenize_api.router)       # vLLM's /tokenize and /detokenize
-    app.include_router(metrics_api.router)        # /metrics: an admin key or the metrics token
+    for router in (openai_api.router, batch_api.router, responses_api.router,    # OpenAI's APIs
+                   admin.router, vllm_lora.router,     # the console; vLLM's adapter routes (admin keys)
+                   tokenize_api.router, metrics_api.router):   # vLLM's /tokenize; /metrics
+        app.include_router(router)
     install_openapi(app, openai_api.BODY_MODELS + responses_api.BODY_MODELS + tokenize_api.BODY_MODELS)
 
     @app.get("/health", include_in_schema=False)
