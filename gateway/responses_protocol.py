@@ -144,12 +144,17 @@ class StreamOptions(_Strict):
 
 class ResponsesRequest(_Strict):
     model: Ident = Field(min_length=1, max_length=256)
-    input: str | list[dict[str, Any]] = Field(max_length=MAX_ITEMS)
+    input: str | list[dict[str, Any]] = Field(
+        max_length=MAX_ITEMS, description="A user message's text, or items: `message` (role, content as text or "
+        "`input_text`/`output_text` parts), `function_call` (call_id, name, arguments), `function_call_output` "
+        "(call_id, output)")
     instructions: str | None = None
     max_output_tokens: Int | None = Field(default=None, ge=1)
     temperature: Float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: Float | None = Field(default=None, gt=0.0, le=1.0)
-    tools: list[dict[str, Any]] | None = Field(default=None, max_length=128)
+    tools: list[dict[str, Any]] | None = Field(
+        default=None, max_length=128,
+        description="Function tools: {type: function, name, description, parameters, strict}")
     tool_choice: Literal["none", "auto", "required"] | FunctionChoice | None = None
     parallel_tool_calls: Bool | None = None
     text: TextConfig | None = None

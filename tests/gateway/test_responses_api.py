@@ -285,3 +285,40 @@ async def test_a_client_leaving_mid_stream_leaves_one_cancelled_row_and_nothing_
     assert [row.status for row in rows] == ["cancelled"] and rows[0].completion_tokens < 64
     assert sum(e.num_aborted for e in gateway.engines) == aborted + 1
     assert await count(gateway, StoredResponse, StoredResponse.tenant_id == t["id"]) == 0
+
+
+async def test_sampling_fields_reach_the_engine_and_limits_apply(gateway):
+    """The chat path's translation: temperature, top_p and max_output_tokens are the
+    engine's; the tenant's request rate holds as for chat (the SDK's RateLimitError)."""
+    _, key = await gateway.tenant(quota={"requests_per_minute": 2})
+    c = gateway.openai(key)
+    r = await c.responses.create(model="tiny", input="x", temperature=0.25, top_p=0.5, max_output_tokens=7)
+    request_id = r.id.removeprefix("resp_")
+    [params] = [p for e in gateway.engines for rid, p, _ in e.submitted if rid.startswith(request_id)]
+    assert (params.temperature, params.top_p, params.max_tokens, params.n) == (0.25, 0.5, 7, 1)
+    await c.responses.create(model="tiny", input="y", max_output_tokens=1)
+    with pytest.raises(openai.RateLimitError):
+        await c.responses.create(model="tiny", input="z", max_output_tokens=1)
+
+
+async def test_a_response_the_database_cannot_store_is_503_or_response_failed(gateway, monkeypatch):
+    """The store's failure path: the answer is refused (503; in a stream `response.failed`),
+    the work's one usage row stands, nothing is kept."""
+    from sqlalchemy.exc import OperationalError
+
+    async def down(*args, **kwargs):
+        raise OperationalError("INSERT INTO stored_responses", {}, OSError("connection refused"))
+
+    t, key = await gateway.tenant()
+    monkeypatch.setattr(stored_responses, "store_response", down)
+    r = await gateway.http.post("/v1/responses", headers=gateway.auth(key), json={"model": "tiny", "input": "x"})
+    assert r.status_code == 503 and r.json()["error"]["code"] == "database_unavailable", r.text
+    stream = await gateway.openai(key).responses.create(model="tiny", input="x", stream=True)
+    events = [e async for e in stream]
+    assert events[-1].type == "response.failed"
+    assert events[-1].response.error.code == "database_unavailable"
+    assert "response.completed" not in [e.type for e in events]
+    async with gateway.app.state.lockgate.sessions() as s:
+        rows = list((await s.execute(select(UsageRecord).where(UsageRecord.tenant_id == t["id"]))).scalars())
+    assert sorted(row.status for row in rows) == ["ok", "ok"]
+    assert await count(gateway, StoredResponse, StoredResponse.tenant_id == t["id"]) == 0
