@@ -253,11 +253,14 @@ async def test_bad_bodies_are_400_naming_the_field(gateway, tenant, body, param)
     assert r.json()["error"]["param"] == param, r.text
 
 
-async def test_nul_in_a_path_id_is_400(gateway, tenant):
+async def test_nul_in_a_path_id_or_query_is_400(gateway, tenant):
     _, key = tenant
-    for path in ("/v1/responses/resp_%00", "/v1/responses/resp_%00/input_items"):
-        r = await gateway.http.get(path, headers=gateway.auth(key))
-        assert r.status_code == 400 and r.json()["error"]["param"] == "response_id", r.text
+    for method, path, param in (("GET", "/v1/responses/resp_%00", "response_id"),
+                                ("DELETE", "/v1/responses/resp_%00", "response_id"),
+                                ("GET", "/v1/responses/resp_%00/input_items", "response_id"),
+                                ("GET", "/v1/responses/resp_1/input_items?after=a%00b", "after")):
+        r = await gateway.http.request(method, path, headers=gateway.auth(key))
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
 async def test_a_client_leaving_mid_stream_leaves_one_cancelled_row_and_nothing_stored(gateway):
