@@ -229,9 +229,25 @@ def _refuse_item(item: Any, i: int) -> None:
                               f"input[{i}].{field}[{j}].type")
 
 
-def _invalid(exc: ValidationError, *prefix: str | int) -> APIError:
-    return validation_error(RequestValidationError(
-        [{**e, "loc": ("body", *prefix, *e["loc"])} for e in exc.errors()]))
+def _in_data(loc: tuple[Any, ...], data: Any, kind: str) -> tuple[Any, ...]:
+    """`loc` as a path in `data`: the labels pydantic adds for a union's members (`str`,
+    `list[...]`, a tag) left out; a missing or unknown field's name kept."""
+    out: list[Any] = []
+    for n, seg in enumerate(loc):
+        in_dict = isinstance(data, dict) and isinstance(seg, str) and seg in data
+        if in_dict or (isinstance(data, list) and isinstance(seg, int) and 0 <= seg < len(data)):
+            out.append(seg)
+            data = data[seg]
+        elif n == len(loc) - 1 and kind in ("missing", "extra_forbidden"):
+            out.append(seg)
+    return tuple(out)
+
+
+def _invalid(exc: ValidationError, data: Any, *prefix: str | int) -> APIError:
+    """A 400 naming the field of the most specific error (a union's members each fail)."""
+    errors = [{**e, "loc": ("body", *prefix, *_in_data(e["loc"], data, e["type"]))} for e in exc.errors()]
+    errors.sort(key=lambda e: -len(e["loc"]))
+    return validation_error(RequestValidationError(errors))
 
 
 def parse_request(data: dict[str, Any]) -> tuple[ResponsesRequest, list[Item]]:
@@ -240,20 +256,21 @@ def parse_request(data: dict[str, Any]) -> tuple[ResponsesRequest, list[Item]]:
     try:
         req = ResponsesRequest.model_validate(data)
     except ValidationError as exc:
-        raise _invalid(exc) from None
+        raise _invalid(exc, data) from None
     req.check()
     for i, tool in enumerate(req.tools or []):
         try:
             FunctionTool.model_validate(tool)
         except ValidationError as exc:
-            raise _invalid(exc, "tools", i) from None
+            raise _invalid(exc, tool, "tools", i) from None
     if isinstance(req.input, str):
         return req, [MessageItem(role="user", content=req.input)]
     items: list[Item] = []
     for i, raw in enumerate(req.input):
-        model = _ITEM_MODELS.get(raw.get("type", "message"), MessageItem)
+        kind = raw.get("type", "message")
+        model = _ITEM_MODELS.get(kind, MessageItem) if isinstance(kind, str) else MessageItem
         try:
             items.append(model.model_validate(raw))   # type: ignore[arg-type]
         except ValidationError as exc:
-            raise _invalid(exc, "input", i) from None
+            raise _invalid(exc, raw, "input", i) from None
     return req, items

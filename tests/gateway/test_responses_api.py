@@ -229,6 +229,8 @@ async def test_retention_expiry_is_404_then_swept(gateway):
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]},
      "input[0].content[0].type"),
     ({"input": [{"type": "reasoning", "summary": []}]}, "input[0].type"),
+    ({"input": [{"type": ["message"], "role": "user", "content": "x"}]}, "input[0].type"),
+    ({"input": [{"role": "user", "content": [{"type": {}, "text": "x"}]}]}, "input[0].content[0]"),
     ({"input": [{"role": "user", "content": "a"}, {"role": "robot", "content": "b"}]}, "input[1].role"),
     ({"input": [{"type": "function_call", "call_id": "c\x00", "name": "f", "arguments": "{}"}]},
      "input[0].call_id"),
