@@ -245,9 +245,9 @@ def _in_data(loc: tuple[Any, ...], data: Any, kind: str) -> tuple[Any, ...]:
 
 def _invalid(exc: ValidationError, data: Any, *prefix: str | int) -> APIError:
     """A 400 naming the field of the most specific error (a union's members each fail)."""
-    errors = [{**e, "loc": ("body", *prefix, *_in_data(e["loc"], data, e["type"]))} for e in exc.errors()]
-    errors.sort(key=lambda e: -len(e["loc"]))
-    return validation_error(RequestValidationError(errors))
+    located = [(("body", *prefix, *_in_data(e["loc"], data, e["type"])), e) for e in exc.errors()]
+    located.sort(key=lambda le: -len(le[0]))
+    return validation_error(RequestValidationError([{**e, "loc": loc} for loc, e in located]))
 
 
 def parse_request(data: dict[str, Any]) -> tuple[ResponsesRequest, list[Item]]:
