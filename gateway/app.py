@@ -21,7 +21,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from lockgate.engine import AsyncEngine, ModelBinding, WorkerPoolStats
-from lockgate.gateway import admin, batch_api, metrics_api, openai_api, tokenize_api
+from lockgate.gateway import admin, batch_api, metrics_api, openai_api, responses_api, tokenize_api
 from lockgate.gateway.admin import vllm_lora
 from lockgate.gateway.authenticator import Authenticator
 from lockgate.gateway.background import Background
@@ -363,13 +363,11 @@ def create_app(settings: Settings | None = None, engine_factory: EngineFactory =
                   dependencies=[Depends(refuse_nul_params)])
     app.state.lifecycle = Lifecycle()
     install_error_handlers(app)
-    app.include_router(openai_api.router)
-    app.include_router(batch_api.router)
-    app.include_router(admin.router)
-    app.include_router(vllm_lora.router)          # vLLM's adapter routes, admin keys only
-    app.include_router(tokenize_api.router)       # vLLM's /tokenize and /detokenize
-    app.include_router(metrics_api.router)        # /metrics: an admin key or the metrics token
-    install_openapi(app, openai_api.BODY_MODELS + tokenize_api.BODY_MODELS)
+    for router in (openai_api.router, batch_api.router, responses_api.router,    # OpenAI's APIs
+                   admin.router, vllm_lora.router,     # the console; vLLM's adapter routes (admin keys)
+                   tokenize_api.router, metrics_api.router):   # vLLM's /tokenize; /metrics
+        app.include_router(router)
+    install_openapi(app, openai_api.BODY_MODELS + responses_api.BODY_MODELS + tokenize_api.BODY_MODELS)
 
     @app.get("/health", include_in_schema=False)
     async def health() -> dict:

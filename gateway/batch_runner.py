@@ -48,6 +48,7 @@ from lockgate.gateway.serving.tiers import RunCut
 from lockgate.gateway.state import AppState
 from lockgate.gateway.tokenize_pool import TokenizerError
 from lockgate.tenancy import batches as store
+from lockgate.tenancy import stored_responses
 from lockgate.tenancy.auth import Principal, principal_of_key
 from lockgate.tenancy.errors import AuthError
 from lockgate.tenancy.models import Batch, BatchLine, escape_nul
@@ -94,7 +95,8 @@ class BatchRunner:
 
     # -- the loop ---------------------------------------------------------------------------------
     async def run(self) -> None:
-        """Forever: renew the leases held, claim free batches, sweep expired files."""
+        """Forever: renew the leases held, claim free batches, sweep expired files and stored
+        responses (the Responses API's, past their retention)."""
         while True:
             try:
                 await self.tick()
@@ -137,8 +139,9 @@ class BatchRunner:
             self._last_sweep = now
             async with self.state.sessions() as session:
                 gone = await store.sweep_files(session)
-            if gone:
-                logger.info("%d expired files deleted", gone)
+                responses = await stored_responses.sweep_responses(session)
+            if gone or responses:
+                logger.info("%d expired files and %d expired responses deleted", gone, responses)
 
     async def stop(self) -> None:
         """Abandon every line in flight and hand the batches back (their leases released,

@@ -133,7 +133,11 @@ class Settings(BaseSettings):
     batch_max_active: int = Field(default=8, ge=1)             # batches one replica works at once
     batch_max_inflight: int = Field(default=16, ge=1)          # a replica's batch lines in the engine at once
     batch_pause_poll_s: float = Field(default=5.0, gt=0)       # a batch paused by a limit retries this often
-    file_sweep_interval_s: float = Field(default=60.0, gt=0)   # expired files deleted this often
+    file_sweep_interval_s: float = Field(default=60.0, gt=0)   # expired files and responses deleted this often
+
+    # the Responses API (gateway/responses_api.py): a stored response (and its input items) is
+    # kept this long, then answers 404 and is deleted by the sweep above (default 30 days)
+    responses_retention_s: float = Field(default=30 * 86400.0, gt=0)
 
     # LoRA adapters
     adapter_root: Path | None = None         # None: data_dir / "adapters"; every adapter lives under it

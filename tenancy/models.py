@@ -351,3 +351,25 @@ class RefusalCount(Base):
     reason: Mapped[str] = mapped_column(String(32), primary_key=True)   # a Quota field name
     minute: Mapped[datetime] = mapped_column(UTCDateTime, primary_key=True)   # UTC, seconds 0
     count: Mapped[int] = mapped_column(BigInteger)
+
+
+# -- the Responses API: stored responses ---------------------------------------------------------------
+def new_response_id() -> str:
+    return "resp_" + secrets.token_hex(24)
+
+
+class StoredResponse(Base):
+    """A Responses API answer its request asked to keep (`store`, the default): the request's
+    input items and the Response object, for `GET /v1/responses/{id}` and for a later
+    `previous_response_id`; its tenant's alone, in the database so that every replica finds
+    it, until `expires_at` (the retention), when a sweep deletes it."""
+
+    __tablename__ = "stored_responses"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True, default=new_response_id)
+    tenant_id: Mapped[str] = mapped_column(String(20), ForeignKey("tenants.id"), index=True)
+    previous_response_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    input_items: Mapped[list[dict[str, Any]]] = mapped_column(JSON)
+    response: Mapped[dict[str, Any]] = mapped_column(JSON)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    expires_at: Mapped[datetime] = mapped_column(UTCDateTime, index=True)

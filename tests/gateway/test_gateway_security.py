@@ -319,10 +319,15 @@ async def test_path_parameter_routes_refuse_another_tenants_objects(ctx, tenants
                                                            "completion_window": "24h"})
     assert r.status_code == 200, r.text
     b_batch = r.json()["id"]
+    r = await ctx.call("POST", "/v1/responses", key_b, json={"model": "tiny", "input": "b-secret-input",
+                                                             "max_output_tokens": 2})
+    assert r.status_code == 200, r.text
+    b_response = r.json()["id"]         # a stored response (the Responses API)
     values = {"tenant_id": b["id"], "key_id": b_key["id"], "model_id": "b-private",
-              "adapter_id": "ada_0000000000000000", "file_id": b_file, "batch_id": b_batch}
+              "adapter_id": "ada_0000000000000000", "file_id": b_file, "batch_id": b_batch,
+              "response_id": b_response}
     b_data = {b["name"], b["id"], b_key["id"], b_key["prefix"], key_b,
-              demo_model("llama", "tiny", 1), b_file, b_batch, "b-secret"}
+              demo_model("llama", "tiny", 1), b_file, b_batch, "b-secret", b_response}
     before = (await ctx.admin.get(f"/tenants/{b['id']}")).json()
 
     checked = []
@@ -351,6 +356,7 @@ async def test_path_parameter_routes_refuse_another_tenants_objects(ctx, tenants
     assert (await ctx.chat(key_b, "b-private")).status_code == 200
     assert (await ctx.call("GET", f"/v1/files/{b_file}", key_b)).status_code == 200
     assert (await ctx.call("GET", f"/v1/batches/{b_batch}", key_b)).json()["status"] != "cancelling"
+    assert (await ctx.call("GET", f"/v1/responses/{b_response}", key_b)).status_code == 200
 
 
 # == 2. admin routes need an admin key ================================================================
@@ -401,7 +407,8 @@ async def test_admin_key_cannot_call_tenant_routes(ctx, app_routes):
     v1 = [(p, m, b) for p, m, b in app_routes if p.startswith("/v1/") and not is_admin_route(p)]
     assert {p for p, _, _ in v1} >= {"/v1/chat/completions", "/v1/completions", "/v1/models"}
     for path, methods, _ in v1:
-        url = fill(path, {"model_id": "tiny", "file_id": "file-0000", "batch_id": "batch_0000"})
+        url = fill(path, {"model_id": "tiny", "file_id": "file-0000", "batch_id": "batch_0000",
+                          "response_id": "resp_0000"})
         for method in sorted(methods):
             kw = {"json": {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
                            "prompt": "x", "max_tokens": 1}} if method in MUTATING else {}

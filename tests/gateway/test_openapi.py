@@ -33,6 +33,7 @@ def resolve(schema: dict, node: dict) -> dict:
 @pytest.mark.parametrize(("path", "fields"), [
     ("/v1/chat/completions", {"model", "messages", "max_tokens", "stream"}),
     ("/v1/completions", {"model", "prompt", "max_tokens", "stream"}),
+    ("/v1/responses", {"model", "input", "instructions", "tools", "text", "store", "previous_response_id"}),
 ])
 async def test_inference_routes_describe_their_body_and_errors(schema, path, fields):
     op = schema["paths"][path]["post"]
@@ -57,3 +58,15 @@ async def test_no_route_documents_422(schema):
         for method, op in ops.items():
             if op.get("requestBody") or op.get("parameters"):
                 assert "400" in op["responses"], f"{method.upper()} {path}: 400 not documented"
+
+
+async def test_stored_response_routes_are_described(schema):
+    ops = {(m, p) for p, methods in schema["paths"].items() for m in methods if p.startswith("/v1/responses/")}
+    assert ops == {("get", "/v1/responses/{response_id}"), ("delete", "/v1/responses/{response_id}"),
+                   ("get", "/v1/responses/{response_id}/input_items")}
+    listing = schema["paths"]["/v1/responses/{response_id}/input_items"]["get"]
+    assert {p["name"] for p in listing["parameters"]} == {"response_id", "after", "before", "limit", "order"}
+    for path, methods in schema["paths"].items():
+        if path.startswith("/v1/responses/"):
+            for op in methods.values():
+                assert {"400", "401", "403", "404"} <= set(op["responses"]), (path, sorted(op["responses"]))
