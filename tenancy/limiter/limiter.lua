@@ -286,12 +286,14 @@ elseif op == 'reserve' then
 elseif op == 'settle' then
   -- ARGV: rid, used, reserved, window, n, the limits of each scope, then the mode: 'settle',
   -- or 'abandon' (the reconciler: only if the pending entry expired; used is 0; the marker
-  -- becomes 'r' so that a late settle charges what it used), and the marker's lifetime (ms).
+  -- becomes 'r' so that a late settle charges what it used), the marker's lifetime (ms), and
+  -- optionally the tokens the budgets count (cached prompt tokens priced lower; else used).
   local rid = ARGV[2]
   local used = tonumber(ARGV[3])
   local window = tonumber(ARGV[5])
   local n = tonumber(ARGV[6])
   local mode, pending_ms = ARGV[7 + n * 5], ARGV[8 + n * 5]
+  local budget_used = tonumber(ARGV[9 + n * 5] or ARGV[3])
   local now = clock()
   if mode == 'abandon' then
     local exp = tonumber(redis.call('ZSCORE', KEYS[1 + n * 5 + 1], rid))
@@ -308,7 +310,7 @@ elseif op == 'settle' then
   if not marker then return 0 end
   local reserved = held or tonumber(ARGV[4])
   if marker == 'r' then reserved = 0 end       -- the reconciler refunded the reservation
-  local delta = fmt(used - reserved)
+  local delta = fmt(budget_used - reserved)
   for i = 1, n do
     local k = 1 + (i - 1) * 5
     local rpm, tpm, conc, dayb, monthb = limits(6 + (i - 1) * 5)

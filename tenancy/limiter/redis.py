@@ -231,11 +231,12 @@ class RedisLimiter(Limiter):
                    tokens=tokens, now=now, periods=p, refusals=refusals, headers=headers)
         return grown(d, lease, tokens)
 
-    async def settle(self, lease: Lease, used_tokens: int) -> None:
+    async def settle(self, lease: Lease, used_tokens: int, budget_tokens: int | None = None) -> None:
         lease = check_lease(lease)
         used = check_count(used_tokens, "used_tokens")
+        budget = used if budget_tokens is None else check_count(budget_tokens, "budget_tokens")
         await self._finish(lease, ["settle", lease.request_id, used, lease.reserved_tokens,
-                                   _us(WINDOW)], ["settle", int(PENDING_TTL * 1000)])
+                                   _us(WINDOW)], ["settle", int(PENDING_TTL * 1000), budget])
 
     async def abandon(self, lease: Lease) -> bool:
         lease = check_lease(lease)
