@@ -123,6 +123,20 @@ async def test_stream_a_forced_tool_call(gateway, fresh):
     assert "input_json" in kinds and "text" not in kinds
 
 
+async def test_a_client_that_leaves_mid_stream_leaves_one_row_and_its_lease_settled(gateway):
+    t, key = await gateway.tenant(quota={"max_concurrent_requests": 4})
+    body = {"model": SONNET, "max_tokens": 60, "messages": HELLO, "stream": True}
+    async with gateway.http.stream("POST", "/v1/messages", json=body, headers={"x-api-key": key}) as r:
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if "content_block_delta" in line:
+                break                                   # gone after the first delta
+    u = await usage_of(gateway, t["id"])
+    assert (u["requests"], u["ok"] + u["cancelled"]) == (1, 1)
+    quota = (await gateway.http.get("/v1/usage/quota", headers=gateway.auth(key))).json()["data"][0]
+    assert quota["limits"]["max_concurrent_requests"]["used"] == 0     # the lease went back
+
+
 async def test_over_quota_is_a_rate_limit_error(gateway):
     t, key = await gateway.tenant(quota={"daily_token_budget": 5})
     with pytest.raises(anthropic.RateLimitError) as info:
@@ -215,3 +229,12 @@ async def test_the_price_is_set_by_the_admin_and_checked(model_gateway):
     assert r.json()["model_aliases"] == {"claude-opus-*": MODEL}
     r = await model_gateway.admin.patch(f"/tenants/{t['id']}", json={"model_aliases": {"claude-x": "nonesuch"}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "model_aliases"
+
+
+async def test_a_tenants_own_alias_comes_first_and_is_its_own(model_gateway):
+    t, key = await model_gateway.tenant(model_aliases={"house-model": MODEL})
+    _, other = await model_gateway.tenant()
+    m = await client(model_gateway, key).messages.create(model="house-model", max_tokens=2, messages=HELLO)
+    assert m.model == "house-model" and m.usage.output_tokens == 2
+    with pytest.raises(anthropic.NotFoundError):
+        await client(model_gateway, other).messages.create(model="house-model", max_tokens=2, messages=HELLO)
