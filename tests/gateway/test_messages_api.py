@@ -13,6 +13,7 @@ import httpx2
 import pytest
 import pytest_asyncio
 
+from lockgate.gateway.serving.messages import alias_of
 from tests.support.httpx2_bridge import Httpx2Bridge
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -231,10 +232,18 @@ async def test_the_price_is_set_by_the_admin_and_checked(model_gateway):
     assert r.status_code == 400 and r.json()["error"]["param"] == "model_aliases"
 
 
-async def test_a_tenants_own_alias_comes_first_and_is_its_own(model_gateway):
-    t, key = await model_gateway.tenant(model_aliases={"house-model": MODEL})
+async def test_a_tenants_own_alias_is_its_own(model_gateway):
+    _, key = await model_gateway.tenant(model_aliases={"house-model": MODEL})
     _, other = await model_gateway.tenant()
     m = await client(model_gateway, key).messages.create(model="house-model", max_tokens=2, messages=HELLO)
     assert m.model == "house-model" and m.usage.output_tokens == 2
     with pytest.raises(anthropic.NotFoundError):
         await client(model_gateway, other).messages.create(model="house-model", max_tokens=2, messages=HELLO)
+
+
+async def test_aliases_exact_names_first_then_the_longest_pattern():
+    table = [("claude-*", "a"), ("claude-3-5-haiku-*", "b"), ("claude-3-5-haiku-latest", "c")]
+    assert alias_of("claude-3-5-haiku-latest", table) == "c"
+    assert alias_of("claude-3-5-haiku-20241022", table) == "b"
+    assert alias_of("claude-opus-4-1", table) == "a"
+    assert alias_of("gpt-4o", table) is None

@@ -1,11 +1,13 @@
 """Settling with `budget_tokens`: the budgets count what the plan prices (cached prompt tokens
-below others), the tokens-per-minute window every token; on every backend, and through the
-failover wrapper's queue while Redis is away."""
+below others), the tokens-per-minute window every token; on every backend, and as the failover
+wrapper replays a settlement it queued while Redis was away."""
 
 from __future__ import annotations
 
 import pytest
 
+from lockgate.tenancy.limiter import InProcessLimiter
+from lockgate.tenancy.limiter.failover import _Pending
 from lockgate.tenancy.quota import budget_tokens
 from tests.tenancy.test_limiter import Backend, redis_of, scope
 
@@ -42,3 +44,12 @@ def test_budget_tokens_rounds_the_cached_part_up_once_per_request():
     assert budget_tokens(100, 30, 0, 0.1) == 70 + 3            # 0.1 as written: 3, not 4
     assert budget_tokens(100, 40, 10, 0.0) == 70
     assert budget_tokens(10, 99, 1, 0.5) == 5 + 1               # never more cached than prompt
+
+
+async def test_a_queued_settlement_keeps_its_budget_tokens():
+    lim = InProcessLimiter()
+    s = scope(tokens_per_minute=10_000, daily_token_budget=5000)
+    d = await lim.acquire("r1", [s], 400)
+    await _Pending("settle", d.lease, 250, 150).run(lim)      # as FailoverLimiter drains its queue
+    u = await lim.usage(s)
+    assert (u["tokens_in_window"], u["day_tokens"]) == (250, 150)
