@@ -6,7 +6,9 @@ model aliases, errors in Anthropic's shape with the client's own exceptions, usa
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 
 import anthropic
 import httpx2
@@ -132,7 +134,10 @@ async def test_a_client_that_leaves_mid_stream_leaves_one_row_and_its_lease_sett
         async for line in r.aiter_lines():
             if "content_block_delta" in line:
                 break                                   # gone after the first delta
-    u = await usage_of(gateway, t["id"])
+    deadline = time.monotonic() + 10                    # the run ends as the app sees the client leave
+    while (u := await usage_of(gateway, t["id"]))["requests"] == 0 and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert gateway.engine.open_requests == 0
     assert (u["requests"], u["ok"] + u["cancelled"]) == (1, 1)
     quota = (await gateway.http.get("/v1/usage/quota", headers=gateway.auth(key))).json()["data"][0]
     assert quota["limits"]["max_concurrent_requests"]["used"] == 0     # the lease went back
