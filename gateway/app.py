@@ -21,7 +21,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from lockgate.engine import AsyncEngine, ModelBinding, WorkerPoolStats
-from lockgate.gateway import admin, batch_api, metrics_api, openai_api, responses_api, tokenize_api
+from lockgate.gateway import admin, batch_api, messages_api, metrics_api, openai_api, responses_api, tokenize_api
 from lockgate.gateway.admin import vllm_lora
 from lockgate.gateway.authenticator import Authenticator
 from lockgate.gateway.background import Background
@@ -363,11 +363,12 @@ def create_app(settings: Settings | None = None, engine_factory: EngineFactory =
                   dependencies=[Depends(refuse_nul_params)])
     app.state.lifecycle = Lifecycle()
     install_error_handlers(app)
-    for router in (openai_api.router, batch_api.router, responses_api.router,    # OpenAI's APIs
-                   admin.router, vllm_lora.router,     # the console; vLLM's adapter routes (admin keys)
-                   tokenize_api.router, metrics_api.router):   # vLLM's /tokenize; /metrics
-        app.include_router(router)
-    install_openapi(app, openai_api.BODY_MODELS + responses_api.BODY_MODELS + tokenize_api.BODY_MODELS)
+    # OpenAI's, the admin console, vLLM's adapter routes (admin keys only) and /tokenize,
+    # /metrics (an admin key or the metrics token), Anthropic's Messages API
+    for api in (openai_api, batch_api, responses_api, admin, vllm_lora, tokenize_api, metrics_api, messages_api):
+        app.include_router(api.router)
+    install_openapi(app, openai_api.BODY_MODELS + responses_api.BODY_MODELS + tokenize_api.BODY_MODELS
+                    + messages_api.BODY_MODELS)
 
     @app.get("/health", include_in_schema=False)
     async def health() -> dict:

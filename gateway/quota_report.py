@@ -64,6 +64,8 @@ class TenantQuotaPublic(BaseModel):
     limits: dict[str, LimitPublic]
     refused: dict[str, int]            # the tenant's 429s in [start, end) by limit
     keys: list[KeyQuotaPublic]
+    # the fraction of a prompt token its budgets count for a cached one (tokens per minute: 1)
+    cached_input_price: float = 1.0
 
 
 class QuotaReportPublic(BaseModel):
@@ -145,6 +147,7 @@ async def build_report(state: AppState, rows: list[tuple[Tenant, list[ApiKey]]],
                 tenant_counts[sr] = tenant_counts.get(sr, 0) + n
         entry = TenantQuotaPublic(
             tenant_id=t.id, name=t.name, keys=[], refused=_by_reason(tenant_counts),
+            cached_input_price=t.cached_input_price,
             limits=limits_of(quota_of(t), next(usage), _by_reason(tenant_counts, "tenant"), now))
         for k in keys:
             counts = per_key.get(k.id, {})

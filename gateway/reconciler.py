@@ -5,7 +5,7 @@ leases free themselves `lease_ttl_s` after their last heartbeat, but their token
 would stay charged to the budgets and tokens-per-minute windows. Every replica, once per
 heartbeat, asks the limiter for admissions whose lease ran out (`Limiter.expired`) and, for
 each that is not one of its own live requests, looks for the request's usage row: a row means
-the request ended and its settlement was lost, so it is settled to exactly the row's tokens;
+the request ended and its settlement was lost, so it is settled to exactly the row's tokens (its budget charge too);
 no row means it died before its row was written, so its reservation is refunded
 (`Limiter.abandon`: it keeps its request count). Budgets then charge what usage rows show.
 Replicas may race on one admission: settle and abandon each consume its marker atomically,
@@ -50,13 +50,14 @@ logger = logging.getLogger(__name__)
 
 
 async def billed_tokens(sessions: async_sessionmaker[AsyncSession],
-                        request_ids: Sequence[str]) -> dict[str, int]:
-    """request id -> prompt + completion tokens of its usage row, for those that have one."""
+                        request_ids: Sequence[str]) -> dict[str, tuple[int, int]]:
+    """request id -> (prompt + completion tokens, what the budgets were charged) of its usage
+    row, for those that have one."""
     total = UsageRecord.prompt_tokens + UsageRecord.completion_tokens
     async with sessions() as session:
-        rows = await session.execute(select(UsageRecord.request_id, total)
+        rows = await session.execute(select(UsageRecord.request_id, total, UsageRecord.budget_tokens)
                                      .where(UsageRecord.request_id.in_(list(request_ids))))
-        return {rid: int(tokens) for rid, tokens in rows}
+        return {rid: (int(tokens), int(tokens if budget is None else budget)) for rid, tokens, budget in rows}
 
 
 async def reconcile_once(state: AppState) -> dict[str, int]:
@@ -77,7 +78,7 @@ async def reconcile_once(state: AppState) -> dict[str, int]:
     async def one(lease: Lease) -> str:
         used = rows.get(lease.request_id)
         if used is not None:
-            await limiter.settle(lease, used)
+            await limiter.settle(lease, *used)
             return "settled"
         return "abandoned" if await limiter.abandon(lease) else "skipped"
 
@@ -95,9 +96,17 @@ def replay_charger(limiter: Limiter) -> Callable[[list[dict[str, Any]]], Awaitab
     async def charge(rows: list[dict[str, Any]]) -> int:
         replayed = [ReplayedRow(request_id=r["request_id"], tenant_id=r["tenant_id"],
                                 api_key_id=r["api_key_id"],
-                                tokens=int(r["prompt_tokens"]) + int(r["completion_tokens"]),
+                                tokens=_budget_tokens(r),
                                 created_at=r["created_at"].timestamp()
                                 if isinstance(r.get("created_at"), datetime) else 0.0)
                     for r in rows]
         return await limiter.charge_replayed(replayed)
     return charge
+
+
+def _budget_tokens(row: dict[str, Any]) -> int:
+    """What the row's request counts against the budgets (its plan may price cached prompt
+    tokens lower; a row without the figure was charged prompt + completion)."""
+    if row.get("budget_tokens") is not None:
+        return int(row["budget_tokens"])
+    return int(row["prompt_tokens"]) + int(row["completion_tokens"])

@@ -47,6 +47,9 @@ class TenantCreate(_Strict):
     models: list[Ident] | None = None
     status: Literal["active", "suspended"] = "active"
     quota: QuotaBody | None = None
+    # the fraction of a prompt token the budgets count for a cached one (1: as any other)
+    cached_input_price: float = Field(default=1.0, ge=0, le=1)
+    model_aliases: dict[Ident, Ident] | None = None   # name or pattern (`claude-*`) -> served model
 
 
 class TenantPatch(_Strict):
@@ -56,6 +59,8 @@ class TenantPatch(_Strict):
     default_tier: Tier | None = None
     models: list[Ident] | None = None
     status: Literal["active", "suspended"] | None = None
+    cached_input_price: float | None = Field(default=None, ge=0, le=1)
+    model_aliases: dict[Ident, Ident] | None = None
 
 
 class KeyCreate(_Strict):
@@ -100,6 +105,8 @@ class TenantPublic(BaseModel):
     default_tier: str
     models: list[str] | None
     quota: QuotaPublic
+    cached_input_price: float
+    model_aliases: dict[str, str] | None
     created_at: str | None
     updated_at: str | None
 
@@ -109,6 +116,7 @@ class TenantPublic(BaseModel):
                    service_tiers=list(t.service_tiers), default_tier=t.default_tier,
                    models=list(t.models) if t.models is not None else None,
                    quota=QuotaPublic.of(tenants.tenant_quota(t)),
+                   cached_input_price=t.cached_input_price, model_aliases=t.model_aliases,
                    created_at=iso(t.created_at), updated_at=iso(t.updated_at))
 
 

@@ -39,6 +39,9 @@ class Settings(BaseSettings):
     pepper: SecretStr | None = None          # HMAC pepper for API keys; generated in data_dir when absent
     models: list[str] = Field(default_factory=list)   # "NAME=DIR" or "DIR"; empty: the demo model
     private_models: list[str] = Field(default_factory=list)  # served only to tenants listing them
+    # model name or fnmatch pattern -> served model, for the Messages API's `claude-*` ids (a
+    # tenant's own `model_aliases` come first); LOCKGATE_MODEL_ALIASES='{"claude-*": "demo"}'
+    model_aliases: dict[str, str] = Field(default_factory=dict)
     # an engine pool on Ray (engine/pool/): "auto" starts a local Ray, "HOST:PORT" or
     # "ray://HOST:PORT" joins a cluster; None: the embedded engine, no Ray
     pool: str | None = None

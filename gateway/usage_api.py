@@ -24,7 +24,7 @@ from lockgate.tenancy.usage.report import parse_group_by, usage_page
 from lockgate.tenancy.validation import MAX_LIST_LIMIT
 
 CSV_FIELDS = ["requests", "ok", "errors", "cancelled", "prompt_tokens", "cached_tokens",
-              "completion_tokens", "total_tokens", "ttft_ms_p50", "ttft_ms_p95"]
+              "completion_tokens", "total_tokens", "budget_tokens", "ttft_ms_p50", "ttft_ms_p95"]
 QUERY = {"tenant_id", "start", "end", "group_by", "format", "limit", "after"}
 
 

@@ -36,6 +36,10 @@ class Principal:
     tenant_quota: Quota
     key_quota: Quota
     expires_at: datetime | None
+    # the fraction of a prompt token the budgets count for a cached one (`quota.budget_tokens`)
+    cached_input_price: float = 1.0
+    # the tenant's own model aliases (name or pattern, served model), before the server's
+    model_aliases: tuple[tuple[str, str], ...] = ()
 
     @property
     def is_admin(self) -> bool:
@@ -110,4 +114,6 @@ def _principal(key: ApiKey, tenant: Tenant | None) -> Principal:
         service_tiers=tuple(tenant.service_tiers), default_tier=tenant.default_tier,
         models=None if tenant.models is None else tuple(tenant.models),
         tenant_quota=tenant_quota(tenant), key_quota=key_quota(key), expires_at=key.expires_at,
+        cached_input_price=tenant.cached_input_price,
+        model_aliases=tuple((tenant.model_aliases or {}).items()),
     )

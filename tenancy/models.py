@@ -20,6 +20,7 @@ from sqlalchemy import (
     LargeBinary,
     MetaData,
     String,
+    text,
 )
 from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
@@ -103,6 +104,7 @@ class Tenant(_QuotaColumns, Base):
     __table_args__ = (
         CheckConstraint("weight > 0", name="weight_positive"),
         CheckConstraint("status IN ('active', 'suspended')", name="status"),
+        CheckConstraint("cached_input_price >= 0 AND cached_input_price <= 1", name="cached_input_price"),
     )
 
     id: Mapped[str] = mapped_column(String(20), primary_key=True, default=new_tenant_id)
@@ -113,6 +115,11 @@ class Tenant(_QuotaColumns, Base):
     default_tier: Mapped[str] = mapped_column(String(16), default="default")
     # None (SQL NULL): every public model; else the model/adapter names this tenant may use.
     models: Mapped[list[str] | None] = mapped_column(JSON(none_as_null=True), nullable=True)
+    # the fraction of a prompt token the day and month budgets count for one read from the
+    # engine's prefix cache (tokens per minute count every token)
+    cached_input_price: Mapped[float] = mapped_column(Float, default=1.0, server_default=text("1.0"))
+    # None (SQL NULL): the server's aliases only; else model name or pattern -> served model
+    model_aliases: Mapped[dict[str, str] | None] = mapped_column(JSON(none_as_null=True), nullable=True)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     deleted_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
@@ -180,6 +187,9 @@ class UsageRecord(Base):
     prompt_tokens: Mapped[int] = mapped_column(Integer)
     cached_tokens: Mapped[int] = mapped_column(Integer)
     completion_tokens: Mapped[int] = mapped_column(Integer)
+    # what the day and month budgets were charged (`quota.budget_tokens`); NULL on rows written
+    # before cached tokens were priced, whose charge was prompt + completion
+    budget_tokens: Mapped[int | None] = mapped_column(Integer, nullable=True)
     status: Mapped[str] = mapped_column(String(16))
     queue_ms: Mapped[float] = mapped_column(Float)
     ttft_ms: Mapped[float | None] = mapped_column(Float, nullable=True)

@@ -3,7 +3,9 @@ columns on a tenant's or a key's row."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, fields
+from fractions import Fraction
 from typing import Any
 
 # PostgreSQL's bigint, the quota columns' type: a larger limit fails mid-statement there
@@ -61,3 +63,24 @@ def store_quota(row: Any, quota: Quota) -> None:
     """Write `quota` into a row's quota columns."""
     for name in QUOTA_FIELDS:
         setattr(row, name, getattr(quota, name))
+
+
+def check_price(value: Any, field: str = "cached_input_price") -> float:
+    """A price as a fraction of a prompt token: a number from 0 to 1."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or not 0 <= value <= 1:
+        raise ValueError(f"{field}: must be a number from 0 to 1, got {value!r}")
+    return float(value)
+
+
+def budget_tokens(prompt: int, cached: int, completion: int, cached_input_price: float) -> int:
+    """What a request's tokens count against the day and month budgets: every completion
+    token and uncached prompt token, and the `cached` prompt tokens (those the engine read
+    from its prefix cache) at `cached_input_price` of a token each, rounded up once for the
+    request. The price is read as the decimal it was written as (0.1 is a tenth), so 30
+    cached tokens at 0.1 count 3, not 4."""
+    cached = min(max(cached, 0), prompt)
+    if cached_input_price >= 1:
+        return prompt + completion
+    priced = math.ceil(cached * Fraction(repr(float(cached_input_price))))
+    return prompt - cached + priced + completion

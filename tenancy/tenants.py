@@ -29,7 +29,7 @@ from lockgate.tenancy.models import (
     Tenant,
     utcnow,
 )
-from lockgate.tenancy.quota import Quota, quota_of, store_quota
+from lockgate.tenancy.quota import Quota, check_price, quota_of, store_quota
 from lockgate.tenancy.validation import (
     MODEL_NAME_MAX,
     check_actor,
@@ -40,7 +40,9 @@ from lockgate.tenancy.validation import (
     check_text,
 )
 
-TENANT_FIELDS = frozenset({"name", "weight", "status", "service_tiers", "default_tier", "models"})
+TENANT_FIELDS = frozenset({"name", "weight", "status", "service_tiers", "default_tier", "models",
+                           "cached_input_price", "model_aliases"})
+MAX_MODEL_ALIASES = 64
 
 
 # -- checks ------------------------------------------------------------------------------------
@@ -92,6 +94,27 @@ def _check_models(models: Any) -> list[str] | None:
     return out
 
 
+def _check_price(price: Any) -> float:
+    try:
+        return check_price(price)
+    except ValueError as exc:
+        raise Invalid("cached_input_price", str(exc).split(": ", 1)[-1]) from None
+
+
+def _check_aliases(aliases: Any) -> dict[str, str] | None:
+    """A tenant's model aliases: name or `fnmatch` pattern (`claude-*`) -> a served model."""
+    if aliases is None:
+        return None
+    if not isinstance(aliases, dict) or len(aliases) > MAX_MODEL_ALIASES:
+        raise Invalid("model_aliases", f"must be an object of at most {MAX_MODEL_ALIASES} names")
+    for name, target in aliases.items():
+        if not isinstance(name, str) or not 1 <= len(name) <= MODEL_NAME_MAX or "\x00" in name \
+                or not isinstance(target, str) or not 1 <= len(target) <= MODEL_NAME_MAX or "\x00" in target:
+            raise Invalid("model_aliases", f"names and models must be 1 to {MODEL_NAME_MAX} characters, "
+                                           f"got {name!r}: {target!r}")
+    return dict(aliases)
+
+
 def _check_changes(changes: dict[str, Any]) -> dict[str, Any]:
     """The checked values of an `update_tenant` call's changes (known fields only)."""
     for field in changes:
@@ -114,6 +137,10 @@ def _check_changes(changes: dict[str, Any]) -> dict[str, Any]:
         checked["default_tier"] = changes["default_tier"]
     if "models" in changes:
         checked["models"] = _check_models(changes["models"])
+    if "cached_input_price" in changes:
+        checked["cached_input_price"] = _check_price(changes["cached_input_price"])
+    if "model_aliases" in changes:
+        checked["model_aliases"] = _check_aliases(changes["model_aliases"])
     return checked
 
 
@@ -176,6 +203,8 @@ async def create_tenant(
     models: Sequence[str] | None = None,
     quota: Quota | None = None,
     status: str = "active",
+    cached_input_price: float = 1.0,
+    model_aliases: dict[str, str] | None = None,
     actor: str,
 ) -> Tenant:
     """Create a tenant. Conflict if the name is taken (deleted tenants included). Without
@@ -193,19 +222,22 @@ async def create_tenant(
     default_tier = _check_default_tier(default_tier, tiers, "default_tier")
     model_list = _check_models(models)
     q = check_quota(quota)
+    price = _check_price(cached_input_price)
+    aliases = _check_aliases(model_aliases)
 
     async def work() -> Tenant:
         await _name_taken(session, name)
         now = utcnow()
         tenant = Tenant(name=name, weight=weight, status=status, service_tiers=tiers,
-                        default_tier=default_tier, models=model_list,
-                        created_at=now, updated_at=now)
+                        default_tier=default_tier, models=model_list, cached_input_price=price,
+                        model_aliases=aliases, created_at=now, updated_at=now)
         store_quota(tenant, q)
         session.add(tenant)
         await session.flush()
         audit.record(session, actor, "tenant.create", "tenant", tenant.id, {
             "name": name, "weight": weight, "status": status, "service_tiers": tiers,
             "default_tier": default_tier, "models": model_list, "quota": q.to_dict(),
+            "cached_input_price": price, "model_aliases": aliases,
         })
         return tenant
 
@@ -219,7 +251,8 @@ async def create_tenant(
 
 async def update_tenant(session: AsyncSession, tenant_id: str, *, actor: str,
                         **changes: Any) -> Tenant:
-    """Change name/weight/status/service_tiers/default_tier/models of a live tenant."""
+    """Change name/weight/status/service_tiers/default_tier/models/cached_input_price/
+    model_aliases of a live tenant."""
     check_actor(actor)
     checked = _check_changes(changes)
 

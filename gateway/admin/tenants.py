@@ -46,14 +46,25 @@ async def check_model_names(state: AppState, session: Any, names: list[str] | No
                        code="unknown_model")
 
 
+def check_alias_targets(state: AppState, aliases: dict[str, str] | None) -> None:
+    """A tenant's model aliases name served models only (400 naming the alias otherwise)."""
+    for name, target in (aliases or {}).items():
+        if target not in state.models:
+            raise APIError(400, f"model_aliases.{name}: {target!r} is not a served model "
+                           f"(served: {', '.join(sorted(state.models))})", param="model_aliases",
+                           code="unknown_model")
+
+
 @router.post("/tenants", status_code=201)
 async def create_tenant(body: TenantCreate, state: StateDep, session: SessionDep,
                         admin: AdminDep) -> TenantPublic:
     await check_model_names(state, session, body.models)
+    check_alias_targets(state, body.model_aliases)
     t = await tenants.create_tenant(
         session, name=body.name, weight=body.weight, service_tiers=body.service_tiers,
         default_tier=body.default_tier, models=body.models, status=body.status,
-        quota=body.quota.quota() if body.quota else None, actor=admin.key_id)
+        quota=body.quota.quota() if body.quota else None, cached_input_price=body.cached_input_price,
+        model_aliases=body.model_aliases, actor=admin.key_id)
     _after_tenant_change(state, t)
     return TenantPublic.from_row(t)
 
@@ -79,10 +90,11 @@ async def patch_tenant(tenant_id: str, body: TenantPatch, state: StateDep, sessi
     changes = body.model_dump(exclude_unset=True)
     if not changes:
         raise APIError(400, "the body changes nothing; give at least one field")
-    for name in ("name", "weight", "status", "service_tiers", "default_tier"):
+    for name in ("name", "weight", "status", "service_tiers", "default_tier", "cached_input_price"):
         if name in changes and changes[name] is None:
             raise APIError(400, f"{name}: may not be null", param=name)
     await check_model_names(state, session, changes.get("models"))
+    check_alias_targets(state, changes.get("model_aliases"))
     t = await tenants.update_tenant(session, tenant_id, actor=admin.key_id, **changes)
     _after_tenant_change(state, t)
     return TenantPublic.from_row(t)

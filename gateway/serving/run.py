@@ -56,6 +56,7 @@ from lockgate.gateway.serving.tiers import (
     submit_error,
 )
 from lockgate.tenancy.limiter import Decision, Lease
+from lockgate.tenancy.quota import budget_tokens
 from lockgate.tenancy.usage.writer import UsageRow
 
 logger = logging.getLogger(__name__)
@@ -319,11 +320,11 @@ class RequestRun:
             return self.usage or self.usage_dict("cancelled")
         self._ended = asyncio.get_running_loop().create_future()
         error: BaseException | None = None
-        used = 0
+        used, budget = 0, 0
         try:
             self._close_streams()
             now = time.time()
-            used = self._billed_tokens(status)
+            used, budget = self._billed_tokens(status)
             self.usage = self.usage_dict(status)
             row = self._usage_row(status, now)
             # The usage commit and the lease settlement go out together (one wait, not two),
@@ -332,7 +333,7 @@ class RequestRun:
             settle = None
             if self.lease is not None:
                 self.state.inflight.pop(self.id, None)
-                settle = asyncio.ensure_future(self.state.limiter.settle(self.lease, used))
+                settle = asyncio.ensure_future(self.state.limiter.settle(self.lease, used, budget))
                 self.lease = None
             committed = None
             try:
@@ -359,7 +360,7 @@ class RequestRun:
             if self.lease is not None:
                 self.state.inflight.pop(self.id, None)
                 try:
-                    await self.state.limiter.settle(self.lease, used)
+                    await self.state.limiter.settle(self.lease, used, budget)
                 except Exception:  # any failure: leases expire on their own
                     logger.warning("could not settle the lease of %s", self.id, exc_info=True)
             self._left()
@@ -368,9 +369,9 @@ class RequestRun:
                            code="usage_not_recorded", headers={"retry-after": "1"})
         return self.usage
 
-    async def _release_lease(self, used: int | None) -> None:
-        """Settle the lease to `used` tokens, or cancel it (None); failures logged (leases
-        expire on their own)."""
+    async def _release_lease(self, used: tuple[int, int] | None) -> None:
+        """Settle the lease to `used` (`_billed_tokens`: the window's tokens, the budgets'), or
+        cancel it (None); failures logged (leases expire on their own)."""
         if self.lease is None:
             return
         lease, self.lease = self.lease, None
@@ -379,14 +380,17 @@ class RequestRun:
             if used is None:
                 await asyncio.shield(self.state.limiter.cancel(lease))
             else:
-                await asyncio.shield(self.state.limiter.settle(lease, used))
+                await asyncio.shield(self.state.limiter.settle(lease, *used))
         except Exception:  # any failure: the lease expires; the reconciler settles the rest
             logger.warning("could not end the admission of %s", self.id, exc_info=True)
 
-    def _billed_tokens(self, status: str) -> int:
-        """What the lease settles to: exactly the row's prompt + completion tokens."""
-        prompt, _, completion = self.counts(status)
-        return prompt + completion
+    def _billed_tokens(self, status: str) -> tuple[int, int]:
+        """What the lease settles to, exactly the row's: prompt + completion tokens (the
+        tokens-per-minute window), and those with cached prompt tokens at the plan's price
+        (the budgets)."""
+        prompt, cached, completion = self.counts(status)
+        return prompt + completion, budget_tokens(prompt, cached, completion,
+                                                  self.principal.cached_input_price)
 
     def _times(self) -> tuple[list[float], list[float], list[float]]:
         """The prompts' first-scheduled, first-token and finished times, where known."""
@@ -402,6 +406,7 @@ class RequestRun:
             request_id=self.id, tenant_id=self.tenant_id,
             api_key_id=self.principal.key_id, model=self.entry.name, service_tier=self.tier,
             prompt_tokens=prompt, cached_tokens=cached, completion_tokens=completion,
+            budget_tokens=budget_tokens(prompt, cached, completion, self.principal.cached_input_price),
             status=status,
             queue_ms=(min(scheduled) - self.t0) * 1000 if scheduled else (now - self.t0) * 1000,
             ttft_ms=(min(first_tok) - self.t0) * 1000 if first_tok else None,

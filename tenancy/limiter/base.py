@@ -112,7 +112,7 @@ class ReplayedRow:
     request_id: str
     tenant_id: str
     api_key_id: str
-    tokens: int             # prompt + completion
+    tokens: int             # what the budgets count (prompt + completion unless priced)
     created_at: float       # epoch seconds
 
 
@@ -191,10 +191,12 @@ class Limiter(ABC):
         unsettled (settled, cancelled, or abandoned by the reconciler)."""
 
     @abstractmethod
-    async def settle(self, lease: Lease, used_tokens: int) -> None:
+    async def settle(self, lease: Lease, used_tokens: int, budget_tokens: int | None = None) -> None:
         """End the request: release its concurrency lease, rewrite its tokens-per-minute entry
-        (if still in the window) and its budget counters to ``used_tokens``. Idempotent, and a
-        no-op after `cancel`."""
+        (if still in the window) to ``used_tokens`` and its budget counters to
+        ``budget_tokens`` (``used_tokens`` when None: a plan may price cached prompt tokens
+        below others on its budgets, never on its rate). Idempotent, and a no-op after
+        `cancel`."""
 
     @abstractmethod
     async def cancel(self, lease: Lease) -> None:

@@ -49,10 +49,11 @@ class _Pending:
     op: str             # "settle" or "cancel"
     lease: Lease
     used: int
+    budget: int | None = None
 
     async def run(self, limiter: Limiter) -> None:
         if self.op == "settle":
-            await limiter.settle(self.lease, self.used)
+            await limiter.settle(self.lease, self.used, self.budget)
         else:
             await limiter.cancel(self.lease)
 
@@ -148,12 +149,13 @@ class FailoverLimiter(Limiter):
                      "refunded reservation to charge", self.primary.where, len(rows))
         return 0
 
-    async def settle(self, lease: Lease, used_tokens: int) -> None:
+    async def settle(self, lease: Lease, used_tokens: int, budget_tokens: int | None = None) -> None:
         if self.fallback is not None and lease.request_id in self._local:
             self._local.discard(lease.request_id)
-            await self.fallback.settle(lease, used_tokens)
+            await self.fallback.settle(lease, used_tokens, budget_tokens)
             return
-        await self._finish(_Pending("settle", lease, check_count(used_tokens, "used_tokens")))
+        budget = None if budget_tokens is None else check_count(budget_tokens, "budget_tokens")
+        await self._finish(_Pending("settle", lease, check_count(used_tokens, "used_tokens"), budget))
 
     async def cancel(self, lease: Lease) -> None:
         if self.fallback is not None and lease.request_id in self._local:

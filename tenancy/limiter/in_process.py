@@ -287,9 +287,10 @@ class InProcessLimiter(Limiter):
             if budget >= 0 and k in self._budgets:
                 self._budgets[k] += delta
 
-    async def settle(self, lease: Lease, used_tokens: int) -> None:
+    async def settle(self, lease: Lease, used_tokens: int, budget_tokens: int | None = None) -> None:
         lease = check_lease(lease)
         used = check_count(used_tokens, "used_tokens")
+        budget = used if budget_tokens is None else check_count(budget_tokens, "budget_tokens")
         with self._lock:
             now = float(self._clock())
             for s in self._end(lease, now):
@@ -300,7 +301,7 @@ class InProcessLimiter(Limiter):
                     if old is not None:
                         st.tokens[lease.request_id] = used
                         st.token_sum += used - old
-                self._adjust_budgets(s, lease, used - lease.reserved_tokens)
+                self._adjust_budgets(s, lease, budget - lease.reserved_tokens)
 
     async def cancel(self, lease: Lease) -> None:
         lease = check_lease(lease)

@@ -346,7 +346,8 @@ elseif op == 'settle' then
   -- becomes 'r' so that a late settle, or a replayed row, charges what it used), the marker's
   -- lifetime (ms), the lease's epoch, and for a stale admission the caller's finding about
   -- its row ('counted': the rebuild counted it; 'charge': it did not), the epoch that finding
-  -- is against, and the lifetime of an 'r' or 's' marker (ms).
+  -- is against, the lifetime of an 'r' or 's' marker (ms), and optionally the tokens the
+  -- budgets count (cached prompt tokens priced lower; else used).
   local rid = ARGV[2]
   local used = tonumber(ARGV[3])
   local window = tonumber(ARGV[5])
@@ -354,10 +355,11 @@ elseif op == 'settle' then
   local mode, pending_ms = ARGV[7 + n * 5], ARGV[8 + n * 5]
   local of, finding, against = ARGV[9 + n * 5], ARGV[10 + n * 5], ARGV[11 + n * 5]
   local refund_ms = ARGV[12 + n * 5]
+  local budget_used = tonumber(ARGV[13 + n * 5] or ARGV[3])
   local epoch = redis.call('GET', KEYS[#KEYS - 1])
   if not epoch then return {'rebuild'} end
   if of ~= '' and of ~= epoch then
-    return stale_end(rid, n, 6, used, mode, epoch, finding, against, refund_ms)
+    return stale_end(rid, n, 6, budget_used, mode, epoch, finding, against, refund_ms)
   end
   local now = clock()
   local info = nil
@@ -377,7 +379,7 @@ elseif op == 'settle' then
   if not marker then return 0 end
   local reserved = held or tonumber(ARGV[4])
   if marker == 'r' then reserved = 0 end       -- the reconciler refunded the reservation
-  local delta = fmt(used - reserved)
+  local delta = fmt(budget_used - reserved)
   for i = 1, n do
     local k = 1 + (i - 1) * 5
     local rpm, tpm, conc, dayb, monthb = limits(6 + (i - 1) * 5)

@@ -77,7 +77,9 @@ class BudgetRebuilder:
             if not tag.startswith(TENANT):
                 return Totals(high)
             tenant_id = tag[len(TENANT):]
-            tokens = UsageRecord.prompt_tokens + UsageRecord.completion_tokens
+            # what the budgets were charged: cached prompt tokens may be priced lower
+            tokens = func.coalesce(UsageRecord.budget_tokens,
+                                   UsageRecord.prompt_tokens + UsageRecord.completion_tokens)
             in_day = (UsageRecord.created_at >= _at(p.day_start)) & (UsageRecord.created_at < _at(p.day_end))
             rows = await s.execute(
                 select(UsageRecord.api_key_id, func.sum(case((in_day, tokens), else_=0)), func.sum(tokens))

@@ -264,12 +264,13 @@ class RedisLimiter(EpochMixin, Limiter):
                    tokens=tokens, now=now, periods=p, refusals=refusals, headers=headers)
         return grown(d, lease, tokens)
 
-    async def settle(self, lease: Lease, used_tokens: int) -> None:
+    async def settle(self, lease: Lease, used_tokens: int, budget_tokens: int | None = None) -> None:
         lease = check_lease(lease)
         used = check_count(used_tokens, "used_tokens")
+        budget = used if budget_tokens is None else check_count(budget_tokens, "budget_tokens")
         head = ["settle", lease.request_id, used, lease.reserved_tokens, _us(WINDOW)]
-        await self._settle_tail(lambda tail: self._finish(lease, head, tail), lease, "settle",
-                                int(PENDING_TTL * 1000))
+        await self._settle_tail(lambda tail: self._finish(lease, head, [*tail, budget]), lease,
+                                "settle", int(PENDING_TTL * 1000))
 
     async def abandon(self, lease: Lease) -> bool:
         lease = check_lease(lease)

@@ -122,6 +122,9 @@ def _totals() -> list[Any]:
         func.coalesce(func.sum(UsageRecord.prompt_tokens), 0).label("prompt_tokens"),
         func.coalesce(func.sum(UsageRecord.cached_tokens), 0).label("cached_tokens"),
         func.coalesce(func.sum(UsageRecord.completion_tokens), 0).label("completion_tokens"),
+        # rows before cached tokens were priced charged the budgets prompt + completion
+        func.coalesce(func.sum(func.coalesce(UsageRecord.budget_tokens, UsageRecord.prompt_tokens
+                                             + UsageRecord.completion_tokens)), 0).label("budget_tokens"),
     ]
 
 
@@ -152,6 +155,7 @@ def _entry(g: Any, r: Any, ttfts: list[float]) -> dict[str, Any]:
         "cached_tokens": cached,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
+        "budget_tokens": int(r.budget_tokens),     # what the day and month budgets counted
         "ttft_ms_p50": _nearest_rank(ttfts, 50),
         "ttft_ms_p95": _nearest_rank(ttfts, 95),
     }

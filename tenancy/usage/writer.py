@@ -48,6 +48,7 @@ class UsageRow:
     created_at: datetime | None = None    # None: when recorded
     client_request_id: str | None = None  # the client's x-request-id, for its reconciliation
     batch_id: str | None = None           # the batch whose line this was (the Batch API)
+    budget_tokens: int | None = None      # what the budgets were charged (None: prompt + completion)
 
     def __post_init__(self) -> None:
         for f in ("request_id", "tenant_id", "api_key_id", "model", "service_tier"):
@@ -68,6 +69,8 @@ class UsageRow:
                                           f"got {self.service_tier!r}")
         for f in ("prompt_tokens", "cached_tokens", "completion_tokens"):
             check_count(getattr(self, f), f)
+        if self.budget_tokens is not None:
+            check_count(self.budget_tokens, "budget_tokens")
         if self.status not in USAGE_STATUSES:
             raise Invalid("status", f"must be one of {list(USAGE_STATUSES)}, got {self.status!r}")
         check_ms(self.queue_ms, "queue_ms")
@@ -108,7 +111,7 @@ class UsageWriter:
     limiter's charge for rows whose reservations were refunded meanwhile, which must be
     idempotent (a crash before the delete replays the file again)."""
 
-    MAX_BATCH_LIMIT = 2000     # 13 bound values a row; stays under SQLite/PostgreSQL limits
+    MAX_BATCH_LIMIT = 2000     # 14 bound values a row; stays under SQLite/PostgreSQL limits
 
     def __init__(self, sessionmaker: async_sessionmaker[AsyncSession], max_batch: int = 256,
                  max_delay_s: float = 0.0, synchronous_commit: bool = True, *,

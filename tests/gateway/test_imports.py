@@ -76,9 +76,10 @@ def test_the_walk_sees_every_kind_of_import(tmp_path, source, expected):
 # runs inference), the engine's face. Routes reach the engine only through serving; serving
 # and the batch runner know no route module.
 ROUTE_MODULES = ("gateway/openai_api.py", "gateway/batch_api.py", "gateway/tokenize_api.py",
-                 "gateway/usage_api.py", "gateway/metrics_api.py", "gateway/responses_api.py")
+                 "gateway/usage_api.py", "gateway/metrics_api.py", "gateway/responses_api.py",
+                 "gateway/messages_api.py")
 INFERENCE_ROUTES = ("gateway/openai_api.py", "gateway/batch_api.py", "gateway/tokenize_api.py",
-                    "gateway/responses_api.py")
+                    "gateway/responses_api.py", "gateway/messages_api.py")
 ROUTE_NAMES = {"lockgate." + m.removesuffix(".py").replace("/", ".") for m in ROUTE_MODULES} | {
     "lockgate.gateway.admin", "lockgate.gateway.app", "lockgate.gateway.cli", "lockgate.gateway.server"}
 
@@ -92,8 +93,8 @@ def test_inference_routes_reach_the_engine_only_through_serving():
            if where in INFERENCE_ROUTES and (mod == "lockgate.engine" or mod.startswith("lockgate.engine."))]
     assert not bad, "a route imports the engine instead of calling the serving layer:\n" + "\n".join(bad)
     serving_users = {where for where, _, mod in gateway_imports() if mod.startswith("lockgate.gateway.serving")}
-    # batch_api only stores rows
-    assert {"gateway/openai_api.py", "gateway/tokenize_api.py", "gateway/responses_api.py"} <= serving_users
+    assert {"gateway/openai_api.py", "gateway/tokenize_api.py", "gateway/responses_api.py",
+            "gateway/messages_api.py"} <= serving_users   # batch_api only stores rows
 
 
 def test_serving_and_the_batch_runner_import_no_route():

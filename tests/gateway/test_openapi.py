@@ -34,6 +34,8 @@ def resolve(schema: dict, node: dict) -> dict:
     ("/v1/chat/completions", {"model", "messages", "max_tokens", "stream"}),
     ("/v1/completions", {"model", "prompt", "max_tokens", "stream"}),
     ("/v1/responses", {"model", "input", "instructions", "tools", "text", "store", "previous_response_id"}),
+    ("/v1/messages", {"model", "messages", "max_tokens", "stream", "system", "tools", "tool_choice"}),
+    ("/v1/messages/count_tokens", {"model", "messages", "system", "tools"}),
 ])
 async def test_inference_routes_describe_their_body_and_errors(schema, path, fields):
     op = schema["paths"][path]["post"]

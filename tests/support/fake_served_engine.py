@@ -10,7 +10,8 @@ auth, errors, response shapes, streaming, usage rows, limits. Tests of what a mo
 It is the benchmark's `InstantEngine` (loadtests/instant_engine.py) made to behave like a
 model being served: it inherits the life cycle, the model directory's tokenizer and context
 length, tenant weights, adapters (none: `add_lora` raises LoRAError), stats and the checks
-of `submit`, and overrides what the answer is and how it is fed.
+of `submit`, and overrides what the answer is and how it is fed. A test may script the next
+answers (`answers`: texts, in order) where what the model writes matters (a tool call).
 
 What it answers: the model directory is real (its tokenizer and context length), the
 output is not. Each sample is the tokens of a fixed sentence, repeated: `max_tokens` of
@@ -84,6 +85,9 @@ class FakeServedEngine(InstantEngine):
         # what the gateway did, for tests (InstantEngine counts num_finished, num_aborted...)
         self.submitted: list[tuple[str, SamplingParams, dict[str, Any]]] = []
         self.num_refused = 0
+        # a test's hook: the next requests' answers, in order (a tool call's JSON, say): each
+        # its text's tokens, "stop" at its end ("length" if max_tokens cuts it first)
+        self.answers: list[str] = []
 
     @classmethod
     def factory(cls, made: list | None = None, **defaults: Any) -> Callable[..., Any]:
@@ -158,6 +162,9 @@ class FakeServedEngine(InstantEngine):
         """The request's outputs, made one at a time as they are fed."""
         room = self._max_model_len - len(ids)
         limit = room if sp.max_tokens is None else min(sp.max_tokens, room)
+        if self.answers:
+            yield from self._scripted(request_id, text, ids, sp, tok, self.answers.pop(0), limit)
+            return
         k = limit if sp.ignore_eos else min(limit, self.eos_after)
         k = max(k, 1)
         reason = "length" if k == limit else "stop"
@@ -176,6 +183,21 @@ class FakeServedEngine(InstantEngine):
             yield self._output(request_id, text, list(ids), sp.n, answer[:j], so_far, answer[j - 1:j], piece,
                                lps if sp.logprobs is not None else None, reason if last else None,
                                now, time.time() if last else None)
+
+    def _scripted(self, request_id: str, text: str | None, ids: list[int], sp: SamplingParams,
+                  tok: Tokenizer, answer_text: str, limit: int) -> Iterator[RequestOutput]:
+        """`answer_text`'s tokens, one output each, the text decoded as it grows."""
+        answer = tok.encode(answer_text, add_special_tokens=False)
+        k = max(1, min(len(answer), limit))
+        reason = "stop" if k == len(answer) else "length"
+        now = time.time()
+        so_far = ""
+        for j in range(1, k + 1):
+            whole = tok.decode(answer[:j])
+            piece, so_far = whole[len(so_far):], whole
+            self.num_generated_tokens += sp.n
+            yield self._output(request_id, text, list(ids), sp.n, answer[:j], so_far, answer[j - 1:j], piece,
+                               None, reason if j == k else None, now, time.time() if j == k else None)
 
     def _feed(self, queue: asyncio.Queue, outputs: Iterable[RequestOutput]) -> asyncio.Task:
         """A task handing the outputs over `token_interval_s` apart (read each time: a test may

@@ -653,7 +653,7 @@ async def test_usage_report(sessions):
     assert total == {
         "group": None, "requests": 13, "ok": 11, "errors": 1, "cancelled": 1,
         "prompt_tokens": 1011, "cached_tokens": 200, "completion_tokens": 102,
-        "total_tokens": 1113,
+        "total_tokens": 1113, "budget_tokens": 1113,    # rows without a price: prompt + completion
         # ttfts: 5, 10..100, 1000 (12 values): rank ceil(6)=6 -> 50; ceil(11.4)=12 -> 1000
         "ttft_ms_p50": 50.0, "ttft_ms_p95": 1000.0,
     }
