@@ -7,7 +7,11 @@ run. The victim's `default` streaming chats (max_tokens 2) are timed to their fi
   reopened as soon as it ends or is refused), the way a batch client that ignores its limits
   would;
 - beside grammar bombs: `bombers` loops of chats whose regex constraint expands to millions
-  of states (loadtests/harness/bombs.py, each made distinct so that no cache helps).
+  of states (loadtests/harness/bombs.py, each made distinct so that no cache helps), each
+  sending one every `bomb_interval_s` (0.1 s). A bomb used to cost the server seconds of
+  compiling and masking, so a loop sent a few a second; refused from its text it now costs
+  what any 400 does (2.3 ms a round trip here, 1.5 ms for a bad temperature), and a loop
+  that sends the next at once is a request flood, the flood side's subject, not a grammar's.
 
 One `lockgate serve` on its defaults but for its data (a PostgreSQL and a Redis of the bench's
 own, the demo model), a fresh process for every side of every repeat, the sides' order
@@ -50,6 +54,7 @@ class FloodConfig:
     flood_streams: int = 1500
     flood_max_tokens: int = 256
     bombers: int = 4
+    bomb_interval_s: float = 0.1  # each bomber's pace (0: as fast as answers come)
     probes: int = 40            # the victim's chats per side and repeat, one after another
     repeats: int = 2
     warmup_s: float = 5.0       # the flood or the bombs run this long before the first probe
@@ -97,6 +102,8 @@ async def _other_traffic(url: str, key: str, kind: str, cfg: FloodConfig, stop: 
                             break
                     if r.status == 429:
                         await asyncio.sleep(float(r.headers.get("retry-after", "1")))
+                    elif kind == "bomb":
+                        await asyncio.sleep(cfg.bomb_interval_s)
             except (TimeoutError, aiohttp.ClientError) as exc:
                 counts[type(exc).__name__] += 1
                 await asyncio.sleep(0.5)
@@ -238,7 +245,7 @@ def summarize(runs: dict[str, list[SideRun]]) -> dict[str, Any]:
 
 def bench_flood(cfg: FloodConfig, *, json_out: Path | None = None, echo: Callable[[str], None] = print) -> bool:
     echo(f"lockgate bench flood: {cfg.probes} probes a side, {cfg.repeats} repeats, flood "
-         f"{cfg.flood_streams} streams, {cfg.bombers} bombers")
+         f"{cfg.flood_streams} streams, {cfg.bombers} bombers (one bomb each every {cfg.bomb_interval_s:g} s)")
     with tempfile.TemporaryDirectory(prefix="lockgate-flood-") as tmp:
         res = summarize(run_flood(cfg, Path(tmp), echo))
     echo("")

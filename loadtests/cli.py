@@ -440,6 +440,7 @@ def bench_chaos(
 def bench_flood(
     flood_streams: Annotated[int, typer.Option(min=1, help="flex streams one tenant keeps open")] = 1500,
     bombers: Annotated[int, typer.Option(min=1, help="loops sending grammar bombs")] = 4,
+    bomb_interval_s: Annotated[float, typer.Option(min=0.0, help="seconds between one loop's bombs")] = 0.1,
     probes: Annotated[int, typer.Option(min=2, help="the other tenant's chats per side and repeat")] = 40,
     repeats: Annotated[int, typer.Option(min=1, help="fresh server processes per side")] = 2,
     json_out: Annotated[Path | None, typer.Option("--json", help="also write the results here")] = None,
@@ -451,7 +452,8 @@ def bench_flood(
     from lockgate.loadtests.bench_flood import bench_flood as run
     from lockgate.loadtests.harness.services import ServiceUnavailable
 
-    cfg = FloodConfig(flood_streams=flood_streams, bombers=bombers, probes=probes, repeats=repeats)
+    cfg = FloodConfig(flood_streams=flood_streams, bombers=bombers, bomb_interval_s=bomb_interval_s,
+                      probes=probes, repeats=repeats)
     try:
         ok = run(cfg, json_out=json_out, echo=typer.echo)
     except ServiceUnavailable as exc:
