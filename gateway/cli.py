@@ -81,7 +81,7 @@ def main(
 def demo_model(
     out_dir: Annotated[Path, typer.Argument(help="directory to write the model into")],
     family: Annotated[str, typer.Option(help="llama, qwen2 or mistral")] = "llama",
-    size: Annotated[str, typer.Option(help="tiny (tests) or small (benchmarks)")] = "tiny",
+    size: Annotated[str, typer.Option(help="tiny (tests), tiny-mqa (one KV head), or small (benchmarks)")] = "tiny",
     seed: Annotated[int, typer.Option(help="weights and nothing else depend on it")] = 0,
 ) -> None:
     """Write a small random-weight Hugging Face model with a tokenizer, offline."""
