@@ -66,15 +66,7 @@ class EngineCore:
                                   ranks=rank_spec(config, mc, self.device, self.dtype, self.max_model_len))
         bs = config.block_size
         self.memory: MemoryBudget | None = None
-        try:
-            self.lora = self._enable_lora()
-            self.num_kv_blocks = self._size_kv_cache(pooled)
-            self.runner.allocate_kv_cache(self.num_kv_blocks, bs)
-            if not pooled:
-                self.runner.load()
-        except BaseException:
-            self.runner.shutdown()      # the other ranks stop with it
-            raise
+        self.lora, self.num_kv_blocks = self._start_runner(pooled)
         self.kv = KVCacheManager(self.num_kv_blocks, bs, config.enable_prefix_caching,
                                  num_tiers=len(config.service_classes))
         self.scheduler = Scheduler(config, self.kv)
@@ -107,6 +99,20 @@ class EngineCore:
             "engine ready: %s on %s (%s), %d KV blocks of %d tokens",
             config.model, self.device, self.dtype, self.num_kv_blocks, bs,
         )
+
+    def _start_runner(self, pooled: bool) -> tuple[LoRAManager | None, int]:
+        """Adapters, the KV cache sized and (alone) the weights loaded; the other ranks stop
+        if any of it fails. The adapter manager and the KV block count."""
+        try:
+            self.lora = self._enable_lora()
+            num_blocks = self._size_kv_cache(pooled)
+            self.runner.allocate_kv_cache(num_blocks, self.config.block_size)
+            if not pooled:
+                self.runner.load()
+        except BaseException:
+            self.runner.shutdown()
+            raise
+        return self.lora, num_blocks
 
     def _enable_lora(self) -> LoRAManager | None:
         """The runner's adapter manager when the config enables LoRA, else None."""
