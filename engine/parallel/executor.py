@@ -112,7 +112,7 @@ class RankProcesses:
             conn.send_bytes(pickle.dumps(spec))
             self.procs.append(proc)
             self.conns.append(conn)
-        self.sender = StepSender(self.conns)
+        self.sender = StepSender(self.conns, [p.pid for p in self.procs])
         self.group: RankGroup | None = None
         self.capacities: list[int] | None = None
         self._finalizer = weakref.finalize(self, _reap, self.procs, self.conns, self.sender)

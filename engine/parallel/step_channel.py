@@ -2,8 +2,8 @@
 forward reads (token ids, positions, KV slots, block tables, sequence lengths, query starts,
 which rows give logits) written into one shared-memory buffer, and a 64-byte doorbell on each
 rank's control socket saying how long each array is. No pickling on the step's path, one
-copy in and one out; the buffer grows (a new file, its path in the doorbell) when a step
-outgrows it.
+copy in and one out; the buffer grows (a new one, its descriptor passed along with the
+doorbell) when a step outgrows it.
 
 The buffer is rewritten only for the next step, which rank 0 starts after every rank has
 passed this step's collectives, so each rank has read its copy by then.
@@ -20,15 +20,16 @@ import struct
 import tempfile
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from multiprocessing.reduction import recv_handle, send_handle
 from typing import Any
 
 import torch
 
-# kind, step number, tokens, sequences, block table width, logits rows, flags, path bytes
+# kind, step number, tokens, sequences, block table width, logits rows, flags, buffer bytes
 HEADER = struct.Struct("<8q")
 KIND_STEP, KIND_CALL, KIND_STOP = 1, 2, 3
 FLAG_NEW_BUFFER = 1
-SHM_DIR = "/dev/shm"  # noqa: S108 - a fresh file made exclusively there, see SharedBuffer.create
+SHM_DIR = "/dev/shm"  # noqa: S108 - mkstemp's fresh file there, its name removed at once
 ARRAYS = ("input_ids", "positions", "slot_mapping", "block_tables", "seq_lens", "query_start_loc",
           "logits_indices")
 
@@ -51,57 +52,46 @@ def _sizes(num_tokens: int, num_seqs: int, width: int, num_logits: int) -> list[
 
 
 class SharedBuffer:
-    """A file in /dev/shm (where there is one), mapped; rank 0 creates and removes it."""
+    """A memory-backed file (in /dev/shm where there is one) mapped by rank 0 and every rank.
+    Its name is removed as soon as it is made: the ranks get its descriptor over their
+    sockets, so nothing is left behind however the processes end."""
 
-    def __init__(self, path: str, size: int, *, create: bool) -> None:
-        self.path, self.size = path, size
-        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
-        fd = os.open(path, flags, 0o600)
-        try:
-            if create:
-                os.ftruncate(fd, size)
-            self.map = mmap.mmap(fd, size)
-        finally:
-            os.close(fd)
+    def __init__(self, fd: int, size: int) -> None:
+        self.size = size
+        self.map = mmap.mmap(fd, size)
 
     @classmethod
-    def create(cls, size: int) -> SharedBuffer:
-        # memory-backed where the system has it; mkstemp picks a fresh name, made again
-        # exclusively (O_EXCL) by __init__, readable by this user only
+    def create(cls, size: int) -> tuple[SharedBuffer, int]:
+        """The buffer and its open descriptor (to hand to the ranks, then close)."""
         root = SHM_DIR if os.path.isdir(SHM_DIR) else None
         fd, path = tempfile.mkstemp(prefix="lockgate-step-", dir=root)
-        os.close(fd)
         os.unlink(path)
-        return cls(path, size, create=True)
+        os.ftruncate(fd, size)
+        return cls(fd, size), fd
 
     def tensor(self, count: int) -> torch.Tensor:
         return torch.frombuffer(self.map, dtype=torch.int64, count=count)
 
-    def close(self, *, unlink: bool) -> None:
+    def close(self) -> None:
         self.map.close()
-        if unlink:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.path)
 
 
 class StepSender:
     """Rank 0's end: `send_step` to every rank, `send_call`/`send_stop` for control."""
 
-    def __init__(self, conns: list[Connection]) -> None:
-        self.conns = conns
+    def __init__(self, conns: list[Connection], pids: list[int]) -> None:
+        self.conns, self.pids = conns, pids
         self.buffer: SharedBuffer | None = None
         self.num_steps = 0
 
     def send_step(self, arrays: StepArrays) -> None:
         parts = [getattr(arrays, name).reshape(-1) for name in ARRAYS]
         total = sum(p.numel() for p in parts)
-        flags, path = 0, b""
+        new_fd = None
         if self.buffer is None or total * 8 > self.buffer.size:
-            old = self.buffer
-            self.buffer = SharedBuffer.create(max(1 << 16, 2 * total * 8))
-            if old is not None:
-                old.close(unlink=True)     # each rank has its own mapping of it still, until it moves on
-            flags, path = FLAG_NEW_BUFFER, self.buffer.path.encode()
+            if self.buffer is not None:
+                self.buffer.close()        # each rank keeps its own mapping until it moves on
+            self.buffer, new_fd = SharedBuffer.create(max(1 << 16, 2 * total * 8))
         if total:
             flat = self.buffer.tensor(total)
             torch.cat(parts, out=flat)
@@ -109,9 +99,16 @@ class StepSender:
         num_seqs, width = arrays.block_tables.shape
         self.num_steps += 1
         header = HEADER.pack(KIND_STEP, self.num_steps, arrays.input_ids.numel(), num_seqs, width,
-                             arrays.logits_indices.numel(), flags, len(path))
-        for conn in self.conns:
-            conn.send_bytes(header + path)
+                             arrays.logits_indices.numel(), 0 if new_fd is None else FLAG_NEW_BUFFER,
+                             self.buffer.size)
+        try:
+            for conn, pid in zip(self.conns, self.pids, strict=True):
+                conn.send_bytes(header)
+                if new_fd is not None:
+                    send_handle(conn, new_fd, pid)
+        finally:
+            if new_fd is not None:
+                os.close(new_fd)
 
     def send_call(self, conn: Connection, method: str, kwargs: dict[str, Any]) -> None:
         conn.send_bytes(HEADER.pack(KIND_CALL, 0, 0, 0, 0, 0, 0, 0) + pickle.dumps((method, kwargs)))
@@ -123,7 +120,7 @@ class StepSender:
 
     def close(self) -> None:
         if self.buffer is not None:
-            self.buffer.close(unlink=True)
+            self.buffer.close()
             self.buffer = None
 
 
@@ -131,20 +128,24 @@ class StepReceiver:
     """A rank's end: `decode` one message from rank 0 into ("step", StepArrays),
     ("call", (method, kwargs)) or ("stop", None)."""
 
-    def __init__(self) -> None:
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
         self.buffer: SharedBuffer | None = None
 
     def decode(self, message: bytes) -> tuple[str, Any]:
-        kind, _num, num_tokens, num_seqs, width, num_logits, flags, path_len = HEADER.unpack_from(message)
+        kind, _num, num_tokens, num_seqs, width, num_logits, flags, size = HEADER.unpack_from(message)
         if kind == KIND_STOP:
             return "stop", None
         if kind == KIND_CALL:
             return "call", pickle.loads(message[HEADER.size:])  # noqa: S301 - rank 0's, over a private socketpair
         if flags & FLAG_NEW_BUFFER:
-            path = message[HEADER.size:HEADER.size + path_len].decode()
-            if self.buffer is not None:
-                self.buffer.close(unlink=False)
-            self.buffer = SharedBuffer(path, os.path.getsize(path), create=False)
+            fd = recv_handle(self.conn)
+            try:
+                if self.buffer is not None:
+                    self.buffer.close()
+                self.buffer = SharedBuffer(fd, size)
+            finally:
+                os.close(fd)
         if self.buffer is None:
             raise RuntimeError("step channel: a step arrived before its buffer")
         sizes = _sizes(num_tokens, num_seqs, width, num_logits)
@@ -155,5 +156,5 @@ class StepReceiver:
 
     def close(self) -> None:
         if self.buffer is not None:
-            self.buffer.close(unlink=False)
+            self.buffer.close()
             self.buffer = None

@@ -67,7 +67,7 @@ class RankWorker:
         self.kv = DeviceKVCache(self.cfg.num_hidden_layers, kv_heads, self.cfg.head_dim, self.dtype, self.device)
         self.model: LlamaForCausalLM | None = None
         self.group: RankGroup | None = None
-        self.receiver = StepReceiver()
+        self.receiver = StepReceiver(conn)
 
     def start(self) -> None:
         spec = self.spec

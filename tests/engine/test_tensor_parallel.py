@@ -6,7 +6,10 @@ The rank groups are started once per shape for the whole module (a spawn costs s
 
 from __future__ import annotations
 
+import asyncio
 import os
+import socket
+from multiprocessing.connection import Connection
 from pathlib import Path
 
 import pytest
@@ -14,11 +17,12 @@ import torch
 import torch.distributed as dist
 from safetensors import safe_open
 
-from lockgate.engine import LLM, EngineConfig, RankFailure, RankStartupError, SamplingParams
+from lockgate.engine import LLM, AsyncEngine, EngineConfig, RankFailure, RankStartupError, SamplingParams
 from lockgate.engine.config import ModelConfig
 from lockgate.engine.kv_cache.device_cache import DeviceKVCache
 from lockgate.engine.models import loader
 from lockgate.engine.parallel.shard import Shard
+from lockgate.engine.parallel.step_channel import StepArrays, StepReceiver, StepSender
 from lockgate.engine.parallel.worker import FAULT_ENV
 from tests.support.helpers import assert_all_blocks_free, demo_model, judge_greedy, random_prompts
 
@@ -94,6 +98,32 @@ def test_two_ranks_match_one_rank_and_hf(shape, tp_engines):
     assert two.engine.runner.ranks is not None and len(two.engine.runner.ranks.pids) == 1
 
 
+def test_async_engine_streams_with_two_ranks_and_stops_them(tp_engines):
+    """AsyncEngine(..., tensor_parallel_size=2): 6 staggered streaming requests give the
+    tokens the module's LLM at N=2 gives; shutdown stops the rank process."""
+    d = demo_model("qwen2")
+    prompts = random_prompts(d, [3, 17, 40, 64, 90, 130], seed=14)
+    want = _generate(tp_engines(("qwen2", "tiny")), prompts, [12] * 6)
+
+    async def main():
+        async with AsyncEngine(d, tensor_parallel_size=2, **ENGINE_KW) as engine:
+            async def one(i):
+                await asyncio.sleep(0.01 * i)
+                final = None
+                async for out in engine.generate({"prompt_token_ids": prompts[i]},
+                                                 SamplingParams(max_tokens=12, temperature=0), f"r{i}"):
+                    final = out
+                return list(final.outputs[0].token_ids)
+            got = await asyncio.gather(*(one(i) for i in range(6)))
+            ranks = engine.core.runner.ranks
+            assert engine.stats().num_requests == 0
+        return got, ranks
+
+    got, ranks = asyncio.run(main())
+    assert got == want
+    assert all(p.poll() is not None for p in ranks.procs) and not (_children() & set(ranks.pids))
+
+
 def test_the_judge_is_not_vacuous():
     """One wrong token in an otherwise greedy output fails the check; so does an output cut
     short without an EOS."""
@@ -167,6 +197,33 @@ def test_rank_reads_only_its_slices(monkeypatch):
     assert torch.equal(model.layers[1].mlp.down_proj.weight.data, down[:, 64:])
     emb = model.embed_tokens.weight.data
     assert emb.shape == (255, 64) and torch.equal(emb[:254], embed[255:]) and not emb[254].any()
+
+
+def test_step_channel_hands_over_each_step_and_grows():
+    """A step's arrays come out on the other end as they went in; one over the 64 KiB buffer
+    (20,000 tokens) moves both ends to a bigger one, and the next small step still reads."""
+    ours, theirs = socket.socketpair()
+    rank0, rank1 = Connection(ours.detach()), Connection(theirs.detach())
+    sender, receiver = StepSender([rank1], [os.getpid()]), StepReceiver(rank1)
+    sender.conns = [rank0]
+
+    def step(num_tokens: int, num_seqs: int, width: int, seed: int) -> StepArrays:
+        g = torch.Generator().manual_seed(seed)
+        ints = [torch.randint(0, 1000, (n,), generator=g) for n in (num_tokens,) * 3 + (num_seqs * width,)]
+        return StepArrays(*ints[:3], ints[3].view(num_seqs, width), torch.arange(num_seqs) + 1,
+                          torch.arange(num_seqs + 1), torch.arange(min(num_seqs, 3)))
+
+    for n, s, w in [(5, 2, 3), (20_000, 4, 50), (7, 1, 1)]:
+        sent = step(n, s, w, seed=n)
+        sender.send_step(sent)
+        kind, got = receiver.decode(rank1.recv_bytes())
+        assert kind == "step"
+        for name in ("input_ids", "positions", "slot_mapping", "block_tables", "seq_lens", "query_start_loc",
+                     "logits_indices"):
+            assert torch.equal(getattr(got, name), getattr(sent, name)), name
+    assert receiver.buffer is not None and receiver.buffer.size == sender.buffer.size > 1 << 16
+    sender.close()
+    receiver.close()
 
 
 def test_one_rank_spawns_nothing_and_leaves_torch_distributed_alone():
