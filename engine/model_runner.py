@@ -159,6 +159,13 @@ class ModelRunner:
             self.ranks.call("offload")
             self._ranks_hold_weights = False
 
+    @property
+    def collective_s(self) -> float:
+        """Seconds this rank has spent in collectives (0 with one rank): against the steps'
+        forward time, the share spent communicating."""
+        group = self.ranks.group if self.ranks is not None else None
+        return 0.0 if group is None else group.collective_s
+
     def shutdown(self) -> None:
         """Stop the other ranks (a no-op with one)."""
         if self.ranks is not None:

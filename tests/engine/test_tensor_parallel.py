@@ -96,6 +96,11 @@ def test_two_ranks_match_one_rank_and_hf(shape, tp_engines):
         assert core.timings.num_steps > sum(-(-n // 48) for n in FRESH_LENS)
         assert_all_blocks_free(core)
     assert two.engine.runner.ranks is not None and len(two.engine.runner.ranks.pids) == 1
+    # an all-reduce after the embedding and after o_proj and down in each of 2 layers, and
+    # a gather where a step samples: 5 or 6 collectives a step
+    group = two.engine.runner.ranks.group
+    assert 5 * two.engine.timings.num_steps <= group.num_collectives <= 6 * two.engine.timings.num_steps
+    assert one.engine.runner.collective_s == 0.0 < two.engine.runner.collective_s
 
 
 def test_async_engine_streams_with_two_ranks_and_stops_them(tp_engines):
