@@ -207,7 +207,8 @@ def db_status(database_url: Annotated[str | None, typer.Option()] = None) -> Non
 DTYPES = {"auto": "auto", "float32": "float32", "float": "float32", "float16": "float16",
           "half": "float16", "bfloat16": "bfloat16"}
 ENGINE_FLAGS = ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "gpu_memory_utilization",
-                "block_size", "enable_prefix_caching", "enable_lora", "dtype")
+                "block_size", "enable_prefix_caching", "enable_lora", "dtype", "tensor_parallel_size",
+                "pipeline_parallel_size")
 
 
 def engine_flags(**flags: object) -> dict[str, object]:
@@ -222,6 +223,11 @@ def engine_flags(**flags: object) -> dict[str, object]:
     size = out.get("block_size")
     if isinstance(size, int) and size & (size - 1):
         raise typer.BadParameter(f"must be a power of two; got {size}", param_hint="--block-size")
+    stages = out.get("pipeline_parallel_size")
+    if isinstance(stages, int) and stages > 1:
+        raise typer.BadParameter(f"pipeline parallelism is not supported; got {stages} (only 1): split a model "
+                                 "over devices with --tensor-parallel-size instead",
+                                 param_hint="--pipeline-parallel-size")
     return out
 
 
@@ -279,6 +285,11 @@ def serve(
         min=1, help="largest adapter rank (default 64)")] = None,
     dtype: Annotated[str | None, typer.Option(
         help="auto, float32 (float), float16 (half) or bfloat16")] = None,
+    tensor_parallel_size: Annotated[int | None, typer.Option(
+        "--tensor-parallel-size", "-tp", min=1,
+        help="split each model over this many devices, one rank process each (default 1)")] = None,
+    pipeline_parallel_size: Annotated[int | None, typer.Option(
+        "--pipeline-parallel-size", "-pp", min=1, help="only 1 (vLLM's flag, accepted for its scripts)")] = None,
 ) -> None:
     """Run the gateway and its engine(s). With no configuration: SQLite, the in-process
     limiter and the demo model under the data directory. The engine flags are vLLM's, by
@@ -288,15 +299,16 @@ def serve(
     flags = engine_flags(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                          max_num_batched_tokens=max_num_batched_tokens,
                          gpu_memory_utilization=gpu_memory_utilization, block_size=block_size,
-                         enable_prefix_caching=enable_prefix_caching, enable_lora=enable_lora, dtype=dtype)
+                         enable_prefix_caching=enable_prefix_caching, enable_lora=enable_lora, dtype=dtype,
+                         tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size)
     settings = _settings(models=model or None, host=host, port=port, data_dir=data_dir,
                          migrate=migrate or None, shutdown_timeout_s=shutdown_timeout,
                          private_models=private_model or None, pool=pool, max_loras=max_loras,
                          max_lora_rank=max_lora_rank)
     settings.engine_kwargs = {**settings.engine_kwargs, **flags}
-    note = _device_note(flags, settings.pool)
-    if note:
-        typer.echo(note, err=True)
+    for note in (_device_note(flags, settings.pool), settings.lora_off_note()):
+        if note:
+            typer.echo(note, err=True)
     raise typer.Exit(run_server(settings))
 
 
