@@ -190,6 +190,14 @@ class EngineCore:
     def set_tenant_weight(self, tenant: str, weight: float) -> None:
         self.scheduler.fair.weights[tenant] = float(weight)
 
+    def rebuild_ranks(self, failed_at: float) -> None:
+        """A rank failed: every request forgotten (their callers told by AsyncEngine), the
+        cached prefixes too (the fresh ranks' caches are empty), and a fresh rank group."""
+        for rid in list(self.requests):
+            self.abort_request(rid)
+        self.kv.reset()
+        self.runner.rebuild_ranks(failed_at)
+
     def shutdown(self) -> None:
         if self.lora is not None:
             self.lora.shutdown()
@@ -402,6 +410,7 @@ class EngineCore:
             memory=self.memory.summary() if self.memory is not None else self.footprint(),
             cost_model=sched.cost.summary(str(self.device)),
             lora=self.lora.stats() if self.lora is not None else None,
+            parallel=self.runner.parallel_stats(self.timings.forward),
         )
 
     def _tenant_stats(self, per_class: dict[str, QueueStats]) -> dict[str, dict[str, TenantClassStats]]:

@@ -3,6 +3,7 @@ over the flattened batch, logits of the last position of each sequence that samp
 
 from __future__ import annotations
 
+import os
 import time
 from array import array
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -19,12 +20,14 @@ from lockgate.engine.lora import LoRAManager
 from lockgate.engine.models import AttentionMetadata, LlamaForCausalLM, build_skeleton, load_model, tensor_bytes
 from lockgate.engine.models.loader import packed_weight_bytes
 from lockgate.engine.parallel.executor import GroupKV, RankProcesses
+from lockgate.engine.parallel.group import backend_for
 from lockgate.engine.parallel.shard import Shard
 from lockgate.engine.parallel.step_channel import StepArrays
 from lockgate.engine.parallel.worker import RankSpec
 from lockgate.engine.request import Sequence
 from lockgate.engine.sampler import Sampler, SamplerOutput, SampleRow
 from lockgate.engine.scheduler import SchedulerOutput
+from lockgate.engine.stats import ParallelStats, RankMemory
 
 
 @dataclass(slots=True)
@@ -81,6 +84,11 @@ class ModelRunner:
         # every rank's KV operations at once: the one interface what moves blocks goes through
         self.kv_ops: KVCacheOps = self.kv if self.ranks is None else GroupKV(self.kv, self.ranks)
         self._ranks_hold_weights = True     # ranks 1..N-1 read theirs when spawned
+        # collectives of groups since replaced (seconds, count); the latest step's seconds
+        self._comm_before: tuple[float, int] = (0.0, 0)
+        self.last_step_collective_s = 0.0
+        self.rank_failures = 0
+        self.last_recovery_s: float | None = None
         self.block_size = 0
         self.num_blocks = 0
         self.lora: LoRAManager | None = None
@@ -146,7 +154,7 @@ class ModelRunner:
         if self.ranks is None:
             return own
         self._load_weights()
-        return min(own, *self.ranks.wait_loaded())
+        return min(own, *(c.kv_blocks for c in self.ranks.wait_loaded()))
 
     def offload(self) -> None:
         """Give the device memory back: weights are dropped (read again from the checkpoint's
@@ -164,7 +172,52 @@ class ModelRunner:
         """Seconds this rank has spent in collectives (0 with one rank): against the steps'
         forward time, the share spent communicating."""
         group = self.ranks.group if self.ranks is not None else None
-        return 0.0 if group is None else group.collective_s
+        return self._comm_before[0] + (0.0 if group is None else group.collective_s)
+
+    @property
+    def num_collectives(self) -> int:
+        group = self.ranks.group if self.ranks is not None else None
+        return self._comm_before[1] + (0 if group is None else group.num_collectives)
+
+    def rebuild_ranks(self, failed_at: float) -> None:
+        """After a rank failed (the caller has forgotten every request and cached prefix): what
+        is left of the old group stopped, fresh ranks spawned from the same spec and joined,
+        the model's collectives moved to them, their KV caches allocated (empty). `failed_at`
+        (time.monotonic()) is when the failure was seen: the recovery's time counts from it."""
+        old = self.ranks
+        if old is None:
+            raise RuntimeError("one rank: there is no rank group to rebuild")
+        self.rank_failures += 1
+        self._comm_before = (self.collective_s, self.num_collectives)
+        old.close()
+        self.ranks = ranks = RankProcesses(old.template, self.device)
+        self.kv_ops = GroupKV(self.kv, ranks)
+        self._ranks_hold_weights = True
+        try:
+            ranks.connect(ranks.timeout_s)
+            if self.model is not None:
+                self.model.tp.comm = ranks.group
+                if self.num_blocks:
+                    ranks.call("kv_allocate", num_blocks=self.num_blocks, block_size=self.block_size)
+        except BaseException:
+            ranks.close()
+            raise
+        self.last_recovery_s = time.monotonic() - failed_at
+
+    def parallel_stats(self, forward_s: float) -> ParallelStats | None:
+        """Communication and each rank's memory (None with one rank)."""
+        ranks = self.ranks
+        if ranks is None:
+            return None
+        kv_bytes = self.num_blocks * self.bytes_per_block(self.block_size) if self.block_size else 0
+        rows = [RankMemory(0, str(self.device), os.getpid(), self.weight_bytes, kv_bytes)]
+        rows += [RankMemory(c.rank, c.device, c.pid, c.weights_bytes, self.num_blocks * c.kv_bytes_per_block)
+                 for c in ranks.capacities or []]
+        return ParallelStats(
+            tensor_parallel_size=ranks.size, backend=backend_for(self.device), collective_s=self.collective_s,
+            num_collectives=self.num_collectives, forward_s=forward_s,
+            last_step_collective_s=self.last_step_collective_s, ranks=rows, rank_failures=self.rank_failures,
+            last_recovery_s=self.last_recovery_s)
 
     def shutdown(self) -> None:
         """Stop the other ranks (a no-op with one)."""
@@ -324,7 +377,9 @@ class ModelRunner:
         inp = self.prepare(sched, kv)
         masks = self._start_masks(inp.sample_rows)
         t1 = time.perf_counter()
+        comm_before = self.collective_s
         logits = self._forward(inp)
+        self.last_step_collective_s = self.collective_s - comm_before
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         t2 = time.perf_counter()

@@ -285,30 +285,26 @@ def serve(
         min=1, help="largest adapter rank (default 64)")] = None,
     dtype: Annotated[str | None, typer.Option(
         help="auto, float32 (float), float16 (half) or bfloat16")] = None,
-    tensor_parallel_size: Annotated[int | None, typer.Option(
-        "--tensor-parallel-size", "-tp", min=1,
-        help="split each model over this many devices, one rank process each (default 1)")] = None,
-    pipeline_parallel_size: Annotated[int | None, typer.Option(
-        "--pipeline-parallel-size", "-pp", min=1, help="only 1 (vLLM's flag, accepted for its scripts)")] = None,
+    tensor_parallel_size: Annotated[int | None, typer.Option("--tensor-parallel-size", "-tp", min=1, help=(
+        "split each model over this many devices, a rank process each (default 1)"))] = None,
+    pipeline_parallel_size: Annotated[int | None, typer.Option("--pipeline-parallel-size", "-pp", min=1, help=(
+        "only 1 (vLLM's flag, accepted for its scripts)"))] = None,
 ) -> None:
     """Run the gateway and its engine(s). With no configuration: SQLite, the in-process
     limiter and the demo model under the data directory. The engine flags are vLLM's, by
     its names; they win over LOCKGATE_ENGINE_KWARGS."""
     from lockgate.gateway.server import run_server
 
-    flags = engine_flags(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                         max_num_batched_tokens=max_num_batched_tokens,
-                         gpu_memory_utilization=gpu_memory_utilization, block_size=block_size,
+    flags = engine_flags(max_num_seqs=max_num_seqs, max_model_len=max_model_len, block_size=block_size,
+                         max_num_batched_tokens=max_num_batched_tokens, gpu_memory_utilization=gpu_memory_utilization,
                          enable_prefix_caching=enable_prefix_caching, enable_lora=enable_lora, dtype=dtype,
                          tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size)
-    settings = _settings(models=model or None, host=host, port=port, data_dir=data_dir,
-                         migrate=migrate or None, shutdown_timeout_s=shutdown_timeout,
-                         private_models=private_model or None, pool=pool, max_loras=max_loras,
-                         max_lora_rank=max_lora_rank)
+    settings = _settings(models=model or None, host=host, port=port, data_dir=data_dir, migrate=migrate or None,
+                         shutdown_timeout_s=shutdown_timeout, private_models=private_model or None, pool=pool,
+                         max_loras=max_loras, max_lora_rank=max_lora_rank)
     settings.engine_kwargs = {**settings.engine_kwargs, **flags}
-    for note in (_device_note(flags, settings.pool), settings.lora_off_note()):
-        if note:
-            typer.echo(note, err=True)
+    for note in filter(None, (_device_note(flags, settings.pool), settings.lora_off_note())):
+        typer.echo(note, err=True)
     raise typer.Exit(run_server(settings))
 
 

@@ -32,7 +32,7 @@ from lockgate.engine.kv_cache.device_cache import DeviceKVCache
 from lockgate.engine.parallel.group import RankGroup, open_store
 from lockgate.engine.parallel.shard import check_tensor_parallel
 from lockgate.engine.parallel.step_channel import StepArrays, StepSender
-from lockgate.engine.parallel.worker import RankSpec
+from lockgate.engine.parallel.worker import RankCapacity, RankSpec
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +94,7 @@ def _reap(procs: list[subprocess.Popen], conns: list[Connection], sender: StepSe
 class RankProcesses:
     def __init__(self, template: RankSpec, device: torch.device) -> None:
         size = template.size
-        self.size, self.device = size, device
+        self.template, self.size, self.device = template, size, device
         self.timeout_s, self.start_timeout_s = template.timeout_s, template.start_timeout_s
         self.store = open_store("127.0.0.1", 0, size, is_server=True, timeout_s=self.start_timeout_s)
         self.procs: list[subprocess.Popen] = []
@@ -114,12 +114,12 @@ class RankProcesses:
             self.conns.append(conn)
         self.sender = StepSender(self.conns, [p.pid for p in self.procs])
         self.group: RankGroup | None = None
-        self.capacities: list[int] | None = None
+        self.capacities: list[RankCapacity] | None = None
         self._finalizer = weakref.finalize(self, _reap, self.procs, self.conns, self.sender)
 
     # -- start-up ---------------------------------------------------------------------------
-    def wait_loaded(self) -> list[int]:
-        """Each other rank's KV block capacity, once it has read its shard."""
+    def wait_loaded(self) -> list[RankCapacity]:
+        """Each other rank's KV block capacity and memory, once it has read its shard."""
         if self.capacities is None:
             deadline = time.monotonic() + self.start_timeout_s
             self.capacities = [self._receive(r, deadline, starting=True) for r in range(1, self.size)]

@@ -55,6 +55,18 @@ class RankSpec:
     gpu_memory_utilization: float
 
 
+@dataclass(frozen=True, slots=True)
+class RankCapacity:
+    """A rank's reply once it has read its shard: how many KV blocks it can hold, and its memory."""
+
+    rank: int
+    device: str
+    kv_blocks: int
+    weights_bytes: int
+    kv_bytes_per_block: int
+    pid: int
+
+
 class RankWorker:
     def __init__(self, spec: RankSpec, conn: Connection) -> None:
         self.spec, self.conn = spec, conn
@@ -83,14 +95,17 @@ class RankWorker:
         self._model().tp.comm = self.group
         self._reply("ok", "joined")
 
-    def capacity(self) -> int:
-        """The KV blocks this rank's memory holds (rank 0 takes the fewest of any rank)."""
+    def capacity(self) -> RankCapacity:
+        """The KV blocks this rank's memory holds (rank 0 takes the fewest of any rank), and
+        what its memory holds besides (shown by the engine's stats)."""
         spec, model = self.spec, self._model()
         weights = tensor_bytes(model) + packed_weight_bytes(model, self.device, self.dtype)
         budget = MemoryBudget.for_device(self.device, gpu_memory_utilization=spec.gpu_memory_utilization,
                                          kv_cache_memory=spec.kv_cache_memory, weight_bytes=weights)
-        return budget.kv_blocks(self.kv.bytes_per_block(spec.block_size), num_kv_blocks=spec.num_kv_blocks,
-                                kv_cache_memory=spec.kv_cache_memory)
+        per_block = self.kv.bytes_per_block(spec.block_size)
+        blocks = budget.kv_blocks(per_block, num_kv_blocks=spec.num_kv_blocks, kv_cache_memory=spec.kv_cache_memory)
+        return RankCapacity(rank=spec.rank, device=spec.device, kv_blocks=blocks, weights_bytes=weights,
+                            kv_bytes_per_block=per_block, pid=os.getpid())
 
     def _model(self) -> LlamaForCausalLM:
         if self.model is None:
