@@ -157,7 +157,8 @@ def test_rank_killed_under_load(server, client):
     assert state["rank_failures"] == failures + 1 and state["ranks"][1]["pid"] != old_pid, state
     assert client.completions.create(**prompt).choices[0].text == before
     print(f"rank 1 killed: {sum(s == 200 for s, _ in ended)} of 20 answered 200 "
-          f"({sum(h == 'error' for _, h in ended)} streams ended with an error event), "
+          f"({sum(h == 'error' for _, h in ended)} streams ended with an error event; "
+          f"the others: {sorted({s for s, _ in ended if s != 200})}), "
           f"{len(rows)} usage rows; rank group rebuilt in {state['last_recovery_s']:.2f} s (engine's own state)")
 
 
