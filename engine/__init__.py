@@ -38,6 +38,8 @@ from lockgate.engine.errors import (
     InvalidRequest,
     LoRAError,
     PromptTooLong,
+    RankFailure,
+    RankStartupError,
     UnknownModel,
 )
 from lockgate.engine.grammar import CompiledGrammar, GrammarCompiler, grammar_compiler
@@ -70,7 +72,8 @@ __all__ = [
     "GrammarCompiler", "GrammarError", "GrammarTooComplex", "InvalidRequest", "KVStats", "LoRAError", "LoRARequest",
     "LoRAStats",
     "Logprob", "ModelBinding", "ModelConfig", "ModelEngine", "OverloadStats", "Pool", "PoolConfig", "PoolStats",
-    "PooledModelStats", "Prompt", "PromptTooLong", "QuantizeSpec", "QueueBounds", "QueueStats", "RequestMetrics",
+    "PooledModelStats", "Prompt", "PromptTooLong", "QuantizeSpec", "QueueBounds", "QueueStats", "RankFailure",
+    "RankStartupError", "RequestMetrics",
     "RequestOutput", "RequestStream", "SamplingParams", "ServedEngine", "StructuredOutputsParams", "SubmitOptions",
     "TenantClassStats", "Tokenizer", "UnknownModel", "WorkerPoolStats", "default_group_size", "grammar_compiler",
     "parse_targets", "quantize_model", "write_demo_adapter", "write_demo_model",

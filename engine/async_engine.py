@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import AsyncIterator
 from typing import Any
@@ -23,7 +24,7 @@ from lockgate.engine.client import EngineAdmin, EngineClient, Prompt, RequestStr
 from lockgate.engine.config import EngineConfig, ModelConfig
 from lockgate.engine.cost_model import StepShape
 from lockgate.engine.engine_core import EngineCore
-from lockgate.engine.errors import EngineDead, EngineOverloaded, InvalidRequest, LoRAError
+from lockgate.engine.errors import EngineDead, EngineOverloaded, InvalidRequest, LoRAError, RankFailure
 from lockgate.engine.llm import to_token_ids
 from lockgate.engine.lora import Adapter, LoRARequest
 from lockgate.engine.model_pool import ModelPool, make_core
@@ -311,6 +312,9 @@ class AsyncEngine(EngineClient, EngineAdmin):
                 while core.failed:   # e.g. an adapter that could not be read again
                     rid, exc = core.failed.pop()
                     self._deliver(rid, exc)
+            except RankFailure as exc:
+                if not self._recover(core, exc):
+                    return
             except Exception as exc:   # a bug: fail every caller loudly rather than hang them
                 logger.exception("engine step failed")
                 with self._lock:
@@ -319,6 +323,37 @@ class AsyncEngine(EngineClient, EngineAdmin):
                 for rid in streams:
                     self._deliver(rid, EngineDead(f"engine step failed: {exc!r}"))
                 return
+
+    def _recover(self, core: StepEngine, exc: RankFailure) -> bool:
+        """A rank of the model's group failed (died, or a collective timed out): every request
+        in flight or queued fails as a dead engine's would (EngineDead), the core forgets them
+        and spawns a fresh rank group, and the loop goes on; False (the engine stopped, every
+        later call EngineDead) when the group could not be rebuilt."""
+        failed_at = time.monotonic()
+        logger.error("tensor parallel rank failed; failing the requests in flight and rebuilding the rank "
+                     "group: %s", exc)
+        with self._lock:
+            failed = list(self._streams)
+            # what was queued for the old group goes with it: their callers are told below
+            self._inbox = deque(item for item in self._inbox if item[0] == "abort")
+        for rid in failed:
+            self._deliver(rid, EngineDead(f"engine step failed: {exc}"))
+        with self._lock:
+            for rid in failed:
+                self._streams.pop(rid, None)
+                self._admission.forget(rid)
+        try:
+            rebuild = getattr(core, "rebuild_ranks", None)
+            if rebuild is None:
+                raise exc
+            rebuild(failed_at)
+        except Exception as err:   # the engine stops: every later call is told (EngineDead)
+            logger.exception("rebuilding the tensor parallel rank group failed")
+            with self._lock:
+                self._error = err
+            return False
+        logger.warning("tensor parallel rank group rebuilt in %.2f s; serving again", time.monotonic() - failed_at)
+        return True
 
     def _publish_stats(self, core: StepEngine, drained: int) -> None:
         stats = core.stats()

@@ -66,6 +66,15 @@ class EngineConfig:
     switch_overhead: float = 0.1          # a model's turn lasts until its switch-in cost is this share
     min_turn_s: float = 0.5               # shortest turn, whatever switching costs
     max_drain_s: float = 2.0              # after its turn, how long a model may finish what runs
+    # tensor parallelism (engine/parallel/): the model split over this many ranks, rank 0 this
+    # process, the others spawned ('mp'); 1 spawns nothing and never touches torch.distributed.
+    # Every collective and every hand-off to a rank waits at most `distributed_timeout_s`; a
+    # rank's start-up (loading its shard) at most `rank_start_timeout_s`
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    distributed_executor_backend: str | None = None    # None: 'mp' where tensor_parallel_size > 1
+    distributed_timeout_s: float = 60.0
+    rank_start_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
         """Every setting checked (ValueError naming it), in this order."""
@@ -73,6 +82,7 @@ class EngineConfig:
         self._check_lora_and_models()
         self._check_memory()
         self._check_classes()
+        self._check_parallel()
         if not Path(self.model).is_dir():
             raise ValueError(f"model must be a model directory; {self.model!r} is not one")
 
@@ -168,6 +178,33 @@ class EngineConfig:
                     raise ValueError(f"slo[{cls!r}][{key!r}] must be a number of milliseconds > 0; got {value!r}")
         if sum(self.reserved_kv_fraction.values()) >= 1.0:
             raise ValueError("reserved_kv_fraction: the shares must add up to less than 1")
+
+    def _check_parallel(self) -> None:
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1; got {value!r}")
+        if self.pipeline_parallel_size > 1:
+            raise ValueError(f"pipeline_parallel_size: {self.pipeline_parallel_size} is not supported; "
+                             "only 1 (split a model with tensor_parallel_size instead)")
+        backend = self.distributed_executor_backend
+        if backend == "ray":
+            raise ValueError("distributed_executor_backend: 'ray' is not supported yet; use 'mp' "
+                             "(rank processes spawned by the engine)")
+        if backend not in (None, "mp"):
+            raise ValueError(f"distributed_executor_backend must be 'mp' (or 'ray', later); got {backend!r}")
+        for name in ("distributed_timeout_s", "rank_start_timeout_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+                raise ValueError(f"{name} must be a number of seconds > 0; got {value!r}")
+        if self.tensor_parallel_size > 1:
+            self.distributed_executor_backend = "mp"
+            # not yet sharded: say so at start rather than serve something wrong
+            if self.enable_lora:
+                raise ValueError("enable_lora: LoRA adapters are not supported with tensor_parallel_size > 1 yet")
+            if self.models:
+                raise ValueError("models: several models on one budget are not supported with "
+                                 "tensor_parallel_size > 1 yet")
 
     def step_target_s(self, cls: str) -> float | None:
         """The step-time target `slo` sets for class `cls` (a first token takes about two

@@ -7,7 +7,7 @@ The same (family, size, seed) gives byte-identical files; the seed changes only 
 
 Tokenizer: byte-level BPE trained with `tokenizers` on a synthetic, seed-independent corpus
 (Zipf-distributed pseudo-words, digits, punctuation, accented / CJK / emoji strings); 512 tokens
-(tiny) or 8192 (small), special tokens <|endoftext|>=0, <|im_start|>=1, <|im_end|>=2. Its
+(tiny), 509 (tiny-mqa) or 8192 (small), special tokens <|endoftext|>=0, <|im_start|>=1, <|im_end|>=2. Its
 pipeline is Qwen2's (NFC + Qwen's split regex + byte level) so transformers' Qwen2Tokenizer,
 which rebuilds that pipeline for model_type qwen2, tokenizes exactly like tokenizer.json.
 
@@ -31,6 +31,8 @@ prompt for the gap statistics; greedy, 32 new tokens, KV cache):
   llama small    0.0126   random prompt #13     0.36    4.4         16/16     >= 28        0/21
   qwen2 small    0.0059   random prompt #2      0.34    4.4         16/16     >= 29        0/21
   mistral small  0.0012   random prompt #0 (len 1)  0.40  4.4       16/16     >= 27        0/21
+
+  llama tiny-mqa 0.0012  (float64; random_prompts(509, 32, seed=3), 24 new tokens)  32/32 distinct, 0 EOS
 
   (gap = top-1 minus top-2 logit at each generated step; "tokens/cont" = distinct tokens in
   each 32-token continuation; no continuation has one token in more than 16% of its steps.)
@@ -97,6 +99,19 @@ SIZES: dict[str, dict[str, int]] = {
         head_dim=16,
         intermediate_size=128,
         vocab_size=512,
+        max_position_embeddings=2048,
+    ),
+    # one KV head for all four query heads (multi-query attention): split across ranks, each
+    # rank holds the same KV head; an odd vocabulary, which no rank count divides, so a split
+    # vocabulary is padded
+    "tiny-mqa": dict(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=16,
+        intermediate_size=128,
+        vocab_size=509,
         max_position_embeddings=2048,
     ),
     "small": dict(

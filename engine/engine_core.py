@@ -21,9 +21,9 @@ from lockgate.engine.memory import CPU_DEFAULT_KV_BYTES, MemoryBudget
 from lockgate.engine.model_runner import ModelRunner, StepTimings
 from lockgate.engine.output_processor import OutputProcessor
 from lockgate.engine.outputs import RequestOutput
+from lockgate.engine.parallel.executor import rank_spec
 from lockgate.engine.platform import tune_cpu_allocator
-from lockgate.engine.request import EngineRequest, RequestState, SeqStatus, Sequence
-from lockgate.engine.sampling_params import SamplingParams
+from lockgate.engine.request import EngineRequest, RequestState, SeqStatus, Sequence, check_request
 from lockgate.engine.scheduler import Scheduler
 from lockgate.engine.stats import EngineStats, KVStats, QueueStats, TenantClassStats
 from lockgate.engine.tokenizer import Tokenizer
@@ -39,41 +39,6 @@ def resolve_dtype(name: str, model_dtype: str, device: torch.device) -> torch.dt
         return torch.float32  # CPUs have no fast fp16 matmul
     return dtype
 
-
-def check_request(req: EngineRequest, vocab_size: int, max_model_len: int) -> None:
-    """The checks of a request that need no engine state beyond the model's vocabulary and
-    context: InvalidRequest (PromptTooLong for the context) naming the field."""
-    if not isinstance(req.sampling, SamplingParams):
-        raise InvalidRequest(f"sampling_params: expected SamplingParams, got {type(req.sampling).__name__}",
-                             field="sampling_params")
-    req.sampling.__post_init__()   # re-checked: the object may have changed since it was built
-    if type(req.priority) is not int:
-        raise InvalidRequest(f"priority: must be an integer, got {req.priority!r}", field="priority")
-    if req.tenant_weight is not None and (
-        isinstance(req.tenant_weight, bool) or not isinstance(req.tenant_weight, (int, float))
-        or not 0 < req.tenant_weight < float("inf")
-    ):
-        raise InvalidRequest(f"tenant_weight: must be a number > 0, got {req.tenant_weight!r}",
-                             field="tenant_weight")
-    for name in ("tenant", "model", "cache_salt", "share_group"):
-        value = getattr(req, name)
-        if (value is not None and not isinstance(value, str)) or (name == "tenant" and not value):
-            raise InvalidRequest(
-                f"{name}: must be a{' non-empty' if name == 'tenant' else ''} string, got {value!r}",
-                field=name)
-    ids = req.prompt_token_ids
-    if not isinstance(req.request_id, str) or not req.request_id:
-        raise InvalidRequest("request_id: must be a non-empty string", field="request_id")
-    if not ids:
-        raise InvalidRequest("prompt: must not be empty", field="prompt")
-    bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < vocab_size), None)
-    if bad is not None:
-        raise InvalidRequest(f"prompt_token_ids: token id {bad!r} is outside the vocabulary [0, {vocab_size})",
-                             field="prompt_token_ids")
-    if len(ids) >= max_model_len:
-        raise PromptTooLong(
-            f"prompt: {len(ids)} tokens leave no room for output within max_model_len {max_model_len}"
-        )
 
 
 class EngineCore:
@@ -97,14 +62,11 @@ class EngineCore:
         self.dtype = resolve_dtype(config.dtype, mc.torch_dtype, self.device)
         self.tokenizer = Tokenizer(config.model)
         torch.manual_seed(config.seed)
-        self.runner = ModelRunner(config.model, mc, self.max_model_len, self.dtype, self.device, config.seed)
-        self.lora = self._enable_lora()
+        self.runner = ModelRunner(config.model, mc, self.max_model_len, self.dtype, self.device, config.seed,
+                                  ranks=rank_spec(config, mc, self.device, self.dtype, self.max_model_len))
         bs = config.block_size
         self.memory: MemoryBudget | None = None
-        self.num_kv_blocks = self._size_kv_cache(pooled)
-        self.runner.allocate_kv_cache(self.num_kv_blocks, bs)
-        if not pooled:
-            self.runner.load()
+        self.lora, self.num_kv_blocks = self._start_runner(pooled)
         self.kv = KVCacheManager(self.num_kv_blocks, bs, config.enable_prefix_caching,
                                  num_tiers=len(config.service_classes))
         self.scheduler = Scheduler(config, self.kv)
@@ -137,6 +99,20 @@ class EngineCore:
             "engine ready: %s on %s (%s), %d KV blocks of %d tokens",
             config.model, self.device, self.dtype, self.num_kv_blocks, bs,
         )
+
+    def _start_runner(self, pooled: bool) -> tuple[LoRAManager | None, int]:
+        """Adapters, the KV cache sized and (alone) the weights loaded; the other ranks stop
+        if any of it fails. The adapter manager and the KV block count."""
+        try:
+            self.lora = self._enable_lora()
+            num_blocks = self._size_kv_cache(pooled)
+            self.runner.allocate_kv_cache(num_blocks, self.config.block_size)
+            if not pooled:
+                self.runner.load()
+        except BaseException:
+            self.runner.shutdown()
+            raise
+        return self.lora, num_blocks
 
     def _enable_lora(self) -> LoRAManager | None:
         """The runner's adapter manager when the config enables LoRA, else None."""
@@ -171,8 +147,12 @@ class EngineCore:
             weight_bytes=self.runner.weight_bytes,
             lora_bytes=self.lora.slot_bytes if self.lora else 0,
         )
-        return self.memory.kv_blocks(per_block, num_kv_blocks=config.num_kv_blocks,
-                                     kv_cache_memory=config.kv_cache_memory)
+        own = self.memory.kv_blocks(per_block, num_kv_blocks=config.num_kv_blocks,
+                                    kv_cache_memory=config.kv_cache_memory)
+        num_blocks = self.runner.num_blocks_all_ranks(own)     # the fewest any rank holds
+        if num_blocks < own:
+            self.memory.reserve("kv_cache", num_blocks * per_block)
+        return num_blocks
 
     @property
     def num_generated_tokens(self) -> int:
@@ -210,9 +190,18 @@ class EngineCore:
     def set_tenant_weight(self, tenant: str, weight: float) -> None:
         self.scheduler.fair.weights[tenant] = float(weight)
 
+    def rebuild_ranks(self, failed_at: float) -> None:
+        """A rank failed: every request forgotten (their callers told by AsyncEngine), the
+        cached prefixes too (the fresh ranks' caches are empty), and a fresh rank group."""
+        for rid in list(self.requests):
+            self.abort_request(rid)
+        self.kv.reset()
+        self.runner.rebuild_ranks(failed_at)
+
     def shutdown(self) -> None:
         if self.lora is not None:
             self.lora.shutdown()
+        self.runner.shutdown()
 
     # -- requests ------------------------------------------------------------------------
     def validate(self, req: EngineRequest) -> None:
@@ -421,6 +410,7 @@ class EngineCore:
             memory=self.memory.summary() if self.memory is not None else self.footprint(),
             cost_model=sched.cost.summary(str(self.device)),
             lora=self.lora.stats() if self.lora is not None else None,
+            parallel=self.runner.parallel_stats(self.timings.forward),
         )
 
     def _tenant_stats(self, per_class: dict[str, QueueStats]) -> dict[str, dict[str, TenantClassStats]]:

@@ -74,3 +74,16 @@ class EngineOverloaded(EngineError):
 
 class EngineDead(EngineError):
     """The step loop stopped on an error; no further requests are served."""
+
+
+class RankFailure(EngineError):
+    """A tensor-parallel rank failed: it could not start (`RankStartupError`), died, or a
+    collective or a hand-off to it failed or timed out. `rank` names it where known."""
+
+    def __init__(self, message: str, *, rank: int | None) -> None:
+        super().__init__(message)
+        self.rank = rank
+
+
+class RankStartupError(RankFailure):
+    """A rank failed while starting (spawning, loading its shard, joining the group)."""

@@ -3,6 +3,7 @@ over the flattened batch, logits of the last position of each sequence that samp
 
 from __future__ import annotations
 
+import os
 import time
 from array import array
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -11,14 +12,22 @@ from dataclasses import dataclass
 import torch
 
 from lockgate.engine.config import ModelConfig
+from lockgate.engine.errors import RankFailure
 from lockgate.engine.grammar import grammar_bitmask
 from lockgate.engine.kv_cache import KVCacheManager
+from lockgate.engine.kv_cache.device_cache import DeviceKVCache, KVCacheOps
 from lockgate.engine.lora import LoRAManager
 from lockgate.engine.models import AttentionMetadata, LlamaForCausalLM, build_skeleton, load_model, tensor_bytes
 from lockgate.engine.models.loader import packed_weight_bytes
+from lockgate.engine.parallel.executor import GroupKV, RankProcesses
+from lockgate.engine.parallel.group import backend_for
+from lockgate.engine.parallel.shard import Shard
+from lockgate.engine.parallel.step_channel import StepArrays
+from lockgate.engine.parallel.worker import RankSpec
 from lockgate.engine.request import Sequence
 from lockgate.engine.sampler import Sampler, SamplerOutput, SampleRow
 from lockgate.engine.scheduler import SchedulerOutput
+from lockgate.engine.stats import ParallelStats, RankMemory
 
 
 @dataclass(slots=True)
@@ -55,17 +64,31 @@ class ModelRunner:
         dtype: torch.dtype,
         device: torch.device,
         seed: int,
+        ranks: RankSpec | None = None,
     ) -> None:
+        """`ranks`: with tensor parallelism, what ranks 1..N-1 start from (they are spawned
+        here, and read their shards while this process goes on); None: one rank, this one."""
         self.cfg = model_config
         self.model_dir, self.max_model_len = model_dir, max_model_len
         self.dtype, self.device = dtype, device
-        # shapes and sizes without storage: what the budget counts before (and while not)
-        # loading, and what adapters are checked against
-        self.skeleton = build_skeleton(model_config, dtype)
+        self.shard = Shard(0, ranks.size) if ranks is not None else Shard()
+        # shapes and sizes without storage (this rank's shard): what the budget counts before
+        # (and while not) loading, and what adapters are checked against
+        self.skeleton = build_skeleton(model_config, dtype, self.shard)
         self.weight_bytes = tensor_bytes(self.skeleton) + packed_weight_bytes(self.skeleton, device, dtype)
         self.model: LlamaForCausalLM | None = None
         self.sampler = Sampler(seed, device)
-        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.kv = DeviceKVCache(model_config.num_hidden_layers, self.shard.kv_heads(model_config)[1],
+                                model_config.head_dim, dtype, device)
+        self.ranks = RankProcesses(ranks, device) if ranks is not None else None
+        # every rank's KV operations at once: the one interface what moves blocks goes through
+        self.kv_ops: KVCacheOps = self.kv if self.ranks is None else GroupKV(self.kv, self.ranks)
+        self._ranks_hold_weights = True     # ranks 1..N-1 read theirs when spawned
+        # collectives of groups since replaced (seconds, count); the latest step's seconds
+        self._comm_before: tuple[float, int] = (0.0, 0)
+        self.last_step_collective_s = 0.0
+        self.rank_failures = 0
+        self.last_recovery_s: float | None = None
         self.block_size = 0
         self.num_blocks = 0
         self.lora: LoRAManager | None = None
@@ -88,44 +111,130 @@ class ModelRunner:
     def resident(self) -> bool:
         return self.model is not None
 
+    @property
+    def kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's K and V per layer, what the forward reads."""
+        return self.kv.layers
+
     def load(self) -> None:
         """Weights from the checkpoint (memory-mapped safetensors), the KV cache, the LoRA
-        slots: everything the device holds for this model."""
-        if self.model is not None:
+        slots: everything the device holds for this model (on every rank)."""
+        if self._all_loaded:
             return
-        self.model = load_model(self.model_dir, self.cfg, self.max_model_len, self.dtype, self.device)
+        ranks = self.ranks
+        model = self._load_weights()
+        if ranks is not None:
+            if ranks.group is None:
+                ranks.connect(ranks.timeout_s)
+            elif not self._ranks_hold_weights:
+                ranks.call("load")
+            self._ranks_hold_weights = True
+            model.tp.comm = ranks.group
         if self.lora is not None:
-            self.lora.bind(self.model.projections())
+            self.lora.bind(model.projections())
         if self.num_blocks:
             self.allocate_kv_cache(self.num_blocks, self.block_size)
 
+    @property
+    def _all_loaded(self) -> bool:
+        """Every rank holds its weights (and the rank group is up)."""
+        ranks = self.ranks
+        return self.model is not None and (ranks is None or (ranks.group is not None and self._ranks_hold_weights))
+
+    def _load_weights(self) -> LlamaForCausalLM:
+        if self.model is None:
+            self.model = load_model(self.model_dir, self.cfg, self.max_model_len, self.dtype, self.device,
+                                    self.shard)
+        return self.model
+
+    def num_blocks_all_ranks(self, own: int) -> int:
+        """The KV blocks every rank can hold: `own` (this rank's) or fewer, where another
+        rank's memory holds fewer. Rank 0 reads its shard meanwhile, then waits for the
+        others to have read theirs."""
+        if self.ranks is None:
+            return own
+        self._load_weights()
+        return min(own, *(c.kv_blocks for c in self.ranks.wait_loaded()))
+
     def offload(self) -> None:
         """Give the device memory back: weights are dropped (read again from the checkpoint's
-        files on `load`), the KV cache and the LoRA slots freed."""
+        files on `load`), the KV cache and the LoRA slots freed, on every rank."""
         if self.lora is not None:
             self.lora.unbind()
         self.model = None
-        self.kv_caches = []
+        self.kv.free()
+        if self.ranks is not None and self._ranks_hold_weights:
+            self.ranks.call("offload")
+            self._ranks_hold_weights = False
+
+    @property
+    def collective_s(self) -> float:
+        """Seconds this rank has spent in collectives (0 with one rank): against the steps'
+        forward time, the share spent communicating."""
+        group = self.ranks.group if self.ranks is not None else None
+        return self._comm_before[0] + (0.0 if group is None else group.collective_s)
+
+    @property
+    def num_collectives(self) -> int:
+        group = self.ranks.group if self.ranks is not None else None
+        return self._comm_before[1] + (0 if group is None else group.num_collectives)
+
+    def rebuild_ranks(self, failed_at: float) -> None:
+        """After a rank failed (the caller has forgotten every request and cached prefix): what
+        is left of the old group stopped, fresh ranks spawned from the same spec and joined,
+        the model's collectives moved to them, their KV caches allocated (empty). `failed_at`
+        (time.monotonic()) is when the failure was seen: the recovery's time counts from it."""
+        old = self.ranks
+        if old is None:
+            raise RuntimeError("one rank: there is no rank group to rebuild")
+        self.rank_failures += 1
+        self._comm_before = (self.collective_s, self.num_collectives)
+        old.close()
+        self.ranks = ranks = RankProcesses(old.template, self.device)
+        self.kv_ops = GroupKV(self.kv, ranks)
+        self._ranks_hold_weights = True
+        try:
+            ranks.connect(ranks.timeout_s)
+            if self.model is not None:
+                self.model.tp.comm = ranks.group
+                if self.num_blocks:
+                    ranks.call("kv_allocate", num_blocks=self.num_blocks, block_size=self.block_size)
+        except BaseException:
+            ranks.close()
+            raise
+        self.last_recovery_s = time.monotonic() - failed_at
+
+    def parallel_stats(self, forward_s: float) -> ParallelStats | None:
+        """Communication and each rank's memory (None with one rank)."""
+        ranks = self.ranks
+        if ranks is None:
+            return None
+        kv_bytes = self.num_blocks * self.bytes_per_block(self.block_size) if self.block_size else 0
+        rows = [RankMemory(0, str(self.device), os.getpid(), self.weight_bytes, kv_bytes)]
+        rows += [RankMemory(c.rank, c.device, c.pid, c.weights_bytes, self.num_blocks * c.kv_bytes_per_block)
+                 for c in ranks.capacities or []]
+        return ParallelStats(
+            tensor_parallel_size=ranks.size, backend=backend_for(self.device), collective_s=self.collective_s,
+            num_collectives=self.num_collectives, forward_s=forward_s,
+            last_step_collective_s=self.last_step_collective_s, ranks=rows, rank_failures=self.rank_failures,
+            last_recovery_s=self.last_recovery_s)
+
+    def shutdown(self) -> None:
+        """Stop the other ranks (a no-op with one)."""
+        if self.ranks is not None:
+            self.ranks.close()
 
     def bytes_per_block(self, block_size: int) -> int:
-        c = self.cfg
-        elem = torch.tensor([], dtype=self.dtype).element_size()
-        return 2 * c.num_hidden_layers * block_size * c.num_key_value_heads * c.head_dim * elem
+        """This rank's bytes per KV block (its own KV heads)."""
+        return self.kv.bytes_per_block(block_size)
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
-        """One tensor per layer for K and one for V, written in place, never copied.
-        `empty`, not `zeros`: pages are touched only as blocks are used. Attention masks
-        (and zeroes) every slot past a sequence's length, so unwritten slots never count."""
-        c = self.cfg
-        shape = (c.num_key_value_heads, num_blocks, block_size, c.head_dim)
+        """The KV cache's size, allocated now on every rank if the model is loaded, else on
+        `load` (see DeviceKVCache.allocate)."""
         self.block_size, self.num_blocks = block_size, num_blocks
-        if self.model is None:
+        if not self._all_loaded:
             return   # allocated on load
-        self.kv_caches = [
-            (torch.empty(shape, dtype=self.dtype, device=self.device),
-             torch.empty(shape, dtype=self.dtype, device=self.device))
-            for _ in range(c.num_hidden_layers)
-        ]
+        self.kv_ops.allocate(num_blocks, block_size)
 
     def _order_by_adapter(self, scheduled: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int]]:
         """With adapters in the step: sequences grouped by adapter (base model first), each
@@ -232,8 +341,33 @@ class ModelRunner:
     @torch.inference_mode()
     def forward_logits(self, inp: ModelInput) -> torch.Tensor:
         model = self._loaded()
+        self._hand_off(inp)
         hidden = model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)
-        return model.compute_logits(hidden[inp.logits_indices])
+        logits = model.compute_logits(hidden[inp.logits_indices])
+        if logits is None:
+            raise RuntimeError("rank 0 got no logits: the model's rank group is not rank 0's")
+        return logits
+
+    def _hand_off(self, inp: ModelInput) -> None:
+        """With tensor parallelism: this step's inputs to the other ranks, before rank 0's own
+        forward (they meet in its collectives)."""
+        if self.ranks is not None:
+            m = inp.meta
+            self.ranks.send_step(StepArrays(
+                inp.input_ids.cpu(), inp.positions.cpu(), m.slot_mapping.cpu(), m.block_tables.cpu(),
+                m.seq_lens.cpu(), m.query_start_loc.cpu(), inp.logits_indices.cpu()))
+
+    @torch.inference_mode()
+    def _forward(self, inp: ModelInput) -> torch.Tensor | None:
+        """The step's logits (None when no sequence samples); a rank's failure named."""
+        try:
+            if inp.sample_seqs:
+                return self.forward_logits(inp)
+            self._hand_off(inp)
+            self._loaded()(inp.input_ids, inp.positions, self.kv_caches, inp.meta)
+            return None
+        except RankFailure as exc:
+            raise exc if self.ranks is None else self.ranks.failure(exc) from exc
 
     @torch.inference_mode()
     def execute(
@@ -243,9 +377,9 @@ class ModelRunner:
         inp = self.prepare(sched, kv)
         masks = self._start_masks(inp.sample_rows)
         t1 = time.perf_counter()
-        logits = self.forward_logits(inp) if inp.sample_seqs else None
-        if logits is None:
-            self._loaded()(inp.input_ids, inp.positions, self.kv_caches, inp.meta)
+        comm_before = self.collective_s
+        logits = self._forward(inp)
+        self.last_step_collective_s = self.collective_s - comm_before
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         t2 = time.perf_counter()

@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from lockgate.engine.errors import InvalidRequest, PromptTooLong
 from lockgate.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -138,4 +139,40 @@ class Sequence:
         return (
             f"Sequence({self.seq_id}, {self.status.value}, tokens={self.num_tokens}, "
             f"computed={self.num_computed_tokens})"
+        )
+
+
+def check_request(req: EngineRequest, vocab_size: int, max_model_len: int) -> None:
+    """The checks of a request that need no engine state beyond the model's vocabulary and
+    context: InvalidRequest (PromptTooLong for the context) naming the field."""
+    if not isinstance(req.sampling, SamplingParams):
+        raise InvalidRequest(f"sampling_params: expected SamplingParams, got {type(req.sampling).__name__}",
+                             field="sampling_params")
+    req.sampling.__post_init__()   # re-checked: the object may have changed since it was built
+    if type(req.priority) is not int:
+        raise InvalidRequest(f"priority: must be an integer, got {req.priority!r}", field="priority")
+    if req.tenant_weight is not None and (
+        isinstance(req.tenant_weight, bool) or not isinstance(req.tenant_weight, (int, float))
+        or not 0 < req.tenant_weight < float("inf")
+    ):
+        raise InvalidRequest(f"tenant_weight: must be a number > 0, got {req.tenant_weight!r}",
+                             field="tenant_weight")
+    for name in ("tenant", "model", "cache_salt", "share_group"):
+        value = getattr(req, name)
+        if (value is not None and not isinstance(value, str)) or (name == "tenant" and not value):
+            raise InvalidRequest(
+                f"{name}: must be a{' non-empty' if name == 'tenant' else ''} string, got {value!r}",
+                field=name)
+    ids = req.prompt_token_ids
+    if not isinstance(req.request_id, str) or not req.request_id:
+        raise InvalidRequest("request_id: must be a non-empty string", field="request_id")
+    if not ids:
+        raise InvalidRequest("prompt: must not be empty", field="prompt")
+    bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise InvalidRequest(f"prompt_token_ids: token id {bad!r} is outside the vocabulary [0, {vocab_size})",
+                             field="prompt_token_ids")
+    if len(ids) >= max_model_len:
+        raise PromptTooLong(
+            f"prompt: {len(ids)} tokens leave no room for output within max_model_len {max_model_len}"
         )

@@ -127,6 +127,34 @@ class WorkerPoolStats:
 
 
 @dataclass(slots=True)
+class RankMemory:
+    """One tensor-parallel rank: its process, device and what its memory holds."""
+
+    rank: int
+    device: str
+    pid: int
+    weights_bytes: int
+    kv_cache_bytes: int
+
+
+@dataclass(slots=True)
+class ParallelStats:
+    """A model split over ranks: its communication (rank 0's seconds inside collectives, in
+    all and in the latest step, against the forward's seconds), each rank's memory, and the
+    rank group's rebuilds after a rank failed (the latest's seconds from failure to serving)."""
+
+    tensor_parallel_size: int
+    backend: str
+    collective_s: float
+    num_collectives: int
+    forward_s: float
+    last_step_collective_s: float
+    ranks: list[RankMemory]
+    rank_failures: int = 0
+    last_recovery_s: float | None = None
+
+
+@dataclass(slots=True)
 class EngineStats:
     """One model's engine (or, for a pool, the totals over its models)."""
 
@@ -150,6 +178,7 @@ class EngineStats:
     residency: PooledModelStats | None = None    # a pooled model's own row in `pool`
     by_model: dict[str, EngineStats] = field(default_factory=dict)   # a pool's: each model's
     workers: WorkerPoolStats | None = None       # served by a Ray pool: its workers and placement
+    parallel: ParallelStats | None = None        # tensor parallelism (None: one rank)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -81,7 +81,7 @@ def main(
 def demo_model(
     out_dir: Annotated[Path, typer.Argument(help="directory to write the model into")],
     family: Annotated[str, typer.Option(help="llama, qwen2 or mistral")] = "llama",
-    size: Annotated[str, typer.Option(help="tiny (tests) or small (benchmarks)")] = "tiny",
+    size: Annotated[str, typer.Option(help="tiny (tests), tiny-mqa (one KV head), or small (benchmarks)")] = "tiny",
     seed: Annotated[int, typer.Option(help="weights and nothing else depend on it")] = 0,
 ) -> None:
     """Write a small random-weight Hugging Face model with a tokenizer, offline."""
@@ -207,7 +207,8 @@ def db_status(database_url: Annotated[str | None, typer.Option()] = None) -> Non
 DTYPES = {"auto": "auto", "float32": "float32", "float": "float32", "float16": "float16",
           "half": "float16", "bfloat16": "bfloat16"}
 ENGINE_FLAGS = ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "gpu_memory_utilization",
-                "block_size", "enable_prefix_caching", "enable_lora", "dtype")
+                "block_size", "enable_prefix_caching", "enable_lora", "dtype", "tensor_parallel_size",
+                "pipeline_parallel_size")
 
 
 def engine_flags(**flags: object) -> dict[str, object]:
@@ -222,6 +223,11 @@ def engine_flags(**flags: object) -> dict[str, object]:
     size = out.get("block_size")
     if isinstance(size, int) and size & (size - 1):
         raise typer.BadParameter(f"must be a power of two; got {size}", param_hint="--block-size")
+    stages = out.get("pipeline_parallel_size")
+    if isinstance(stages, int) and stages > 1:
+        raise typer.BadParameter(f"pipeline parallelism is not supported; got {stages} (only 1): split a model "
+                                 "over devices with --tensor-parallel-size instead",
+                                 param_hint="--pipeline-parallel-size")
     return out
 
 
@@ -279,23 +285,25 @@ def serve(
         min=1, help="largest adapter rank (default 64)")] = None,
     dtype: Annotated[str | None, typer.Option(
         help="auto, float32 (float), float16 (half) or bfloat16")] = None,
+    tensor_parallel_size: Annotated[int | None, typer.Option("--tensor-parallel-size", "-tp", min=1, help=(
+        "split each model over this many devices, a rank process each (default 1)"))] = None,
+    pipeline_parallel_size: Annotated[int | None, typer.Option("--pipeline-parallel-size", "-pp", min=1, help=(
+        "only 1 (vLLM's flag, accepted for its scripts)"))] = None,
 ) -> None:
     """Run the gateway and its engine(s). With no configuration: SQLite, the in-process
     limiter and the demo model under the data directory. The engine flags are vLLM's, by
     its names; they win over LOCKGATE_ENGINE_KWARGS."""
     from lockgate.gateway.server import run_server
 
-    flags = engine_flags(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                         max_num_batched_tokens=max_num_batched_tokens,
-                         gpu_memory_utilization=gpu_memory_utilization, block_size=block_size,
-                         enable_prefix_caching=enable_prefix_caching, enable_lora=enable_lora, dtype=dtype)
-    settings = _settings(models=model or None, host=host, port=port, data_dir=data_dir,
-                         migrate=migrate or None, shutdown_timeout_s=shutdown_timeout,
-                         private_models=private_model or None, pool=pool, max_loras=max_loras,
-                         max_lora_rank=max_lora_rank)
+    flags = engine_flags(max_num_seqs=max_num_seqs, max_model_len=max_model_len, block_size=block_size,
+                         max_num_batched_tokens=max_num_batched_tokens, gpu_memory_utilization=gpu_memory_utilization,
+                         enable_prefix_caching=enable_prefix_caching, enable_lora=enable_lora, dtype=dtype,
+                         tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size)
+    settings = _settings(models=model or None, host=host, port=port, data_dir=data_dir, migrate=migrate or None,
+                         shutdown_timeout_s=shutdown_timeout, private_models=private_model or None, pool=pool,
+                         max_loras=max_loras, max_lora_rank=max_lora_rank)
     settings.engine_kwargs = {**settings.engine_kwargs, **flags}
-    note = _device_note(flags, settings.pool)
-    if note:
+    for note in filter(None, (_device_note(flags, settings.pool), settings.lora_off_note())):
         typer.echo(note, err=True)
     raise typer.Exit(run_server(settings))
 

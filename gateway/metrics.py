@@ -10,6 +10,8 @@ worker (label `worker`) where the engines run in a pool (`lockgate serve --pool`
     vllm:prefix_cache_queries, vllm:prefix_cache_hits        counters, in tokens
     vllm:num_preemptions                                      counter
     vllm:lora_requests_info                                   gauge (labels as vLLM's)
+    lockgate_tp_*   a model split over ranks: seconds in collectives (and the latest step's),
+                    the forward's seconds, each rank's memory, rank failures
     vllm:time_to_first_token_seconds, vllm:inter_token_latency_seconds,
     vllm:e2e_request_latency_seconds, vllm:request_queue_time_seconds   histograms
 
@@ -59,6 +61,7 @@ class _EngineCollector(Collector):
     def collect(self):
         stats = list(self._stats())
         yield from self._lockgate(stats)
+        yield from self._parallel(stats)
         yield from self._vllm(stats)
 
     @staticmethod
@@ -82,6 +85,35 @@ class _EngineCollector(Collector):
             kv_usage.add_metric([model], s.kv.used / s.kv.total if s.kv.total else 0.0)
             pre.add_metric([model], s.num_preemptions)
         return waiting, running, kv, kv_usage, pre
+
+    @staticmethod
+    def _parallel(stats: list[tuple[str, EngineStats]]):
+        """Tensor parallelism's communication: collective seconds against forward seconds
+        give the share of each step spent communicating."""
+        size = GaugeMetricFamily("lockgate_tp_size", "Ranks a model is split over", labels=["model"])
+        comm = CounterMetricFamily("lockgate_tp_collective_seconds",
+                                   "Seconds rank 0 spent in collectives", labels=["model"])
+        forward = CounterMetricFamily("lockgate_tp_forward_seconds",
+                                      "Seconds of the steps' forwards (collectives included)", labels=["model"])
+        last = GaugeMetricFamily("lockgate_tp_step_collective_seconds",
+                                 "Seconds in collectives in the latest step", labels=["model"])
+        failures = CounterMetricFamily("lockgate_tp_rank_failures", "Rank failures (each rebuilt the group)",
+                                       labels=["model"])
+        memory = GaugeMetricFamily("lockgate_tp_rank_memory_bytes", "Bytes each rank holds, by part",
+                                   labels=["model", "rank", "part"])
+        for model, s in stats:
+            p = s.parallel
+            if p is None:
+                continue
+            size.add_metric([model], p.tensor_parallel_size)
+            comm.add_metric([model], p.collective_s)
+            forward.add_metric([model], p.forward_s)
+            last.add_metric([model], p.last_step_collective_s)
+            failures.add_metric([model], p.rank_failures)
+            for r in p.ranks:
+                memory.add_metric([model, str(r.rank), "weights"], r.weights_bytes)
+                memory.add_metric([model, str(r.rank), "kv_cache"], r.kv_cache_bytes)
+        return size, comm, forward, last, failures, memory
 
     def _vllm(self, stats: list[tuple[str, EngineStats]]):
         running = GaugeMetricFamily("vllm:num_requests_running",

@@ -478,6 +478,20 @@ def bench_pool(
     _dump(json_out, out)
 
 
+@bench_app.command("tp")
+def bench_tp(
+    repeats: Annotated[int, typer.Option(min=1, help="runs of each side, alternating; the best counts")] = 3,
+    size: Annotated[int, typer.Option(min=2, help="the tensor-parallel side's ranks")] = 2,
+    json_out: Annotated[Path | None, typer.Option("--json", help="also write the results here")] = None,
+) -> None:
+    """Tensor parallelism: one rank vs SIZE ranks, side by side, on the small demo model and a
+    7B-shaped decoder layer: output tokens/s and the share of each step spent in collectives."""
+    from lockgate.loadtests.bench_tp import bench_tp as run
+
+    out = run(sizes=(1, size), repeats=repeats, echo=typer.echo)
+    _dump(json_out, out)
+
+
 @bench_app.command("serve")
 def bench_serve(
     url: Annotated[str, typer.Option(help="the server's base URL, any OpenAI-compatible one")],

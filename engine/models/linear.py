@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from lockgate.engine.parallel.shard import SplitLayout
 from lockgate.kernels.linear import PackedWeight, gate_up_silu_mul
 from lockgate.kernels.linear import linear as dense_linear
 from lockgate.kernels.lora import implementation as lora_implementation
@@ -79,6 +80,9 @@ class LinearBase(nn.Module):
         self.offsets = [sum(out_sizes[:i]) for i in range(len(out_sizes))]
         self.has_bias = bias
         self.lora: LoRASlots | None = None
+        # with tensor parallelism: how this rank's slice is cut from the checkpoint's tensors
+        # (engine/parallel/shard.py); None: the whole projection
+        self.split: SplitLayout | None = None
 
     # -- what a subclass provides ---------------------------------------------------------
     def base_forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -96,6 +100,12 @@ class LinearBase(nn.Module):
     def dense_weight(self) -> torch.Tensor:
         """The full-precision weight [out, in] (dequantized where quantized), for checks."""
         raise NotImplementedError
+
+    def checkpoint_slices(self, part: int, leaf: str, ndim: int) -> tuple[slice, ...] | None:
+        """What this rank reads of checkpoint tensor `leaf` of part `part` (None: all of it).
+        The dense layout (weight [out, in]); a quantized projection's packed tensors are laid
+        out otherwise and need their own."""
+        return None if self.split is None else self.split.dense_slices(part, leaf, ndim)
 
     def fused_silu_mul(self, x: torch.Tensor) -> torch.Tensor | None:
         """A gated MLP's [gate; up] projection: silu(gate) * up in one kernel pass where one

@@ -8,15 +8,18 @@ block tables. Checkpoints load by Hugging Face's own weight names.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import ClassVar, Protocol
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from lockgate.engine.config import ModelConfig
 from lockgate.engine.models.linear import DenseLinear, LinearBase, LinearFactory
 from lockgate.engine.models.rope import RopeAt, RotaryEmbedding
+from lockgate.engine.parallel.shard import Shard, SplitLayout
 from lockgate.kernels.linear import PackedWeight
 from lockgate.kernels.linear import linear as dense_linear
 from lockgate.kernels.paged_attention import contiguous_first_slots, paged_attention
@@ -36,6 +39,14 @@ class AttentionMetadata:
     step_cache: dict = field(default_factory=dict)
 
 
+class Collectives(Protocol):
+    """What a split model needs of its rank group (engine/parallel/group.py RankGroup)."""
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor: ...
+
+    def gather_to_first(self, t: torch.Tensor) -> list[torch.Tensor] | None: ...
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -50,16 +61,35 @@ class RMSNorm(nn.Module):
         return add_rms_norm(x, residual, self.weight, self.eps)
 
 
+class TensorParallel:
+    """A model's place in its rank group, shared by its layers: the `shard` it holds and the
+    `comm` its row-parallel layers all-reduce through (None: one rank, nothing to sum; set
+    once the group is up, after the weights are read)."""
+
+    __slots__ = ("comm", "shard")
+
+    def __init__(self, shard: Shard, comm: Collectives | None = None) -> None:
+        self.shard, self.comm = shard, comm
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        return t if self.comm is None else self.comm.all_reduce(t)
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, linear: LinearFactory) -> None:
+    def __init__(self, cfg: ModelConfig, linear: LinearFactory, tp: TensorParallel) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
-        self.head_dim = cfg.head_dim
+        (q0, self.num_heads), (kv0, self.num_kv_heads) = tp.shard.heads(cfg), tp.shard.kv_heads(cfg)
+        self.head_dim = d = cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
+        self.tp = tp
         self.qkv_proj = linear(cfg.hidden_size, [self.q_size, self.kv_size, self.kv_size], cfg.attention_bias)
         self.o_proj = linear(self.q_size, [cfg.hidden_size], False)
+        if not tp.shard.whole:
+            kv = (kv0 * d, self.kv_size)
+            self.qkv_proj.split = SplitLayout("column", ((q0 * d, self.q_size), kv, kv))
+            self.o_proj.split = SplitLayout("row", ((q0 * d, self.q_size),))
 
     def forward(
         self,
@@ -76,30 +106,53 @@ class Attention(nn.Module):
             q, key_cache, value_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
             self.scale, meta.first_slots, meta.step_cache,
         )
-        return self.o_proj(o.reshape(-1, self.q_size))
+        # row-parallel: each rank's heads give a partial sum (adapters' deltas in it already)
+        return self.tp.all_reduce(self.o_proj(o.reshape(-1, self.q_size)))
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, linear: LinearFactory) -> None:
+    def __init__(self, cfg: ModelConfig, linear: LinearFactory, tp: TensorParallel) -> None:
         super().__init__()
-        self.gate_up_proj = linear(cfg.hidden_size, [cfg.intermediate_size] * 2, False)
-        self.down_proj = linear(cfg.intermediate_size, [cfg.hidden_size], False)
+        i0, inter = tp.shard.intermediate(cfg)
+        self.tp = tp
+        self.gate_up_proj = linear(cfg.hidden_size, [inter] * 2, False)
+        self.down_proj = linear(inter, [cfg.hidden_size], False)
         if isinstance(self.gate_up_proj, DenseLinear):
             self.gate_up_proj.as_gate_up()
+        if not tp.shard.whole:
+            self.gate_up_proj.split = SplitLayout("column", ((i0, inter), (i0, inter)))
+            self.down_proj.split = SplitLayout("row", ((i0, inter),))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # on the CPU in float32 the activation comes from the projection's own registers
         h = self.gate_up_proj.fused_silu_mul(x)
-        return self.down_proj(silu_mul(self.gate_up_proj(x)) if h is None else h)
+        return self.tp.all_reduce(self.down_proj(silu_mul(self.gate_up_proj(x)) if h is None else h))
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    """This rank's rows of the embedding (token ids [start, start + rows)): ids elsewhere look
+    up zeros, and the all-reduce fills them in from the rank holding them."""
+
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel) -> None:
+        rows = tp.shard.vocab_rows(cfg.vocab_size)
+        super().__init__(rows, cfg.hidden_size, _weight=torch.empty(rows, cfg.hidden_size))
+        self.start, self.num_real = tp.shard.vocab(cfg.vocab_size)
+        self.tp = tp
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        local = input_ids - self.start
+        outside = (local < 0) | (local >= self.num_real)
+        x = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return self.tp.all_reduce(x.masked_fill_(outside.unsqueeze(-1), 0.0))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, linear: LinearFactory) -> None:
+    def __init__(self, cfg: ModelConfig, linear: LinearFactory, tp: TensorParallel) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, linear)
+        self.self_attn = Attention(cfg, linear, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg, linear)
+        self.mlp = MLP(cfg, linear, tp)
 
     def forward(self, x, residual, rope, kv_cache, meta):
         """x: the previous layer's MLP output, added to `residual` (the hidden state, updated
@@ -121,18 +174,23 @@ class LlamaForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1), "down_proj": ("down_proj", 0),
     }
 
-    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding | None, linear: LinearFactory = DenseLinear) -> None:
-        """`rope` None: a skeleton (shapes and sizes, see loader.build_skeleton) that never runs."""
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding | None, linear: LinearFactory = DenseLinear,
+                 shard: Shard | None = None) -> None:
+        """`rope` None: a skeleton (shapes and sizes, see loader.build_skeleton) that never runs.
+        `shard`: the part of the model this rank holds (None: all of it)."""
         super().__init__()
         self.cfg = cfg
+        self.tp = TensorParallel(shard or Shard())
+        vocab_rows = self.tp.shard.vocab_rows(cfg.vocab_size)
         # built on the meta device and filled from the checkpoint: `_weight` / skip_init spare
         # the random init, which on meta tensors imports torch._dynamo (seconds of start-up)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
-                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
-        self.layers = nn.ModuleList(DecoderLayer(cfg, linear) for _ in range(cfg.num_hidden_layers))
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size)) \
+            if self.tp.shard.whole else VocabParallelEmbedding(cfg, self.tp)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, linear, self.tp) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.utils.skip_init(
-            nn.Linear, cfg.hidden_size, cfg.vocab_size, bias=False, device=torch.empty(0).device)
+            nn.Linear, cfg.hidden_size, vocab_rows, bias=False, device=torch.empty(0).device)
         self.rope = rope
         self._head_packed = PackedWeight()
 
@@ -156,9 +214,16 @@ class LlamaForCausalLM(nn.Module):
             x = layer(x, residual, rope, kv_cache, meta)
         return self.norm.add_forward(x, residual)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Logits [rows, vocab]; with tensor parallelism each rank computes its vocabulary
+        slice and rank 0 gets them all (the other ranks get None)."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return dense_linear(hidden, weight, None, self._head_packed)
+        logits = dense_linear(hidden, weight, None, self._head_packed)
+        comm = self.tp.comm
+        if comm is None:
+            return logits
+        parts = comm.gather_to_first(logits)
+        return None if parts is None else torch.cat(parts, dim=1)[:, : self.cfg.vocab_size]
 
     # -- loading -----------------------------------------------------------------------------
     def projections(self) -> dict[str, tuple[LinearBase, int]]:
@@ -173,9 +238,31 @@ class LlamaForCausalLM(nn.Module):
                         out[f"{parent}.{hf}"] = (module, part)
         return out
 
+    def checkpoint_slicer(self) -> Callable[[str, int], tuple[slice, ...] | None]:
+        """(HF tensor name, its number of dimensions) -> what this rank reads of it (None:
+        all): its projections' slices and its rows of the vocabulary; None for every tensor
+        when the model is whole."""
+        if self.tp.shard.whole:
+            return lambda name, ndim: None
+        projections = self.projections()
+        start, rows = self.tp.shard.vocab(self.cfg.vocab_size)
+
+        def slices(hf_name: str, ndim: int) -> tuple[slice, ...] | None:
+            name = hf_name.removeprefix("model.")
+            layer, _, leaf = name.rpartition(".")
+            if layer in projections:
+                module, part = projections[layer]
+                return module.checkpoint_slices(part, leaf, ndim)
+            if name in VOCAB_SHARDED:
+                return (slice(start, start + rows), slice(None))
+            return None
+
+        return slices
+
     def load_weights(self, weights) -> None:
         """Copy HF-named tensors into the model: projections part by part (dense or
-        quantized alike), the rest by name. Raises on missing or unknown tensors."""
+        quantized alike), the rest by name. Raises on missing or unknown tensors. A rank of
+        a split model is given its slices (`checkpoint_slicer`)."""
         params = dict(self.named_parameters())
         projections = self.projections()
         loaded: set[str] = set()
@@ -197,10 +284,7 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name not in params:
                 raise ValueError(f"checkpoint has an unexpected weight {hf_name!r}")
-            dst = params[name].data
-            if dst.shape != tensor.shape:
-                raise ValueError(f"weight {hf_name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
-            dst.copy_(tensor.to(dst.dtype))
+            _copy_param(hf_name, params[name].data, tensor, padded=name in VOCAB_SHARDED)
             loaded.add(name)
         owned = {name for name, m in self.named_modules() if isinstance(m, LinearBase)}
         expected = {n for n in params if n.rpartition(".")[0] not in owned}
@@ -212,3 +296,19 @@ class LlamaForCausalLM(nn.Module):
             )
         if missing:
             raise ValueError(f"checkpoint is missing weights: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+
+
+# the tensors split by vocabulary rows across ranks (a rank's last rows may be padding)
+VOCAB_SHARDED = frozenset({"embed_tokens.weight", "lm_head.weight"})
+
+
+def _copy_param(hf_name: str, dst: torch.Tensor, tensor: torch.Tensor, *, padded: bool) -> None:
+    """dst <- tensor; a vocabulary slice shorter than its rank's rows fills the first ones and
+    zeroes the padding."""
+    rows = tensor.shape[0] if tensor.dim() else 0
+    if dst.shape != tensor.shape and not (padded and rows < dst.shape[0] and dst.shape[1:] == tensor.shape[1:]):
+        raise ValueError(f"weight {hf_name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
+    if dst.shape != tensor.shape:
+        dst.zero_()
+        dst = dst[:rows]
+    dst.copy_(tensor.to(dst.dtype))

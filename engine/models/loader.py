@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -14,6 +14,7 @@ from lockgate.engine.config import ModelConfig
 from lockgate.engine.models.linear import DenseLinear
 from lockgate.engine.models.llama import LlamaForCausalLM
 from lockgate.engine.models.rope import RotaryEmbedding
+from lockgate.engine.parallel.shard import Shard
 from lockgate.engine.quant import linear_factory
 from lockgate.kernels.linear import packs
 from lockgate.kernels.linear.cpu import packed_numel
@@ -41,22 +42,34 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def iter_weights(model_dir: Path, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+# (tensor name, its number of dimensions) -> the slice to read, None for the whole tensor
+Slicer = Callable[[str, int], "tuple[slice, ...] | None"]
+
+
+def iter_weights(model_dir: Path, dtype: torch.dtype, slicer: Slicer | None = None
+                 ) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors, memory-mapped. With a `slicer` (a rank of a split model)
+    only the slice it names is read of each tensor: the whole never sits in this process."""
     for path in safetensors_files(model_dir):
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 - a safetensors handle, not a dict: keys() is its API
-                t = f.get_tensor(name)
+                if slicer is None:
+                    t = f.get_tensor(name)
+                else:
+                    view = f.get_slice(name)
+                    cut = slicer(name, len(view.get_shape()))
+                    t = view[cut] if cut is not None else view[:]
                 # packed integer tensors (quantized checkpoints) keep their dtype
                 yield name, t.to(dtype) if t.is_floating_point() else t
 
 
-def build_skeleton(cfg: ModelConfig, dtype: torch.dtype) -> LlamaForCausalLM:
-    """The model on the meta device: its shapes and byte sizes, no storage. Raises
-    ValueError for an unsupported quantization before anything is read."""
+def build_skeleton(cfg: ModelConfig, dtype: torch.dtype, shard: Shard | None = None) -> LlamaForCausalLM:
+    """The model (or one rank's `shard` of it) on the meta device: its shapes and byte sizes,
+    no storage. Raises ValueError for an unsupported quantization before anything is read."""
     cls = MODEL_CLASSES[cfg.architecture]
     linear = linear_factory(cfg.quantization)
     with torch.device("meta"):
-        model = cls(cfg, None, linear)
+        model = cls(cfg, None, linear, shard)
     return model.to(dtype)
 
 
@@ -80,16 +93,20 @@ def packed_weight_bytes(model: torch.nn.Module, device: torch.device, dtype: tor
 
 
 def load_model(
-    model_dir: str | Path, cfg: ModelConfig, max_positions: int, dtype: torch.dtype, device: torch.device
+    model_dir: str | Path, cfg: ModelConfig, max_positions: int, dtype: torch.dtype, device: torch.device,
+    shard: Shard | None = None,
 ) -> LlamaForCausalLM:
+    """The model, or with `shard` one rank's part of it (read slice by slice; its collectives
+    are attached once the rank group is up: `model.tp.comm`)."""
     model_dir = Path(model_dir)
     cls = MODEL_CLASSES[cfg.architecture]
     rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, dtype, device)
     linear = linear_factory(cfg.quantization)
     with torch.device("meta"):   # no init work: every parameter is overwritten by the checkpoint
-        model = cls(cfg, rope, linear)
+        model = cls(cfg, rope, linear, shard)
     model = model.to_empty(device=device).to(dtype)
+    slicer = None if shard is None or shard.whole else model.checkpoint_slicer()
     with torch.no_grad():
-        model.load_weights(iter_weights(model_dir, dtype))
+        model.load_weights(iter_weights(model_dir, dtype, slicer))
     model.eval()
     return model

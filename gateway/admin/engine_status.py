@@ -39,6 +39,8 @@ def engine_json(s: EngineStats) -> dict:
         # the step-cost model step sizing uses: fitted seconds per unit of each feature,
         # the median relative error of its recent predictions (each made before its step)
         "cost_model": _json(s.cost_model),
+        # a model split over ranks: its size, communication, each rank's memory, rebuilds
+        "tensor_parallel": _json(s.parallel),
     }
 
 
