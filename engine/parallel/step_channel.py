@@ -1,7 +1,7 @@
 """Each step's inputs handed from rank 0 to the other ranks once: the flat int64 arrays the
 forward reads (token ids, positions, KV slots, block tables, sequence lengths, query starts,
 which rows give logits, the LoRA batch's segments and their adapter slots) written into one
-shared-memory buffer, and a 64-byte doorbell on each
+shared-memory buffer, and a 72-byte doorbell on each
 rank's control socket saying how long each array is. No pickling on the step's path, one
 copy in and one out; the buffer grows (a new one, its descriptor passed along with the
 doorbell) when a step outgrows it.

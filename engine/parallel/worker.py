@@ -1,6 +1,6 @@
 """A tensor-parallel rank other than 0: its own process (`python -m
 lockgate.engine.parallel FD`, spawned by executor.py), holding its shard of the weights
-and its share of the KV cache. It reads its slices of the checkpoint, reports how many KV
+and its share of the KV cache (and of the LoRA slots). It reads its slices of the checkpoint, reports how many KV
 blocks its memory holds, joins the rank group, then runs every step rank 0 hands it (the
 same forward, its heads and its vocabulary slice) until told to stop or rank 0 goes away.
 
