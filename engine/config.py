@@ -199,9 +199,7 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a number of seconds > 0; got {value!r}")
         if self.tensor_parallel_size > 1:
             self.distributed_executor_backend = "mp"
-            # not yet sharded: say so at start rather than serve something wrong
-            if self.enable_lora:
-                raise ValueError("enable_lora: LoRA adapters are not supported with tensor_parallel_size > 1 yet")
+            # not yet split: say so at start rather than serve something wrong
             if self.models:
                 raise ValueError("models: several models on one budget are not supported with "
                                  "tensor_parallel_size > 1 yet")

@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import Counter, OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -36,6 +37,18 @@ from lockgate.engine.models.linear import LinearBase, LoRABatch, LoRASlots
 from lockgate.engine.stats import LoRAStats
 
 logger = logging.getLogger(__name__)
+
+
+def _cut(module: LinearBase, part: int, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's A [r, in] and B [out, r] of one layer (all of them with one rank)."""
+    split = module.split
+    if split is None:
+        return a, b
+    column, row = split.column(part), split.row()
+    if column is not None:
+        return a, b[column[0]: column[0] + column[1]]
+    return (a, b) if row is None else (a[:, row[0]: row[0] + row[1]], b)
+
 
 def _bound_slots(module: LinearBase) -> LoRASlots:
     """The device slots `bind` gave `module`."""
@@ -81,6 +94,9 @@ class LoRAManager:
         self._executor: ThreadPoolExecutor | None = None
         self.num_slot_loads = 0
         self.num_disk_loads = 0
+        # with tensor parallelism: the same slot change on every other rank (each cuts the
+        # adapter to its own slice); None with one rank
+        self.remote: Callable[..., object] | None = None
 
     def bind(self, projections: dict[str, tuple[LinearBase, int]]) -> None:
         """Give a loaded model's projections their (empty) device slots."""
@@ -216,7 +232,9 @@ class LoRAManager:
             for aid in removed:
                 slot = self.slot_of.pop(aid, None)
                 if slot is not None:
-                    self._clear_slot(slot)
+                    self.clear_slot(slot)
+                    if self.remote is not None:
+                        self.remote("lora_clear", slot=slot)
         for aid in adapter_ids:
             if aid in self.slot_of:
                 self.slot_of.move_to_end(aid)
@@ -232,12 +250,18 @@ class LoRAManager:
                 slot = self.slot_of.pop(victim)
             with self._lock:
                 adapter = self._cpu[aid]
-            self._fill_slot(slot, adapter)
+            self.fill_slot(slot, adapter)
+            if self.remote is not None:
+                self.remote("lora_fill", slot=slot, adapter=adapter)
             self.slot_of[aid] = slot
         return {aid: self.slot_of[aid] for aid in adapter_ids}
 
-    def _fill_slot(self, slot: int, adapter: Adapter) -> None:
-        self._clear_slot(slot)
+    def fill_slot(self, slot: int, adapter: Adapter) -> None:
+        """Copy an adapter into a device slot: this rank's cut of it where the model is split
+        (engine/parallel/shard.py): a column-parallel projection keeps all of A and its output
+        rows of B, a row-parallel one its input columns of A and all of B, its partial delta
+        summed with the base output's by the layer's one all-reduce."""
+        self.clear_slot(slot)
         # one scaling per slot: every layer of an adapter has the same rank unless
         # rank_pattern says otherwise, and then B is pre-scaled to the shared factor
         self.scales[slot] = scale = adapter.scaling(adapter.rank)
@@ -245,6 +269,7 @@ class LoRAManager:
         for layer, (a, b) in adapter.weights.items():
             module, part = self.live[layer]
             lora = _bound_slots(module)
+            a, b = _cut(module, part, a, b)
             r, lo = a.shape[0], module.offsets[part]
             lora.lora_a[slot, part * rm: part * rm + r].copy_(a)
             b_dst = lora.lora_bt[slot, part * rm: part * rm + r, lo: lo + module.out_sizes[part]]
@@ -254,7 +279,7 @@ class LoRAManager:
             lora.targeted.add(slot)
         self.num_slot_loads += 1
 
-    def _clear_slot(self, slot: int) -> None:
+    def clear_slot(self, slot: int) -> None:
         for module in self.modules:
             lora = _bound_slots(module)
             if slot in lora.targeted:

@@ -149,12 +149,12 @@ def _check_weights(
             raise LoRAError(f"{ADAPTER_WEIGHTS}: layer {layer!r} lacks {({'lora_A', 'lora_B'} - set(ab)).pop()}")
         a, b = ab["lora_A"], ab["lora_B"]
         module, part = projections[layer]
-        out_f = module.out_sizes[part]
-        if a.dim() != 2 or b.dim() != 2 or a.shape[1] != module.in_features or b.shape[0] != out_f \
+        in_f, out_f = module.full_sizes(part)     # the whole model's, split across ranks or not
+        if a.dim() != 2 or b.dim() != 2 or a.shape[1] != in_f or b.shape[0] != out_f \
                 or a.shape[0] != b.shape[1]:
             raise LoRAError(
                 f"{ADAPTER_WEIGHTS}: layer {layer!r} has A {tuple(a.shape)} and B {tuple(b.shape)}; the base "
-                f"model needs A [r, {module.in_features}] and B [{out_f}, r] (an adapter of another base model?)",
+                f"model needs A [r, {in_f}] and B [{out_f}, r] (an adapter of another base model?)",
                 field="base_model_name",
             )
         r = a.shape[0]

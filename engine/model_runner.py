@@ -103,6 +103,8 @@ class ModelRunner:
             self.skeleton.projections(), max_loras=max_loras, max_lora_rank=max_lora_rank,
             max_cpu_loras=max_cpu_loras, dtype=self.dtype, device=self.device,
         )
+        if self.ranks is not None:
+            self.lora.remote = self.ranks.call     # slot fills and clears on every rank
         if self.model is not None:
             self.lora.bind(self.model.projections())
         return self.lora
@@ -353,9 +355,14 @@ class ModelRunner:
         forward (they meet in its collectives)."""
         if self.ranks is not None:
             m = inp.meta
-            self.ranks.send_step(StepArrays(
+            arrays = StepArrays(
                 inp.input_ids.cpu(), inp.positions.cpu(), m.slot_mapping.cpu(), m.block_tables.cpu(),
-                m.seq_lens.cpu(), m.query_start_loc.cpu(), inp.logits_indices.cpu()))
+                m.seq_lens.cpu(), m.query_start_loc.cpu(), inp.logits_indices.cpu())
+            batch = self.lora.batch if self.lora is not None else None
+            if batch is not None and batch.active:
+                arrays.lora_seg_starts = _i64(batch.seg_starts, torch.device("cpu"))
+                arrays.lora_seg_slots = _i64(batch.seg_slots, torch.device("cpu"))
+            self.ranks.send_step(arrays)
 
     @torch.inference_mode()
     def _forward(self, inp: ModelInput) -> torch.Tensor | None:

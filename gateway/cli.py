@@ -303,7 +303,7 @@ def serve(
                          shutdown_timeout_s=shutdown_timeout, private_models=private_model or None, pool=pool,
                          max_loras=max_loras, max_lora_rank=max_lora_rank)
     settings.engine_kwargs = {**settings.engine_kwargs, **flags}
-    for note in filter(None, (_device_note(flags, settings.pool), settings.lora_off_note())):
+    for note in filter(None, (_device_note(flags, settings.pool),)):
         typer.echo(note, err=True)
     raise typer.Exit(run_server(settings))
 

@@ -14,10 +14,6 @@ from typing import Any, Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-# The engine refuses LoRA with tensor parallelism until it splits adapters across ranks; until
-# then serve at --tensor-parallel-size > 1 starts with LoRA off (and says so) rather than fail
-LORA_WITH_TENSOR_PARALLEL = False
-
 
 def default_data_dir() -> Path:
     base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
@@ -175,17 +171,8 @@ class Settings(BaseSettings):
         """What each model's engine is built with: LoRA on, these limits, then engine_kwargs.
         LoRA stays off where the engine cannot split adapters yet (tensor parallelism), unless
         engine_kwargs turn it on (the engine's refusal then says why)."""
-        return {"enable_lora": self.lora_off_note() is None, "max_loras": self.max_loras,
+        return {"enable_lora": True, "max_loras": self.max_loras,
                 "max_lora_rank": self.max_lora_rank, "max_cpu_loras": self.max_cpu_loras, **self.engine_kwargs}
-
-    def lora_off_note(self) -> str | None:
-        """Why LoRA is off by default here (the log says it at start), None where it is on."""
-        size = self.engine_kwargs.get("tensor_parallel_size", 1)
-        if "enable_lora" in self.engine_kwargs or not isinstance(size, int) or size <= 1 \
-                or LORA_WITH_TENSOR_PARALLEL:
-            return None
-        return (f"lockgate: LoRA adapters are off: with --tensor-parallel-size {size} the engine does not "
-                "split adapters yet (each model serves its base weights only)")
 
     @field_validator("port")
     @classmethod

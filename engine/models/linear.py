@@ -107,6 +107,18 @@ class LinearBase(nn.Module):
         out otherwise and need their own."""
         return None if self.split is None else self.split.dense_slices(part, leaf, ndim)
 
+    def set_split(self, split: SplitLayout) -> None:
+        """This projection is one rank's slice (set while the model is built, before loading)."""
+        self.split = split
+
+    def full_sizes(self, part: int) -> tuple[int, int]:
+        """(input features, part's output rows) of the unsplit projection: what an adapter or
+        a checkpoint tensor of the whole model has."""
+        split, n_in, n_out = self.split, self.in_features, self.out_sizes[part]
+        if split is None:
+            return n_in, n_out
+        return (n_in, split.totals[part]) if split.kind == "column" else (split.totals[0], n_out)
+
     def fused_silu_mul(self, x: torch.Tensor) -> torch.Tensor | None:
         """A gated MLP's [gate; up] projection: silu(gate) * up in one kernel pass where one
         serves, else None (the caller projects and applies the activation)."""

@@ -88,8 +88,10 @@ class Attention(nn.Module):
         self.o_proj = linear(self.q_size, [cfg.hidden_size], False)
         if not tp.shard.whole:
             kv = (kv0 * d, self.kv_size)
-            self.qkv_proj.split = SplitLayout("column", ((q0 * d, self.q_size), kv, kv))
-            self.o_proj.split = SplitLayout("row", ((q0 * d, self.q_size),))
+            q_total, kv_total = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+            self.qkv_proj.set_split(SplitLayout("column", ((q0 * d, self.q_size), kv, kv),
+                                                (q_total, kv_total, kv_total)))
+            self.o_proj.set_split(SplitLayout("row", ((q0 * d, self.q_size),), (q_total,)))
 
     def forward(
         self,
@@ -120,8 +122,9 @@ class MLP(nn.Module):
         if isinstance(self.gate_up_proj, DenseLinear):
             self.gate_up_proj.as_gate_up()
         if not tp.shard.whole:
-            self.gate_up_proj.split = SplitLayout("column", ((i0, inter), (i0, inter)))
-            self.down_proj.split = SplitLayout("row", ((i0, inter),))
+            total = cfg.intermediate_size
+            self.gate_up_proj.set_split(SplitLayout("column", ((i0, inter), (i0, inter)), (total, total)))
+            self.down_proj.set_split(SplitLayout("row", ((i0, inter),), (total,)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # on the CPU in float32 the activation comes from the projection's own registers

@@ -56,7 +56,8 @@ def rank_spec(config: EngineConfig, model_config: ModelConfig, device: torch.dev
         device=str(device), max_model_len=max_model_len, store_port=0, timeout_s=config.distributed_timeout_s,
         start_timeout_s=config.rank_start_timeout_s, num_threads=threads, block_size=config.block_size,
         num_kv_blocks=config.num_kv_blocks, kv_cache_memory=config.kv_cache_memory,
-        gpu_memory_utilization=config.gpu_memory_utilization)
+        gpu_memory_utilization=config.gpu_memory_utilization,
+        lora_slots=(config.max_loras, config.max_lora_rank) if config.enable_lora else None)
 
 
 def rank_device(device: torch.device, rank: int) -> str:

@@ -70,20 +70,60 @@ def check_tensor_parallel(cfg: ModelConfig, size: int) -> None:
         raise ValueError(f"{field}: {nkv} KV heads neither divide it nor are a multiple of it")
     if cfg.intermediate_size % size:
         raise ValueError(f"{field}: intermediate_size {cfg.intermediate_size} is not a multiple of it")
-    if cfg.quantization:
-        method = cfg.quantization.get("quant_method")
-        raise ValueError(f"tensor_parallel_size: quantized checkpoints ({method!r}) are not split "
-                         "across ranks yet; use tensor_parallel_size 1")
+    misfit = quantized_misfit(cfg, size)
+    if misfit:
+        fits = next(n for n in range(size - 1, 0, -1) if _splits(cfg, n) and not quantized_misfit(cfg, n))
+        raise ValueError(f"{field}: {misfit}; the largest tensor_parallel_size that fits is {fits}")
+
+
+def _splits(cfg: ModelConfig, size: int) -> bool:
+    nh, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
+    return not (nh % size or (nkv % size and size % nkv) or cfg.intermediate_size % size)
+
+
+def split_layers(cfg: ModelConfig, size: int) -> list[tuple[str, SplitKind, int, int]]:
+    """(HF layer, how it is cut, its unsplit size along the cut, one rank's share) per kind of
+    projection in a decoder layer."""
+    d, inter = cfg.head_dim, cfg.intermediate_size
+    q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+    kv_share = kv // size if size <= cfg.num_key_value_heads else d
+    return [("self_attn.q_proj", "column", q, q // size), ("self_attn.k_proj", "column", kv, kv_share),
+            ("self_attn.v_proj", "column", kv, kv_share), ("self_attn.o_proj", "row", q, q // size),
+            ("mlp.gate_proj", "column", inter, inter // size), ("mlp.up_proj", "column", inter, inter // size),
+            ("mlp.down_proj", "row", inter, inter // size)]
+
+
+def quantized_misfit(cfg: ModelConfig, size: int) -> str | None:
+    """Why a quantized checkpoint's packed tensors cannot be cut `size` ways (None: they can).
+    AWQ packs 8 output columns to a word and groups input rows: a column cut must keep whole
+    words, a row cut whole groups. GPTQ packs 32 / bits input rows to a word (a row cut keeps
+    whole words, and every group: desc_act scatters a group over the input) and its zero points
+    32 / bits output columns (a column cut keeps whole words)."""
+    q = cfg.quantization
+    if not q or size == 1:
+        return None
+    method = str(q.get("quant_method", "")).lower()
+    group = q.get("group_size", q.get("q_group_size", -1))
+    pack = 8 if method == "awq" else 32 // int(q.get("bits", 4))
+    for layer, kind, total, share in split_layers(cfg, size):
+        where = f"layers.*.{layer}'s {'input' if kind == 'row' else 'output'} slice of {share} ({total} / {size})"
+        if method == "awq" and kind == "row" and group > 0 and share % group:
+            return f"{where} is not a multiple of the AWQ group_size {group}"
+        if share % pack and (method == "gptq" or kind == "column"):
+            return f"{where} is not a multiple of the {pack} codes a packed {method.upper()} word holds"
+    return None
 
 
 @dataclass(frozen=True, slots=True)
 class SplitLayout:
     """How a fused projection's checkpoint tensors are cut for one rank: column-parallel,
     each part p keeps rows ranges[p] of its own tensor; row-parallel, every part keeps input
-    columns ranges[0]. (start, count) pairs in the checkpoint's (unsplit) coordinates."""
+    columns ranges[0]. (start, count) pairs in the checkpoint's (unsplit) coordinates;
+    `totals` the unsplit sizes along the cut (each part's output rows, or the input columns)."""
 
     kind: SplitKind
     ranges: tuple[tuple[int, int], ...]
+    totals: tuple[int, ...]
 
     def dense_slices(self, part: int, leaf: str, ndim: int) -> tuple[slice, ...]:
         """The slice of a dense checkpoint tensor (weight [out, in], bias [out]) to read."""
@@ -94,3 +134,11 @@ class SplitLayout:
         if leaf == "bias" or ndim == 1:
             return (slice(None),)
         return (slice(None), slice(start, start + count))
+
+    def column(self, part: int) -> tuple[int, int] | None:
+        """(start, count) of part `part`'s output rows this rank keeps (None: a row cut)."""
+        return self.ranges[part] if self.kind == "column" else None
+
+    def row(self) -> tuple[int, int] | None:
+        """(start, count) of the input columns this rank keeps (None: a column cut)."""
+        return self.ranges[0] if self.kind == "row" else None

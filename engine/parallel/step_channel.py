@@ -1,6 +1,7 @@
 """Each step's inputs handed from rank 0 to the other ranks once: the flat int64 arrays the
 forward reads (token ids, positions, KV slots, block tables, sequence lengths, query starts,
-which rows give logits) written into one shared-memory buffer, and a 64-byte doorbell on each
+which rows give logits, the LoRA batch's segments and their adapter slots) written into one
+shared-memory buffer, and a 72-byte doorbell on each
 rank's control socket saying how long each array is. No pickling on the step's path, one
 copy in and one out; the buffer grows (a new one, its descriptor passed along with the
 doorbell) when a step outgrows it.
@@ -18,20 +19,25 @@ import os
 import pickle
 import struct
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import recv_handle, send_handle
 from typing import Any
 
 import torch
 
-# kind, step number, tokens, sequences, block table width, logits rows, flags, buffer bytes
-HEADER = struct.Struct("<8q")
+# kind, step number, tokens, sequences, block table width, logits rows, flags, buffer bytes,
+# LoRA segments (0: no adapter in the step)
+HEADER = struct.Struct("<9q")
 KIND_STEP, KIND_CALL, KIND_STOP = 1, 2, 3
 FLAG_NEW_BUFFER = 1
 SHM_DIR = "/dev/shm"  # noqa: S108 - mkstemp's fresh file there, its name removed at once
 ARRAYS = ("input_ids", "positions", "slot_mapping", "block_tables", "seq_lens", "query_start_loc",
-          "logits_indices")
+          "logits_indices", "lora_seg_starts", "lora_seg_slots")
+
+
+def _none() -> torch.Tensor:
+    return torch.zeros(0, dtype=torch.long)
 
 
 @dataclass(slots=True)
@@ -45,10 +51,15 @@ class StepArrays:
     seq_lens: torch.Tensor
     query_start_loc: torch.Tensor
     logits_indices: torch.Tensor
+    # the LoRA batch (models/linear.py LoRABatch): segment starts [segments + 1] and each
+    # segment's adapter slot [segments]; both empty when no token of the step has an adapter
+    lora_seg_starts: torch.Tensor = field(default_factory=_none)
+    lora_seg_slots: torch.Tensor = field(default_factory=_none)
 
 
-def _sizes(num_tokens: int, num_seqs: int, width: int, num_logits: int) -> list[int]:
-    return [num_tokens, num_tokens, num_tokens, num_seqs * width, num_seqs, num_seqs + 1, num_logits]
+def _sizes(num_tokens: int, num_seqs: int, width: int, num_logits: int, num_segments: int) -> list[int]:
+    return [num_tokens, num_tokens, num_tokens, num_seqs * width, num_seqs, num_seqs + 1, num_logits,
+            num_segments + 1 if num_segments else 0, num_segments]
 
 
 class SharedBuffer:
@@ -100,7 +111,7 @@ class StepSender:
         self.num_steps += 1
         header = HEADER.pack(KIND_STEP, self.num_steps, arrays.input_ids.numel(), num_seqs, width,
                              arrays.logits_indices.numel(), 0 if new_fd is None else FLAG_NEW_BUFFER,
-                             self.buffer.size)
+                             self.buffer.size, arrays.lora_seg_slots.numel())
         try:
             for conn, pid in zip(self.conns, self.pids, strict=True):
                 conn.send_bytes(header)
@@ -111,12 +122,12 @@ class StepSender:
                 os.close(new_fd)
 
     def send_call(self, conn: Connection, method: str, kwargs: dict[str, Any]) -> None:
-        conn.send_bytes(HEADER.pack(KIND_CALL, 0, 0, 0, 0, 0, 0, 0) + pickle.dumps((method, kwargs)))
+        conn.send_bytes(HEADER.pack(KIND_CALL, 0, 0, 0, 0, 0, 0, 0, 0) + pickle.dumps((method, kwargs)))
 
     def send_stop(self) -> None:
         for conn in self.conns:
             with contextlib.suppress(OSError):     # that rank is gone already
-                conn.send_bytes(HEADER.pack(KIND_STOP, 0, 0, 0, 0, 0, 0, 0))
+                conn.send_bytes(HEADER.pack(KIND_STOP, 0, 0, 0, 0, 0, 0, 0, 0))
 
     def close(self) -> None:
         if self.buffer is not None:
@@ -133,7 +144,7 @@ class StepReceiver:
         self.buffer: SharedBuffer | None = None
 
     def decode(self, message: bytes) -> tuple[str, Any]:
-        kind, _num, num_tokens, num_seqs, width, num_logits, flags, size = HEADER.unpack_from(message)
+        kind, _num, num_tokens, num_seqs, width, num_logits, flags, size, num_segments = HEADER.unpack_from(message)
         if kind == KIND_STOP:
             return "stop", None
         if kind == KIND_CALL:
@@ -148,7 +159,7 @@ class StepReceiver:
                 os.close(fd)
         if self.buffer is None:
             raise RuntimeError("step channel: a step arrived before its buffer")
-        sizes = _sizes(num_tokens, num_seqs, width, num_logits)
+        sizes = _sizes(num_tokens, num_seqs, width, num_logits, num_segments)
         flat = self.buffer.tensor(sum(sizes)).clone()    # rank 0 reuses the buffer next step
         parts = dict(zip(ARRAYS, torch.split(flat, sizes), strict=True))
         parts["block_tables"] = parts["block_tables"].view(num_seqs, width)

@@ -1,6 +1,6 @@
 """A tensor-parallel rank other than 0: its own process (`python -m
 lockgate.engine.parallel FD`, spawned by executor.py), holding its shard of the weights
-and its share of the KV cache. It reads its slices of the checkpoint, reports how many KV
+and its share of the KV cache (and of the LoRA slots). It reads its slices of the checkpoint, reports how many KV
 blocks its memory holds, joins the rank group, then runs every step rank 0 hands it (the
 same forward, its heads and its vocabulary slice) until told to stop or rank 0 goes away.
 
@@ -21,6 +21,8 @@ import torch
 
 from lockgate.engine.config import DTYPES, ModelConfig
 from lockgate.engine.kv_cache.device_cache import DeviceKVCache
+from lockgate.engine.lora import LoRAManager
+from lockgate.engine.lora_files import Adapter
 from lockgate.engine.memory import MemoryBudget
 from lockgate.engine.models import AttentionMetadata, LlamaForCausalLM, load_model, tensor_bytes
 from lockgate.engine.models.loader import packed_weight_bytes
@@ -53,6 +55,7 @@ class RankSpec:
     num_kv_blocks: int | None
     kv_cache_memory: int | None
     gpu_memory_utilization: float
+    lora_slots: tuple[int, int] | None = None    # (max_loras, max_lora_rank) where LoRA is on
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +81,7 @@ class RankWorker:
         _, kv_heads = self.shard.kv_heads(self.cfg)
         self.kv = DeviceKVCache(self.cfg.num_hidden_layers, kv_heads, self.cfg.head_dim, self.dtype, self.device)
         self.model: LlamaForCausalLM | None = None
+        self.lora: LoRAManager | None = None     # its device slots only: rank 0 keeps the adapters
         self.group: RankGroup | None = None
         self.receiver = StepReceiver(conn)
 
@@ -100,6 +104,7 @@ class RankWorker:
         what its memory holds besides (shown by the engine's stats)."""
         spec, model = self.spec, self._model()
         weights = tensor_bytes(model) + packed_weight_bytes(model, self.device, self.dtype)
+        weights += self.lora.slot_bytes if self.lora is not None else 0
         budget = MemoryBudget.for_device(self.device, gpu_memory_utilization=spec.gpu_memory_utilization,
                                          kv_cache_memory=spec.kv_cache_memory, weight_bytes=weights)
         per_block = self.kv.bytes_per_block(spec.block_size)
@@ -118,10 +123,27 @@ class RankWorker:
             s = self.spec
             self.model = load_model(s.model_dir, self.cfg, s.max_model_len, self.dtype, self.device, self.shard)
             self.model.tp.comm = self.group
+            if s.lora_slots is not None:
+                max_loras, max_rank = s.lora_slots
+                self.lora = LoRAManager(self.model.projections(), max_loras=max_loras, max_lora_rank=max_rank,
+                                        max_cpu_loras=max_loras, dtype=self.dtype, device=self.device)
+                self.lora.bind(self.model.projections())
 
     def offload(self) -> None:
-        self.model = None
+        self.model = self.lora = None
         self.kv.free()
+
+    def lora_fill(self, slot: int, adapter: Adapter) -> None:
+        """Rank 0 put `adapter` in `slot`: this rank's cut of it in its own slot."""
+        self._lora().fill_slot(slot, adapter)
+
+    def lora_clear(self, slot: int) -> None:
+        self._lora().clear_slot(slot)
+
+    def _lora(self) -> LoRAManager:
+        if self.lora is None:
+            raise RuntimeError("an adapter arrived with LoRA off or the model offloaded")
+        return self.lora
 
     def kv_allocate(self, num_blocks: int, block_size: int) -> None:
         self.kv.allocate(num_blocks, block_size)
@@ -132,7 +154,7 @@ class RankWorker:
     def kv_free(self) -> None:
         self.kv.free()
 
-    CALLS = frozenset({"load", "offload", "kv_allocate", "kv_copy", "kv_free"})
+    CALLS = frozenset({"load", "offload", "kv_allocate", "kv_copy", "kv_free", "lora_fill", "lora_clear"})
 
     # -- the loop ---------------------------------------------------------------------------
     def run(self) -> int:
@@ -161,6 +183,10 @@ class RankWorker:
         dev = self.device
         meta = AttentionMetadata(slot_mapping=a.slot_mapping.to(dev), block_tables=a.block_tables.to(dev),
                                  seq_lens=a.seq_lens.to(dev), query_start_loc=a.query_start_loc.to(dev))
+        if a.lora_seg_slots.numel():
+            self._lora().set_batch(a.lora_seg_starts.tolist(), a.lora_seg_slots.tolist())
+        elif self.lora is not None:
+            self.lora.clear_batch()
         hidden = self.model(a.input_ids.to(dev), a.positions.to(dev), self.kv.layers, meta)
         if a.logits_indices.numel():
             self.model.compute_logits(hidden[a.logits_indices.to(dev)])   # its slice, gathered on rank 0

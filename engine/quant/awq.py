@@ -61,6 +61,7 @@ class AWQLinear(PackedLinear):
     scales: torch.Tensor
 
     def __init__(self, in_features: int, out_sizes: list[int], bias: bool, config: AWQConfig) -> None:
+        self.whole_input_group = config.group_size == -1
         self.group_size = resolve_group_size(config.group_size, in_features)
         if in_features % self.group_size:
             raise ValueError(
@@ -77,6 +78,29 @@ class AWQLinear(PackedLinear):
             "qzeros": PackedTensor((groups, n_out // AWQ_PACK), True, out_dim=1, columns_per_element=AWQ_PACK),
             "scales": PackedTensor((groups, n_out), False, out_dim=1),
         }
+
+    def checkpoint_slices(self, part: int, leaf: str, ndim: int) -> tuple[slice, ...] | None:
+        """Output columns: whole packed words of qweight and qzeros (8 columns each), plain
+        columns of scales and bias. Input rows: qweight's rows and the groups they make up
+        (check_tensor_parallel has made sure a rank's rows are whole groups)."""
+        split = self.split
+        if split is None:
+            return None
+        column, row = split.column(part), split.row()
+        if column is not None:
+            start, count = column
+            k = AWQ_PACK if leaf in ("qweight", "qzeros") else 1
+            cut = slice(start // k, (start + count) // k)
+            return (cut,) if ndim == 1 else (slice(None), cut)
+        if row is None or leaf == "bias":
+            return None
+        start, count = row
+        if leaf == "qweight":
+            return (slice(start, start + count), slice(None))
+        if self.whole_input_group:
+            return None                      # one group over every input row: its one row
+        g = self.group_size
+        return (slice(start // g, (start + count) // g), slice(None))
 
     def dequantize(self) -> torch.Tensor:
         return awq_dequantize(self.qweight, self.qzeros, self.scales, self.group_size)

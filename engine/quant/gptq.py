@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from lockgate.engine.parallel.shard import SplitLayout
 from lockgate.engine.quant.packed import PackedLinear, PackedTensor, config_int, resolve_group_size
 from lockgate.kernels.quant import gptq_dequantize, gptq_matmul
 
@@ -83,6 +84,7 @@ class GPTQLinear(PackedLinear):
     def __init__(self, in_features: int, out_sizes: list[int], bias: bool, config: GPTQConfig) -> None:
         self.bits = config.bits
         self.pack = 32 // config.bits
+        self.config_group_size = config.group_size
         self.group_size = resolve_group_size(config.group_size, in_features)
         self.num_groups = math.ceil(in_features / self.group_size)
         if in_features % self.pack:
@@ -99,6 +101,37 @@ class GPTQLinear(PackedLinear):
             "scales": PackedTensor((groups, n_out), False, out_dim=1),
             "g_idx": PackedTensor((len(self.out_sizes), n_in), True, out_dim=None),
         }
+
+    def set_split(self, split: SplitLayout) -> None:
+        """A row cut keeps every group's zero points and scales: under desc_act a rank's input
+        rows belong to any group (g_idx, cut with the rows, names them)."""
+        super().set_split(split)
+        if split.kind == "row":
+            self.group_size = resolve_group_size(self.config_group_size, split.totals[0])
+            self.num_groups = math.ceil(split.totals[0] / self.group_size)
+            self.make_buffers()
+
+    def checkpoint_slices(self, part: int, leaf: str, ndim: int) -> tuple[slice, ...] | None:
+        """Output columns: plain columns of qweight, scales and bias, whole packed words of
+        qzeros; g_idx whole. Input rows: whole packed words of qweight, g_idx's entries;
+        qzeros and scales whole (see set_split)."""
+        split = self.split
+        if split is None:
+            return None
+        column, row = split.column(part), split.row()
+        if column is not None:
+            if leaf == "g_idx":
+                return None
+            start, count = column
+            k = self.pack if leaf == "qzeros" else 1
+            cut = slice(start // k, (start + count) // k)
+            return (cut,) if ndim == 1 else (slice(None), cut)
+        if row is None:
+            return None
+        start, count = row
+        if leaf == "qweight":
+            return (slice(start // self.pack, (start + count) // self.pack), slice(None))
+        return (slice(start, start + count),) if leaf == "g_idx" else None
 
     def check_part(self, name: str, tensor: torch.Tensor) -> None:
         if name == "g_idx" and tensor.numel() and (int(tensor.min()) < 0 or int(tensor.max()) >= self.num_groups):

@@ -53,14 +53,19 @@ class PackedLinear(LinearBase):
 
     def __init__(self, in_features: int, out_sizes: list[int], bias: bool) -> None:
         super().__init__(in_features, out_sizes, bias)
+        self.specs: dict[str, PackedTensor] = {}
+        self.make_buffers()
+        if not bias:
+            self.bias: torch.Tensor | None = None
+
+    def make_buffers(self) -> None:
+        """(Re)register the buffers `tensor_specs` names, empty (filled by the loader)."""
         self.specs = self.tensor_specs()
-        if bias:
+        if self.has_bias:
             self.specs["bias"] = PackedTensor((self.out_features,), integer=False, out_dim=0)
         for name, spec in self.specs.items():
             dtype = torch.int32 if spec.integer else torch.get_default_dtype()
             self.register_buffer(name, torch.empty(spec.shape, dtype=dtype))
-        if not bias:
-            self.bias: torch.Tensor | None = None
 
     def tensor_specs(self) -> dict[str, PackedTensor]:
         raise NotImplementedError

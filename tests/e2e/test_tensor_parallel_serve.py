@@ -1,6 +1,6 @@
 """`lockgate serve --tensor-parallel-size 2` as a client meets it: one server for the module
 (its rank process beside it), answering the official `openai` client, streamed and not, with
-structured outputs; LoRA off and said so; --pipeline-parallel-size above 1 refused; a rank
+structured outputs and a LoRA adapter; --pipeline-parallel-size above 1 refused; a rank
 killed under load (the requests in flight fail with one usage row each, the rank group is
 rebuilt, the model serves again); its communication and ranks' memory on /admin/v1/engine
 and /metrics."""
@@ -43,9 +43,8 @@ def client(server) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0, timeout=60)
 
 
-def test_answers_stream_and_not_with_lora_off(server, client):
-    """Two ranks answer like one: the same greedy text streamed and not; the log says LoRA is
-    off (serve turns it on at one rank)."""
+def test_answers_stream_and_not(server, client):
+    """Two ranks answer like one: the same greedy text streamed and not."""
     plain = client.completions.create(model=MODEL, prompt="hello there", max_tokens=12, temperature=0,
                                       extra_body={"ignore_eos": True})
     assert plain.usage.completion_tokens == 12
@@ -56,7 +55,22 @@ def test_answers_stream_and_not_with_lora_off(server, client):
     assert chunks[-1].usage.completion_tokens == 12
     chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=5)
     assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens >= 1
-    assert "LoRA adapters are off: with --tensor-parallel-size 2" in server.log()
+
+
+def test_a_lora_adapter_answers_as_hf_and_peft_do(server, client):
+    """An adapter registered at runtime (its cut reaches the other rank) answers with the
+    greedy text of HF + peft, and the base model with HF's."""
+    from tests.support import lora
+
+    root = Path(server.data_dir) / "adapters"
+    root.mkdir(exist_ok=True)
+    path = lora.install(root, "own")
+    r = server.admin.post("/adapters", json={"name": "tp-own", "base_model": MODEL, "path": path})
+    assert r.status_code == 201, r.text
+    for model, adapter in (("tp-own", "own"), (MODEL, None)):
+        out = client.chat.completions.create(model=model, messages=lora.MESSAGES, max_tokens=lora.NEW_TOKENS,
+                                             temperature=0, extra_body={"ignore_eos": True})
+        assert out.choices[0].message.content == lora.expected_text(adapter), model
 
 
 def test_structured_output(client):
@@ -79,18 +93,14 @@ def test_pipeline_parallel_refused(tmp_path):
     assert "--pipeline-parallel-size" in out.stderr and "pipeline parallelism is not supported" in out.stderr
 
 
-def test_engine_kwargs_tensor_parallel_turns_lora_off(monkeypatch, tmp_path):
-    """LOCKGATE_ENGINE_KWARGS with tensor_parallel_size 2 does what the flag does: LoRA off,
-    with the note; an explicit enable_lora is left to the engine (which says why it refuses)."""
+def test_engine_kwargs_tensor_parallel_keeps_lora_on(monkeypatch, tmp_path):
+    """LOCKGATE_ENGINE_KWARGS with tensor_parallel_size 2 does what the flag does, LoRA on."""
     from lockgate.gateway.settings import Settings
 
     monkeypatch.setenv("LOCKGATE_ENGINE_KWARGS", json.dumps({"tensor_parallel_size": 2}))
     s = Settings(data_dir=tmp_path)
-    assert s.lora_engine_kwargs()["enable_lora"] is False and "LoRA adapters are off" in (s.lora_off_note() or "")
-    assert Settings(data_dir=tmp_path, engine_kwargs={"tensor_parallel_size": 2, "enable_lora": True}
-                    ).lora_engine_kwargs()["enable_lora"] is True
-    monkeypatch.delenv("LOCKGATE_ENGINE_KWARGS")
-    assert Settings(data_dir=tmp_path).lora_engine_kwargs()["enable_lora"] is True
+    assert s.lora_engine_kwargs()["enable_lora"] is True
+    assert s.lora_engine_kwargs()["tensor_parallel_size"] == 2
 
 
 def tp_state(server) -> dict:
