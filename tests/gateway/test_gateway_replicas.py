@@ -432,3 +432,35 @@ def test_second_replica_learns_and_forgets_adapters(pair):
         assert time.monotonic() < deadline, "timed out waiting for b's engine to drop the adapter"
         time.sleep(0.05)
     assert chat(b, "tiny") == expected_text(None)
+
+
+def test_a_responses_chain_continues_on_the_other_replica(pair):
+    """OpenAI's Responses API over two replicas: a response stored on one is continued
+    (`previous_response_id`) and read on the other; another tenant gets a 404 on either; one
+    deleted on the other is gone on both; `store: false` leaves nothing either can read."""
+    _, key = pair.tenant()
+    _, other_key = pair.tenant()
+    ca, cb = (openai.OpenAI(base_url=s.url + "/v1", api_key=key, max_retries=0, timeout=60)
+              for s in pair.servers)
+    first = ca.responses.create(model="tiny", input="Remember the word paging.", max_output_tokens=4)
+    assert first.status in ("completed", "incomplete") and first.usage.output_tokens >= 1
+    second = cb.responses.create(model="tiny", input="Which word?", previous_response_id=first.id,
+                                 max_output_tokens=4)
+    # the second request's prompt holds the first exchange: more input tokens than its own text
+    assert second.usage.input_tokens > first.usage.input_tokens
+    assert cb.responses.retrieve(first.id).id == first.id
+    assert [i.id for i in ca.responses.input_items.list(second.id).data]
+    for s in pair.servers:
+        other = openai.OpenAI(base_url=s.url + "/v1", api_key=other_key, max_retries=0, timeout=60)
+        with pytest.raises(openai.NotFoundError):
+            other.responses.retrieve(first.id)
+        with pytest.raises(openai.NotFoundError):
+            other.responses.create(model="tiny", input="x", previous_response_id=first.id, max_output_tokens=2)
+    cb.responses.delete(first.id)
+    for c in (ca, cb):
+        with pytest.raises(openai.NotFoundError):
+            c.responses.retrieve(first.id)
+    unstored = ca.responses.create(model="tiny", input="hi", store=False, max_output_tokens=2)
+    for c in (ca, cb):
+        with pytest.raises(openai.NotFoundError):
+            c.responses.retrieve(unstored.id)
