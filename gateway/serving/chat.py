@@ -28,7 +28,7 @@ async def chat_job(settings: Settings, tokenize: TokenizePool, req: ChatCompleti
     if sum(len(m["content"]) for m in messages) > settings.max_prompt_chars:
         raise APIError(400, f"messages: longer than {settings.max_prompt_chars} characters", param="messages")
     try:    # off the event loop when large; special tokens in the messages tokenized as text
-        ids = await tokenize.chat_prompt_ids(info, messages, tools)
+        ids = await tokenize.chat_prompt_ids(info, messages, tools, options=req.template_options())
     except TokenizerError as exc:
         raise tokenizer_error(exc) from None
     except Exception as exc:  # noqa: BLE001 - a template's own error is the client's input
