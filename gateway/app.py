@@ -20,7 +20,6 @@ from typing import Any
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse
 
-import lockgate
 from lockgate.engine import AsyncEngine, ModelBinding, WorkerPoolStats
 from lockgate.gateway import admin, batch_api, messages_api, metrics_api, openai_api, responses_api, tokenize_api
 from lockgate.gateway.admin import vllm_lora
@@ -374,10 +373,6 @@ def create_app(settings: Settings | None = None, engine_factory: EngineFactory =
     @app.get("/health", include_in_schema=False)
     async def health() -> dict:
         return {"status": "ok"}
-
-    @app.get("/version", include_in_schema=False)
-    async def version() -> dict:        # vLLM's route and shape, open as vLLM's is
-        return {"version": lockgate.__version__}
 
     @app.get("/ready", include_in_schema=False)
     async def ready(request: Request) -> JSONResponse:
