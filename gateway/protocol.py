@@ -160,7 +160,8 @@ MAX_LOGIT_BIAS = 300        # OpenAI's own bound on the entries of `logit_bias`
 _TEMPLATE_RESERVED = frozenset({
     "messages", "conversation", "tools", "documents", "chat_template", "add_generation_prompt",
     "continue_final_message", "tokenize", "return_dict", "return_tensors", "return_assistant_tokens_mask",
-    "padding", "truncation", "max_length", "tokenizer_kwargs", "bos_token", "eos_token",
+    "padding", "truncation", "max_length", "tokenizer_kwargs", "sanitize_control_tokens", "self",
+    "bos_token", "eos_token",
 })
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
 

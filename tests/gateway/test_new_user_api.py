@@ -160,3 +160,5 @@ async def test_chat_template_kwargs_reach_the_template(templated):
     assert greeted.usage.prompt_tokens > plain.usage.prompt_tokens
     with pytest.raises(openai.BadRequestError):
         await c.chat.completions.create(**CHAT, extra_body={"chat_template_kwargs": {"tokenize": True}})
+    with pytest.raises(openai.BadRequestError):
+        await c.chat.completions.create(**CHAT, extra_body={"chat_template_kwargs": {"sanitize_control_tokens": False}})
