@@ -163,6 +163,10 @@ def check_request(req: EngineRequest, vocab_size: int, max_model_len: int) -> No
             raise InvalidRequest(
                 f"{name}: must be a{' non-empty' if name == 'tenant' else ''} string, got {value!r}",
                 field=name)
+    bad_bias = next((t for t in req.sampling.logit_bias or {} if t >= vocab_size), None)
+    if bad_bias is not None:
+        raise InvalidRequest(f"logit_bias: token id {bad_bias} is outside the vocabulary [0, {vocab_size})",
+                             field="logit_bias")
     ids = req.prompt_token_ids
     if not isinstance(req.request_id, str) or not req.request_id:
         raise InvalidRequest("request_id: must be a non-empty string", field="request_id")

@@ -1,11 +1,12 @@
 """Turns the last-position logits of a step into tokens, one row per sampled sequence.
 
-Greedy rows take the argmax. Other rows apply penalties, temperature, top-k, top-p and
-min-p, then draw with the exponential-race trick (argmax of p / Exp(1) noise). A row with a
-grammar (structured outputs) keeps only the tokens its grammar allows, after penalties and
-before choosing; its logprobs are the model's own, before the mask. A seeded
-row draws its noise from a generator seeded by (seed, sample index, position), so its
-tokens do not depend on what else is in the batch, nor on preemption.
+Every row applies its penalties and logit bias first. Greedy rows then take the argmax;
+other rows apply temperature, top-k, top-p and min-p, then draw with the exponential-race
+trick (argmax of p / Exp(1) noise). A row with a grammar (structured outputs) keeps only the
+tokens its grammar allows, after penalties and before choosing; its logprobs are the
+model's own, before the bias and the mask. A seeded row draws its noise from a generator
+seeded by (seed, sample index, position), so its tokens do not depend on what else is in
+the batch, nor on preemption.
 """
 
 from __future__ import annotations
@@ -54,12 +55,14 @@ class Sampler:
         num_rows = len(rows)
         want_logprobs = [r.params.logprobs is not None for r in rows]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
-        cloned = any(r.params.needs_penalties for r in rows)
+        cloned = any(r.params.needs_penalties or r.params.logit_bias for r in rows)
         if cloned:
             logits = logits.clone()
             for i, r in enumerate(rows):
                 if r.params.needs_penalties:
                     _apply_penalties(logits[i], r)
+                if r.params.logit_bias:
+                    _apply_bias(logits[i], r.params.logit_bias)
         guided = [i for i, r in enumerate(rows) if r.grammar is not None]
         if guided:
             logits = logits if cloned else logits.clone()
@@ -164,3 +167,9 @@ def _apply_penalties(logits: torch.Tensor, row: SampleRow) -> None:
         out = torch.tensor(row.output_token_ids, device=dev, dtype=torch.long)
         counts = torch.bincount(out, minlength=logits.shape[0]).to(logits.dtype)
         logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+
+
+def _apply_bias(logits: torch.Tensor, bias: dict[int, float]) -> None:
+    """In place on one row: each token's bias added to its logit."""
+    ids = torch.tensor(list(bias), device=logits.device, dtype=torch.long)
+    logits[ids] += torch.tensor(list(bias.values()), device=logits.device, dtype=logits.dtype)

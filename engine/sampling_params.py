@@ -95,6 +95,9 @@ class SamplingParams:
     # the output is constrained to a grammar: it ends ("stop") once the grammar is complete,
     # whatever min_tokens or ignore_eos say (engine/grammar.py)
     structured_outputs: StructuredOutputsParams | None = None
+    # token id -> a number added to its logit before sampling (OpenAI's and vLLM's; -100..100):
+    # -100 all but bans a token, +100 all but forces it
+    logit_bias: dict[int, float] | None = None
     stop_strings: list[str] = field(init=False, default_factory=list)
 
     def __post_init__(self) -> None:
@@ -148,6 +151,8 @@ class SamplingParams:
         if any(not isinstance(t, int) or t < 0 for t in ids):
             raise InvalidRequest("stop_token_ids must be non-negative integers", field="stop_token_ids")
         self.stop_token_ids = ids
+        if self.logit_bias is not None:
+            self.logit_bias = _checked_bias(self.logit_bias)
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise InvalidRequest("structured_outputs: expected StructuredOutputsParams, got "
                                  f"{type(self.structured_outputs).__name__}", field="structured_outputs")
@@ -163,3 +168,18 @@ class SamplingParams:
             or self.frequency_penalty != 0.0
             or self.repetition_penalty != 1.0
         )
+
+
+def _checked_bias(bias: Any) -> dict[int, float] | None:
+    """`logit_bias` as {token id: bias}, each id an integer >= 0 and each bias a finite number
+    in [-100, 100] (the vocabulary's bound is checked with the request: check_request)."""
+    if not isinstance(bias, dict):
+        raise InvalidRequest(f"logit_bias must be a mapping of token id to bias, got {type(bias).__name__}",
+                             field="logit_bias")
+    for token, value in bias.items():
+        if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+            raise InvalidRequest(f"logit_bias: token id {token!r} is not an integer >= 0", field="logit_bias")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+            raise InvalidRequest(f"logit_bias: the bias of token {token} must be a number in [-100, 100], "
+                                 f"got {value!r}", field="logit_bias")
+    return dict(bias) or None

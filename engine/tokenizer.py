@@ -80,9 +80,10 @@ class Tokenizer:
         return "tools" in (self.chat_template or "")
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            tools: list[dict[str, Any]] | None = None) -> str:
+                            tools: list[dict[str, Any]] | None = None, **variables: Any) -> str:
+        """The template over `messages`; `variables`: the template's own (`enable_thinking`...)."""
         if not self.chat_template:
             raise ValueError("messages: this model has no chat template")
         return self.hf_tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt, tools=tools or None
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt, tools=tools or None, **variables
         )

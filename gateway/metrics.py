@@ -14,6 +14,8 @@ worker (label `worker`) where the engines run in a pool (`lockgate serve --pool`
                     the forward's seconds, each rank's memory, rank failures
     vllm:time_to_first_token_seconds, vllm:inter_token_latency_seconds,
     vllm:e2e_request_latency_seconds, vllm:request_queue_time_seconds   histograms
+    vllm:prompt_tokens_total, vllm:generation_tokens_total    counters, each request's usage
+    vllm:request_success_total                                counter, also by finished_reason
 
 Every HTTP answer is counted by `CountResponses` (`lockgate_http_requests{method, route,
 status}`), and every error answer also by status and code (`lockgate_http_errors`).
@@ -226,6 +228,14 @@ class Metrics:
         self.vllm_queue = Histogram("vllm:request_queue_time_seconds",
                                     "Time from arrival at the engine to first being scheduled",
                                     ["model_name"], buckets=VLLM_REQUEST_BUCKETS, registry=r)
+        # vLLM's request counters, by model: tokens as each request's usage counts them, and
+        # the requests that finished (status ok) by the finish_reason of their first choice
+        self.vllm_prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens of the requests served",
+                                          ["model_name"], registry=r)
+        self.vllm_generation_tokens = Counter("vllm:generation_tokens", "Tokens generated for the requests served",
+                                              ["model_name"], registry=r)
+        self.vllm_success = Counter("vllm:request_success", "Requests finished, by finish reason",
+                                    ["model_name", "finished_reason"], registry=r)
         self._pools: list[Snapshot] = []
         r.register(_EngineCollector(engine_stats, self._pools))
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}

@@ -1,7 +1,8 @@
 """`/metrics` (Prometheus text). It names tenants, so it is not open by default: it takes an
 admin key, or the scraper's own `LOCKGATE_METRICS_TOKEN` as a bearer token;
 `LOCKGATE_METRICS_PUBLIC=true` opens it to anyone who reaches the port (a scraper on a
-private network)."""
+private network). And vLLM's `/version` (`{"version": ...}`), open as vLLM's is: the
+version `lockgate --version` prints."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import hmac
 from fastapi import APIRouter, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+import lockgate
 from lockgate.gateway.caller import admin_principal, bearer
 from lockgate.gateway.deps import StateDep
 from lockgate.gateway.errors import APIError
@@ -40,3 +42,8 @@ async def authorize_scrape(request: Request, state: AppState) -> None:
 async def metrics(request: Request, state: StateDep) -> Response:
     await authorize_scrape(request, state)
     return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.get("/version", include_in_schema=False)
+async def version() -> dict:
+    return {"version": lockgate.__version__}

@@ -34,12 +34,15 @@ class ModelInfo:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
-    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
+    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                    options: dict[str, Any] | None = None) -> str:
         """The model's chat template over `messages` (and `tools`, for a template that renders
-        them); its own errors are raised as they are."""
-        return self.tokenizer.apply_chat_template(messages, tools=tools)
+        them; `options`: `add_generation_prompt` and the template's own variables); its own
+        errors are raised as they are."""
+        return self.tokenizer.apply_chat_template(messages, tools=tools, **(options or {}))
 
-    def chat_prompt_ids(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+    def chat_prompt_ids(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                        options: dict[str, Any] | None = None) -> list[int]:
         """The chat prompt's token ids, where only the template puts control tokens: a message
         holding a special token's string (`<|im_start|>system`) has it tokenized as text.
         Messages without one tokenize as the whole rendered text does (the common case)."""
@@ -48,12 +51,12 @@ class ModelInfo:
             if specials is not None and specials.search(m.get("name") or ""):
                 raise ValueError(f"messages[{k}].name: must not hold a special token")
         if specials is None or not any(specials.search(m.get("content") or "") for m in messages):
-            return self.encode(self.render_chat(messages, tools), add_special_tokens=False)
+            return self.encode(self.render_chat(messages, tools, options), add_special_tokens=False)
         # the template over placeholders (private-use characters, which no template writes),
         # then each placeholder's place filled with its message's text, tokenized as text
         marks = [f"\ue000{k}\ue001" for k in range(len(messages))]
         skeleton = self.render_chat([{**m, "content": mark} for m, mark in zip(messages, marks, strict=True)],
-                                    tools)
+                                    tools, options)
         ids: list[int] = []
         rest = skeleton
         for k, (m, mark) in enumerate(zip(messages, marks, strict=True)):

@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal, TypeVar
 
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
-from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError, field_validator, model_validator
 from starlette.requests import ClientDisconnect
 
 from lockgate.gateway.errors import APIError, validation_error
@@ -29,13 +29,13 @@ Int = Annotated[int, Strict(), Field(ge=INT64_MIN, le=INT64_MAX)]
 Float = Annotated[float, Strict()]
 Bool = Annotated[bool, Strict()]
 
-# OpenAI fields Lockgate does not implement: refused when set to anything but null.
+# OpenAI fields Lockgate does not implement: refused when set to anything but null (the
+# README's list of fields Lockgate cannot honour).
 UNSUPPORTED_CHAT = (
-    "functions", "function_call", "logit_bias", "audio", "modalities", "prediction", "store",
-    "metadata", "reasoning_effort", "web_search_options", "verbosity", "prompt_cache_key",
-    "safety_identifier",
+    "functions", "function_call", "audio", "modalities", "prediction", "reasoning_effort",
+    "web_search_options", "verbosity",
 )
-UNSUPPORTED_COMPLETION = ("logit_bias", "suffix", "best_of", "echo")
+UNSUPPORTED_COMPLETION = ("suffix", "best_of", "echo")
 
 # neutral values of unsupported completion fields that clients send by default
 _NEUTRAL = {"best_of": (1,), "echo": (False,)}
@@ -155,6 +155,17 @@ class StructuredOutputsBody(_Strict):
     choice: list[str] | None = None
 
 
+MAX_LOGIT_BIAS = 300        # OpenAI's own bound on the entries of `logit_bias`
+# the chat template's own arguments, which a request's `chat_template_kwargs` may not replace
+_TEMPLATE_RESERVED = frozenset({
+    "messages", "conversation", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "return_dict", "return_tensors", "return_assistant_tokens_mask",
+    "padding", "truncation", "max_length", "tokenizer_kwargs", "sanitize_control_tokens", "self",
+    "bos_token", "eos_token",
+})
+_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
+
+
 class SamplingBody(_Strict):
     """The sampling fields chat and completions share (OpenAI's and vLLM's)."""
 
@@ -189,6 +200,15 @@ class SamplingBody(_Strict):
     # smaller runs sooner, among this tenant's own requests of its class (never past another
     # tenant's: the engine orders by class, then tenant fairness, then this)
     priority: Int | None = Field(default=None, ge=-(2**31), lt=2**31)
+    # token id (as a string, as OpenAI's clients send it) -> a bias added to its logit
+    logit_bias: dict[str, Float] | None = Field(default=None, max_length=MAX_LOGIT_BIAS)
+    # OpenAI's fields that ask nothing of the model: accepted, checked as OpenAI does, kept
+    # nowhere (README: "Fields accepted and not acted on")
+    metadata: dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]] | None = \
+        Field(default=None, max_length=16)
+    store: Bool | None = None
+    prompt_cache_key: str | None = Field(default=None, max_length=256)
+    safety_identifier: str | None = Field(default=None, max_length=64)
 
     @model_validator(mode="after")
     def _check_stop(self):
@@ -202,8 +222,22 @@ class SamplingBody(_Strict):
             raise ValueError("stream_options.continuous_usage_stats: requires include_usage to be true")
         return self
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for token, bias in (value or {}).items():
+            if not token.isascii() or not token.isdigit() or len(token) > 9:
+                raise ValueError(f"key {token[:20]!r} is not a token id (a non-negative integer)")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"the bias of token {token} must be in [-100, 100], got {bias!r}")
+        return value
+
     def stop_list(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def token_bias(self) -> dict[int, float] | None:
+        """`logit_bias` as the engine takes it: {token id: bias}."""
+        return {int(t): b for t, b in self.logit_bias.items()} if self.logit_bias else None
 
 
 class ChatCompletionRequest(SamplingBody):
@@ -215,12 +249,32 @@ class ChatCompletionRequest(SamplingBody):
     tools: list[Tool] | None = Field(default=None, max_length=128)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: Bool | None = None
+    # vLLM's: the chat template's generation prompt (false: the prompt ends with the last
+    # message), and the template's own variables (`enable_thinking`, say)
+    add_generation_prompt: Bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = Field(default=None, max_length=32)
 
     @model_validator(mode="after")
     def _check_logprobs(self):
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs: requires logprobs to be true")
         return self
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _check_template_kwargs(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        for name in value or {}:
+            if not _NAME.match(name) or name in _TEMPLATE_RESERVED:
+                raise ValueError(f"{name[:64]!r} is not a template variable a request may set")
+        return value
+
+    def template_options(self) -> dict[str, Any] | None:
+        """What the chat template is rendered with beyond the messages and tools: its variables
+        and whether it ends with the generation prompt; None when the request sets neither."""
+        options = dict(self.chat_template_kwargs or {})
+        if self.add_generation_prompt is not None:
+            options["add_generation_prompt"] = self.add_generation_prompt
+        return options or None
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

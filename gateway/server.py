@@ -8,6 +8,9 @@ Admitted requests get `shutdown_timeout_s` to finish; those still running then a
 request with a 503, and each writes its one `cancelled` usage row within `shutdown_grace_s`.
 Only then does uvicorn stop listening and run its own graceful shutdown (other connections,
 `shutdown_grace_s` more), and the app's shutdown close the usage writer and stop the engines.
+
+The address is bound before the app is made: a port another server holds is one line and
+exit status 1, before any key is minted or a database made.
 """
 
 from __future__ import annotations
@@ -71,6 +74,31 @@ def run_server(settings: Settings) -> int:
             print(f"lockgate: the database schema is at {current or 'nothing'}, the code needs "
                   f"{head}: run `lockgate db upgrade` or pass --migrate", file=sys.stderr)
             return 2
+    try:
+        sock = bind(settings.host, settings.port)
+    except OSError as exc:
+        print(f"lockgate: cannot listen on {settings.host}:{settings.port}: {exc.strerror or exc} "
+              "(another server holds it? --port or LOCKGATE_PORT picks another)", file=sys.stderr)
+        return 1
+    with sock:
+        return _serve(settings, sock)
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to (host, port) as uvicorn binds one (SO_REUSEADDR: a port whose
+    last server's connections linger in TIME_WAIT is free); OSError when it is taken."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
+
+
+def _serve(settings: Settings, sock: socket.socket) -> int:
     app = create_app(settings)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="info",
                             timeout_graceful_shutdown=int(max(1, settings.shutdown_grace_s)),
@@ -79,7 +107,7 @@ def run_server(settings: Settings) -> int:
     server = DrainingServer(config, app.state.lifecycle, drain_timeout_s=settings.shutdown_timeout_s,
                             drain_grace_s=settings.shutdown_grace_s)
     try:
-        server.run()
+        server.run(sockets=[sock])
     except SchemaBehind as exc:
         print(f"lockgate: {exc}", file=sys.stderr)
         return 2

@@ -107,7 +107,7 @@ def _portable(exc: Exception) -> Exception:
     return exc if type(back) is type(exc) and str(back) == str(exc) else ValueError(str(exc))
 
 
-def _chat_in_worker(spec: ModelSpec, chat: tuple[list[Message], list[Message] | None]) -> list[int]:
+def _chat_in_worker(spec: ModelSpec, chat: tuple[list[Message], list[Message] | None, Message | None]) -> list[int]:
     try:
         return _worker_model(spec).chat_prompt_ids(*chat)
     except Exception as exc:  # noqa: BLE001 - re-raised as itself where it travels
@@ -167,15 +167,15 @@ class TokenizePool:
 
     async def chat_prompt_ids(self, info: ModelInfo, messages: list[Message],
                               tools: list[Message] | None = None, *, bound: bool = True,
-                              tenant: str | None = None) -> list[int]:
-        """`info.chat_prompt_ids(messages, tools)`: the same ids, the same exceptions (and the
+                              tenant: str | None = None, options: Message | None = None) -> list[int]:
+        """`info.chat_prompt_ids(messages, tools, options)`: the same ids, the same exceptions (and the
         pool's own `TokenizerError`s; with `bound`, `PromptTooLong` for a chat that cannot
         fit). `tenant`: whose queue a large chat joins (default: `current_tenant`)."""
         if chat_chars(messages) < self.inline_chars:
-            return info.chat_prompt_ids(messages, tools)
+            return info.chat_prompt_ids(messages, tools, options)
         if bound:
             await self._check_fits(info, messages, "messages")
-        return await self._run(_chat_in_worker, info, (messages, tools), tenant)
+        return await self._run(_chat_in_worker, info, (messages, tools, options), tenant)
 
     async def encode(self, info: ModelInfo, text: str, *, bound: bool = True,
                      tenant: str | None = None) -> list[int]:

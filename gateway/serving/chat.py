@@ -28,7 +28,7 @@ async def chat_job(settings: Settings, tokenize: TokenizePool, req: ChatCompleti
     if sum(len(m["content"]) for m in messages) > settings.max_prompt_chars:
         raise APIError(400, f"messages: longer than {settings.max_prompt_chars} characters", param="messages")
     try:    # off the event loop when large; special tokens in the messages tokenized as text
-        ids = await tokenize.chat_prompt_ids(info, messages, tools)
+        ids = await tokenize.chat_prompt_ids(info, messages, tools, options=req.template_options())
     except TokenizerError as exc:
         raise tokenizer_error(exc) from None
     except Exception as exc:  # noqa: BLE001 - a template's own error is the client's input
@@ -61,14 +61,17 @@ async def chat_chunks(run: RequestRun, h: Head, top: int, include_usage: bool, n
     (each call's id and name, then pieces of its arguments) and finish_reason "tool_calls"."""
     readers = [ToolCallReader() for _ in range(n)] if plan is not None and plan.forced else None
     sent_tokens = [0] * n
+    ended = [False] * n      # the engine's outputs keep an ended sample: its reason is said once
     for i in range(n):
         first = ChatChunkChoice(index=i, delta={"role": "assistant", "content": None if readers else ""},
                                 logprobs=None, finish_reason=None)
         yield sse(chunk("chat", h, [first], chunk_usage(run, include_usage)))
     async for _, out in run.events():
         for c in out.outputs:
-            if not (c.delta_text or c.finish_reason or (c.logprobs and len(c.token_ids) > sent_tokens[c.index])):
+            if ended[c.index] or not (c.delta_text or c.finish_reason
+                                      or (c.logprobs and len(c.token_ids) > sent_tokens[c.index])):
                 continue
+            ended[c.index] = c.finish_reason is not None
             lp = chat_logprobs(c, sent_tokens[c.index], top)
             sent_tokens[c.index] = len(c.token_ids)
             delta, finish_reason = {"content": c.delta_text} if c.delta_text else {}, c.finish_reason

@@ -77,11 +77,15 @@ async def completion_job(settings: Settings, tokenize: TokenizePool, req: Comple
 async def completion_chunks(run: RequestRun, h: Head, top: int, include_usage: bool, n: int,
                             ) -> AsyncIterator[bytes]:
     sent: dict[tuple[int, int], tuple[int, int]] = {}   # (prompt, choice) -> (tokens, chars)
+    ended: set[tuple[int, int]] = set()     # the engine's outputs keep an ended sample: its reason is said once
     async for i, out in run.events():
         for c in out.outputs:
             toks, chars = sent.get((i, c.index), (0, 0))
-            if not (c.delta_text or c.finish_reason or (c.logprobs and len(c.token_ids) > toks)):
+            if (i, c.index) in ended or not (c.delta_text or c.finish_reason
+                                             or (c.logprobs and len(c.token_ids) > toks)):
                 continue
+            if c.finish_reason is not None:
+                ended.add((i, c.index))
             lp = completion_logprobs(c, toks, top, chars)
             sent[(i, c.index)] = (len(c.token_ids), chars + len(c.delta_text))
             choice = CompletionChoice(index=i * n + c.index, text=c.delta_text, logprobs=lp,

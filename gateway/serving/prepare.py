@@ -68,6 +68,7 @@ def sampling(req: SamplingBody, max_tokens: int, logprobs: int | None,
     kw: dict[str, Any] = {
         "n": req.n or 1, "max_tokens": max_tokens, "logprobs": logprobs,
         "stop": req.stop_list() or None, "seed": req.seed, "structured_outputs": structured_outputs,
+        "logit_bias": req.token_bias(),
     }
     for name in _PASSED:
         value = getattr(req, name)

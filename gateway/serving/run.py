@@ -427,6 +427,12 @@ class RequestRun:
         m.child(m.e2e, self.tier).observe(now - self.t0)
         model = self.entry.name
         m.child(m.vllm_e2e, model).observe(now - self.t0)
+        m.child(m.vllm_prompt_tokens, model).inc(prompt)
+        m.child(m.vllm_generation_tokens, model).inc(completion)
+        if status == "ok":      # one a prompt, as vLLM counts a completions request's prompts
+            for o in self.finals.values():
+                reason = o.outputs[0].finish_reason if o.outputs else None
+                m.child(m.vllm_success, model, reason or "stop").inc()
         for o in self.finals.values():
             if o.metrics is not None and o.metrics.first_scheduled_time:
                 m.child(m.vllm_queue, model).observe(o.metrics.first_scheduled_time - o.metrics.arrival_time)

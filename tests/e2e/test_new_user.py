@@ -110,3 +110,19 @@ def test_bench_models_live_under_the_data_dir(tmp_path, monkeypatch):
     assert path.is_relative_to(tmp_path / "data" / "cache") and (path / "config.json").is_file()
     monkeypatch.setenv("LOCKGATE_CACHE_DIR", str(tmp_path / "elsewhere"))
     assert cache_dir() == tmp_path / "elsewhere"
+
+
+def test_quick_start_says_the_demo_model_is_noise_and_how_to_serve_a_checkpoint():
+    """Where the README's quick start is, it says the demo model's weights are random (its
+    output noise by design) and shows `lockgate serve --model NAME=DIR` on a checkpoint's
+    directory, with the files that directory holds; the option is the one `serve` takes."""
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    quick = readme.split("## Quick start", 1)[1].split("\n## ", 1)[0]
+    assert "random weights" in quick and "noise" in quick
+    assert re.search(r"lockgate serve --model \w+=\S+", quick), quick
+    for name in ("config.json", "safetensors", "tokenizer.json", "tokenizer_config.json"):
+        assert name in quick, name
+    serve = typer.main.get_command(cli.app).commands["serve"]
+    assert any("--model" in p.opts and "NAME=DIR" in (p.help or "") for p in serve.params)

@@ -250,3 +250,24 @@ def test_quick_start_serves_the_demo_model(tmp_path):
         assert r.usage.completion_tokens == 8 and r.choices[0].message.content
     finally:
         assert srv.stop() == 0
+
+
+def test_a_busy_port_is_refused_before_anything_is_minted(tmp_path):
+    """A second `lockgate serve` on a port already listened on: one clear line naming the
+    address, before any key is minted, shown or written (its data directory stays empty of
+    keys and of a database)."""
+    import socket
+
+    port = free_port()
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", port))
+        busy.listen()
+        data_dir = tmp_path / "data"
+        done = run_cli(["serve", "--port", str(port), "--model", f"tiny={demo_model('llama', 'tiny', 0)}"],
+                       base_env(data_dir))
+    out = done.stdout + done.stderr
+    assert done.returncode == 1, out
+    assert f"127.0.0.1:{port}" in out and "already in use" in out, out
+    assert "Traceback" not in out and "key" not in out, out
+    assert not (data_dir / "admin_key").exists() and not (data_dir / "demo_key").exists()
+    assert not (data_dir / "lockgate.db").exists()

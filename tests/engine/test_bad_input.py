@@ -28,6 +28,10 @@ def llm():
         ({"min_p": 2.0}, "min_p"),
         ({"logprobs": 50}, "logprobs"),
         ({"stop": [""]}, "stop"),
+        ({"logit_bias": {5: 101}}, "logit_bias"),
+        ({"logit_bias": {-1: 1.0}}, "logit_bias"),
+        ({"logit_bias": {"5": 1.0}}, "logit_bias"),
+        ({"logit_bias": {5: float("nan")}}, "logit_bias"),
     ],
 )
 def test_sampling_params_name_the_field(kwargs, field):

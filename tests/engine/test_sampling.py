@@ -173,3 +173,38 @@ def test_output_text_is_decoded_in_the_prompts_context(llm):
     # a random model may emit byte tokens that never form a valid character: a full decode
     # shows those as U+FFFD, the stream holds them back; everything else agrees
     assert out.text.replace("\ufffd", "") == full[len(tok.decode(ids)):].replace("\ufffd", "")
+
+
+def test_sampler_logit_bias_forces_and_bans():
+    """The bias is added to the logit (vLLM's rule): +100 forces a token whose logit is within
+    100 of the best, greedy or sampled; -100 bans the best one."""
+    sampler = Sampler(0, torch.device("cpu"))
+    logits = torch.tensor([[0.0, 1.0, 2.0, 30.0, -40.0]])
+    for temperature in (0.0, 1.0):
+        seen = {sampler(logits, [row(temperature=temperature, seed=s, logit_bias={4: 100})]).token_ids[0]
+                for s in range(50)}
+        assert seen == {4}, temperature
+    assert sampler(logits, [row(temperature=0.0, logit_bias={3: -100})]).token_ids == [2]
+    # a row without a bias in the same batch is untouched
+    out = sampler(logits.repeat(2, 1), [row(temperature=0.0, logit_bias={4: 100}), row(temperature=0.0)])
+    assert out.token_ids == [4, 3]
+
+
+def test_logit_bias_forces_a_token_through_the_engine(llm):
+    """Through the engine: +100 on the model's fifth choice makes it the token, greedy or
+    sampled; the logprobs stay the model's own; a token outside the vocabulary is refused.
+    (The demo model's random weights spread its logits wider than 100, so the forced token is
+    one the model ranks near the top: +100 then leaves no doubt.)"""
+    prompt = prompts_of(1, lens=(30,))[0]
+    base = gen(llm, [prompt], SamplingParams(max_tokens=1, temperature=0.0, logprobs=5))[0].outputs[0]
+    fifth = next(t for t, lp in base.logprobs[0].items() if lp.rank == 5)
+    for sp in (SamplingParams(max_tokens=1, temperature=0.0, logprobs=0, logit_bias={fifth: 100}),
+               SamplingParams(max_tokens=1, temperature=1.0, seed=4, logprobs=0, logit_bias={fifth: 100.0})):
+        out = gen(llm, [prompt], sp)[0].outputs[0]
+        assert out.token_ids == [fifth]
+        assert out.logprobs[0][fifth].rank == 5
+    banned = gen(llm, [prompt], SamplingParams(max_tokens=1, temperature=0.0,
+                                               logit_bias={base.token_ids[0]: -100}))[0].outputs[0]
+    assert banned.token_ids[0] != base.token_ids[0]
+    with pytest.raises(ValueError, match=r"^logit_bias\b"):
+        gen(llm, [prompt], SamplingParams(logit_bias={10**6: 1.0}))

@@ -189,7 +189,7 @@ async def test_errors_as_openai_client_sees_them(gateway, tenant):
             "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}})
     assert e.value.body["param"] == "response_format.json_schema.schema"
     with pytest.raises(openai.BadRequestError) as e:
-        await c.chat.completions.create(model="tiny", messages=msgs, logit_bias={"1": 5})
+        await c.chat.completions.create(model="tiny", messages=msgs, logit_bias={"1": 500})
     assert e.value.body["param"] == "logit_bias"
     with pytest.raises(openai.BadRequestError) as e:
         await c.chat.completions.create(model="tiny", messages=msgs, max_tokens=10**6)

@@ -130,6 +130,42 @@ async def test_vllm_metrics_beside_lockgates_own(server, tenant):
                  status="ok") == 2
 
 
+def _counter(m, name: str, **labels: str) -> float:
+    """A counter's value (0 before its first count), by the sample vLLM's scrapers read."""
+    found = [s for s in m[name].samples if s.name == name + "_total" and labels.items() <= s.labels.items()]
+    return value(m, name, name + "_total", **labels) if found else 0.0
+
+
+async def test_vllm_token_and_success_counters(server, tenant):
+    """vLLM's vllm:prompt_tokens_total, vllm:generation_tokens_total and
+    vllm:request_success_total (by model_name, success also by finished_reason), counting
+    what the usage says."""
+    _, key = tenant
+    c = client(server, key)
+    names = ("vllm:prompt_tokens", "vllm:generation_tokens")
+    before = await scrape(server)
+    r1 = await c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "count"}],
+                                         max_tokens=5, extra_body={"ignore_eos": True})
+    r2 = await c.completions.create(model=MODEL, prompt="one two", max_tokens=3, n=2,
+                                    extra_body={"ignore_eos": True})
+    after = await scrape(server)
+    for name in (*names, "vllm:request_success"):
+        assert after[name].type == "counter", name
+    grew = {n: _counter(after, n, model_name=MODEL) - _counter(before, n, model_name=MODEL) for n in names}
+    assert grew == {"vllm:prompt_tokens": r1.usage.prompt_tokens + r2.usage.prompt_tokens,
+                    "vllm:generation_tokens": r1.usage.completion_tokens + r2.usage.completion_tokens}
+    ok = [_counter(m, "vllm:request_success", model_name=MODEL, finished_reason="length") for m in (before, after)]
+    assert ok[1] - ok[0] == 2
+
+
+async def test_version_as_vllm(server):
+    """`GET /version`, vLLM's shape, open as vLLM's is: the version `lockgate --version` prints."""
+    import lockgate
+
+    r = await server.http.get("/version")
+    assert r.status_code == 200 and r.json() == {"version": lockgate.__version__}
+
+
 async def test_error_answers_are_counted_with_status_and_code(server, tenant):
     _, key = tenant
     before = await scrape(server)

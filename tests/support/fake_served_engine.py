@@ -46,11 +46,13 @@ from pathlib import Path
 from typing import Any, Unpack
 
 from lockgate.engine import (
+    CompletionOutput,
     EngineDead,
     EngineOverloaded,
     EngineStats,
     Logprob,
     ModelBinding,
+    RequestMetrics,
     RequestOutput,
     SamplingParams,
     Tokenizer,
@@ -86,8 +88,9 @@ class FakeServedEngine(InstantEngine):
         self.submitted: list[tuple[str, SamplingParams, dict[str, Any]]] = []
         self.num_refused = 0
         # a test's hook: the next requests' answers, in order (a tool call's JSON, say): each
-        # its text's tokens, "stop" at its end ("length" if max_tokens cuts it first)
-        self.answers: list[str] = []
+        # its text's tokens, "stop" at its end ("length" if max_tokens cuts it first); a list of
+        # texts answers each of `n` samples with its own, so that they end at different steps
+        self.answers: list[str | list[str]] = []
 
     @classmethod
     def factory(cls, made: list | None = None, **defaults: Any) -> Callable[..., Any]:
@@ -163,7 +166,11 @@ class FakeServedEngine(InstantEngine):
         room = self._max_model_len - len(ids)
         limit = room if sp.max_tokens is None else min(sp.max_tokens, room)
         if self.answers:
-            yield from self._scripted(request_id, text, ids, sp, tok, self.answers.pop(0), limit)
+            script = self.answers.pop(0)
+            if isinstance(script, list):
+                yield from self._scripted_samples(request_id, text, ids, sp, tok, script, limit)
+            else:
+                yield from self._scripted(request_id, text, ids, sp, tok, script, limit)
             return
         k = limit if sp.ignore_eos else min(limit, self.eos_after)
         k = max(k, 1)
@@ -198,6 +205,31 @@ class FakeServedEngine(InstantEngine):
             self.num_generated_tokens += sp.n
             yield self._output(request_id, text, list(ids), sp.n, answer[:j], so_far, answer[j - 1:j], piece,
                                None, reason if j == k else None, now, time.time() if j == k else None)
+
+    def _scripted_samples(self, request_id: str, text: str | None, ids: list[int], sp: SamplingParams,
+                          tok: Tokenizer, texts: list[str], limit: int) -> Iterator[RequestOutput]:
+        """Each sample its own text (`texts[i]`, the last one for samples past the list): one
+        token a step each, a sample that has ended staying in later outputs with its finish
+        reason and nothing new, as the engine's cumulative outputs keep it."""
+        answers = [tok.encode(texts[min(i, len(texts) - 1)], add_special_tokens=False) for i in range(sp.n)]
+        ends = [max(1, min(len(a), limit)) for a in answers]
+        now = time.time()
+        for j in range(1, max(ends) + 1):
+            comps = []
+            for i, answer in enumerate(answers):
+                k = min(j, ends[i])
+                whole, before = tok.decode(answer[:k]), tok.decode(answer[:k - 1]) if j <= ends[i] else None
+                reason = ("stop" if ends[i] == len(answer) else "length") if k == ends[i] else None
+                comps.append(CompletionOutput(
+                    index=i, text=whole, token_ids=answer[:k], cumulative_logprob=None, logprobs=None,
+                    finish_reason=reason, stop_reason=None,
+                    delta_text=whole[len(before):] if before is not None else "",
+                    delta_token_ids=answer[k - 1:k] if j <= ends[i] else []))
+                self.num_generated_tokens += int(j <= ends[i])
+            last = j == max(ends)
+            yield RequestOutput(request_id=request_id, prompt=text, prompt_token_ids=list(ids), outputs=comps,
+                                finished=last, num_cached_tokens=0,
+                                metrics=RequestMetrics(now, now, now, time.time() if last else None))
 
     def _feed(self, queue: asyncio.Queue, outputs: Iterable[RequestOutput]) -> asyncio.Task:
         """A task handing the outputs over `token_interval_s` apart (read each time: a test may
