@@ -65,7 +65,8 @@ class ToolPlan:
         or with parallel calls a list of 1..MAX_PARALLEL_CALLS. Each tool's parameters sit in
         `$defs` (their own `$ref`s rebased there), so a schema with references keeps working."""
         tools = [(i, t) for i, t in enumerate(self.tools) if self.choice in ("required", t.function.name)]
-        defs = {f"tool{i}": rebase_refs(parameters_of(t), f"#/$defs/tool{i}") for i, t in tools}
+        defs = {f"tool{i}": closed(rebase_refs(parameters_of(t), f"#/$defs/tool{i}"), t.function.strict is True)
+                for i, t in tools}
         calls = [{"type": "object",
                   "properties": {"name": {"const": t.function.name}, "arguments": {"$ref": f"#/$defs/tool{i}"}},
                   "required": ["name", "arguments"], "additionalProperties": False} for i, t in tools]
@@ -77,6 +78,30 @@ class ToolPlan:
 
 def parameters_of(tool: Tool) -> dict[str, Any]:
     return tool.function.parameters if tool.function.parameters is not None else NO_ARGUMENTS
+
+
+_NOT_SCHEMAS = ("enum", "const", "default", "examples")     # values, not subschemas
+
+
+def closed(schema: Any, strict: bool) -> Any:
+    """A forced call's arguments schema with every object closed, so that decoding ends the
+    object: extra keys only where the schema itself allows them (`additionalProperties`
+    given), and with `strict` (OpenAI's strict mode) none at all and every property required."""
+    out = copy.deepcopy(schema)
+    stack = [out]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            if node.get("type") == "object" or isinstance(node.get("properties"), dict):
+                if strict:
+                    node["additionalProperties"] = False
+                    node["required"] = list(node.get("properties") or {})
+                else:
+                    node.setdefault("additionalProperties", False)
+            stack.extend(v for k, v in node.items() if k not in _NOT_SCHEMAS)
+        elif isinstance(node, list):
+            stack.extend(node)
+    return out
 
 
 def rebase_refs(schema: Any, base: str) -> Any:
