@@ -103,7 +103,9 @@ def event(data: dict[str, Any]) -> bytes:
 class MessageEvents:
     """One message's stream, fed the engine's outputs in order: the events each adds.
     A forced answer's text is read as tool calls (`ToolCallReader`): each call a `tool_use`
-    block whose arguments arrive as `input_json_delta`s; any other answer is one text block."""
+    block whose arguments arrive as `input_json_delta`s; under `auto`, the calls read out of
+    the text (`AutoCallReader`) are `tool_use` blocks, each whole once recognized, between
+    the text blocks around them; any other answer is one text block."""
 
     def __init__(self, request_id: str, model: str, prompt_len: int, plan: ToolPlan | None,
                  stop_sequences: list[str]) -> None:
