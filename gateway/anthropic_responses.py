@@ -16,6 +16,7 @@ import secrets
 from typing import Any
 
 from lockgate.engine import CompletionOutput
+from lockgate.gateway.auto_calls import AutoCallReader
 from lockgate.gateway.responses import Usage
 from lockgate.gateway.tool_calls import ToolCallReader, ToolPlan, read_tool_calls
 
@@ -58,17 +59,40 @@ def stop_reason(c: CompletionOutput, stop_sequences: list[str], called: bool) ->
 
 def message_body(request_id: str, model: str, c: CompletionOutput, u: Usage, tier: str,
                  plan: ToolPlan | None, stop_sequences: list[str]) -> dict[str, Any]:
-    """A finished message: a forced answer that completed is its `tool_use` blocks; any
+    """A finished message: a forced answer that completed is its `tool_use` blocks; under
+    `auto`, the calls read out of the text are `tool_use` blocks between its text blocks; any
     other answer one text block (none when it is empty)."""
     calls = read_tool_calls(c.text) if plan is not None and plan.forced and c.finish_reason == "stop" else None
-    if calls:
-        content = [{"type": "tool_use", "id": new_tool_use_id(), "name": call["function"]["name"],
-                    "input": json.loads(call["function"]["arguments"])} for call in calls]
+    if plan is not None and plan.auto:
+        content = auto_blocks(c.text, plan.names)
+        calls = [b for b in content if b["type"] == "tool_use"] if c.finish_reason == "stop" else None
+    elif calls:
+        content = [tool_use(call) for call in calls]
     else:
         content = [{"type": "text", "text": c.text}] if c.text else []
     reason, sequence = stop_reason(c, stop_sequences, bool(calls))
     return {"id": new_message_id(request_id), "type": "message", "role": "assistant", "model": model,
             "content": content, "stop_reason": reason, "stop_sequence": sequence, "usage": of_usage(u, tier)}
+
+
+def auto_blocks(text: str, names: frozenset[str]) -> list[dict[str, Any]]:
+    """Under `auto`: the text's blocks, the calls read out of it `tool_use` blocks between
+    the text blocks of what is around them."""
+    reader = AutoCallReader(names)
+    blocks: list[dict[str, Any]] = []
+    for kind, value in reader.feed(text) + reader.finish():
+        if kind == "call":
+            blocks.append(tool_use(value))
+        elif blocks and blocks[-1]["type"] == "text":
+            blocks[-1]["text"] += value
+        else:
+            blocks.append({"type": "text", "text": value})
+    return blocks
+
+
+def tool_use(call: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "tool_use", "id": new_tool_use_id(), "name": call["function"]["name"],
+            "input": json.loads(call["function"]["arguments"])}
 
 
 def event(data: dict[str, Any]) -> bytes:
@@ -79,7 +103,9 @@ def event(data: dict[str, Any]) -> bytes:
 class MessageEvents:
     """One message's stream, fed the engine's outputs in order: the events each adds.
     A forced answer's text is read as tool calls (`ToolCallReader`): each call a `tool_use`
-    block whose arguments arrive as `input_json_delta`s; any other answer is one text block."""
+    block whose arguments arrive as `input_json_delta`s; under `auto`, the calls read out of
+    the text (`AutoCallReader`) are `tool_use` blocks, each whole once recognized, between
+    the text blocks around them; any other answer is one text block."""
 
     def __init__(self, request_id: str, model: str, prompt_len: int, plan: ToolPlan | None,
                  stop_sequences: list[str]) -> None:
@@ -87,10 +113,12 @@ class MessageEvents:
         self.model = model
         self.prompt_len = prompt_len
         self.reader = ToolCallReader() if plan is not None and plan.forced else None
+        self.auto = AutoCallReader(plan.names) if plan is not None and plan.auto else None
         self.stop_sequences = stop_sequences
         self.started = False
         self.blocks = 0                  # blocks opened so far
         self.open = False                # the last one is still open
+        self.text_open = False           # ... and it is a text block
 
     def start(self, cached: int) -> list[bytes]:
         self.started = True
@@ -117,12 +145,10 @@ class MessageEvents:
 
     def feed(self, c: CompletionOutput, cached: int) -> list[bytes]:
         out = [] if self.started else self.start(cached)
+        if self.auto is not None:
+            return out + self._auto(self.auto.feed(c.delta_text))
         if self.reader is None:
-            if c.delta_text:
-                if not self.open:
-                    out += self._open({"type": "text", "text": ""})
-                out.append(self._delta({"type": "text_delta", "text": c.delta_text}))
-            return out
+            return out + self._text(c.delta_text)
         for d in self.reader.feed(c.delta_text):
             if "id" in d:
                 out += self._open({"type": "tool_use", "id": new_tool_use_id(),
@@ -131,12 +157,36 @@ class MessageEvents:
                 out.append(self._delta({"type": "input_json_delta", "partial_json": d["function"]["arguments"]}))
         return out
 
+    def _text(self, text: str) -> list[bytes]:
+        out: list[bytes] = []
+        if text:
+            if not (self.open and self.text_open):
+                out += self._open({"type": "text", "text": ""})
+                self.text_open = True
+            out.append(self._delta({"type": "text_delta", "text": text}))
+        return out
+
+    def _auto(self, events: list[tuple[str, Any]]) -> list[bytes]:
+        out: list[bytes] = []
+        for kind, value in events:
+            if kind == "content":
+                out += self._text(value)
+                continue
+            block = tool_use(value)
+            out += self._open({**block, "input": {}})
+            self.text_open = False
+            out.append(self._delta({"type": "input_json_delta", "partial_json": value["function"]["arguments"]}))
+        return out
+
     def end(self, c: CompletionOutput | None, u: Usage) -> list[bytes]:
         """The closing events, once the usage row is committed."""
         cached = u["prompt_tokens_details"]["cached_tokens"]
         out = [] if self.started else self.start(cached)
+        if self.auto is not None:
+            out += self._auto(self.auto.finish())
         out += self._close()
-        called = self.reader is not None and bool(self.reader.calls) and c is not None and c.finish_reason == "stop"
+        reader = self.reader or self.auto
+        called = reader is not None and bool(reader.calls) and c is not None and c.finish_reason == "stop"
         reason, sequence = stop_reason(c, self.stop_sequences, called) if c is not None else ("end_turn", None)
         out.append(event({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
                           "usage": of_usage(u)}))

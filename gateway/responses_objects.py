@@ -22,9 +22,10 @@ import json
 import secrets
 from typing import Any
 
+from lockgate.gateway.auto_calls import AutoCallReader
 from lockgate.gateway.responses import Usage
 from lockgate.gateway.responses_protocol import FunctionChoice, ResponsesRequest
-from lockgate.gateway.tool_calls import ToolCallReader
+from lockgate.gateway.tool_calls import ToolCallReader, ToolPlan
 
 
 def new_item_id(prefix: str) -> str:
@@ -54,50 +55,89 @@ def event(kind: str, seq: int, **fields: Any) -> bytes:
 
 class OutputWriter:
     """The output items of one answer, built from its text as it grows (`feed`, then
-    `close`); each call returns the events (type, fields) that stream what changed."""
+    `close`); each call returns the events (type, fields) that stream what changed. Under
+    `auto` the calls read out of the text (gateway/auto_calls.py) are `function_call` items,
+    each whole once recognized, between the message items of the text around them."""
 
-    def __init__(self, forced_calls: bool) -> None:
+    def __init__(self, plan: ToolPlan | None) -> None:
         self.items: list[dict[str, Any]] = []
-        self.reader = ToolCallReader() if forced_calls else None
+        self.reader = ToolCallReader() if plan is not None and plan.forced else None
+        self.auto = AutoCallReader(plan.names) if plan is not None and plan.auto else None
         self._open: dict[str, Any] | None = None     # the item being written
-        self._text = ""                                # free text: the message's so far
+        self._text = ""                                # the open message's text so far
+        self.cut = False                               # by max_output_tokens
 
     def start(self) -> list[tuple[str, dict[str, Any]]]:
         """Free text: its message item opens at once (a model may write nothing)."""
-        if self.reader is not None:
+        if self.reader is not None or self.auto is not None:
             return []
+        return self._message()
+
+    def _message(self) -> list[tuple[str, dict[str, Any]]]:
+        out = self._end_item("completed")
         item = {"id": new_item_id("msg"), "type": "message", "status": "in_progress", "role": "assistant",
                 "content": []}
-        return [*self._add(item), ("response.content_part.added", {
-            "item_id": item["id"], "output_index": 0, "content_index": 0, "part": text_part("")})]
+        self._text = ""
+        return [*out, *self._add(item), ("response.content_part.added", {
+            "item_id": item["id"], "output_index": len(self.items) - 1, "content_index": 0, "part": text_part("")})]
 
     def _add(self, item: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
         self.items.append(item)
         self._open = item
         return [("response.output_item.added", {"output_index": len(self.items) - 1, "item": dict(item)})]
 
+    def _content(self, text: str) -> list[tuple[str, dict[str, Any]]]:
+        out = [] if self._open is not None and self._open["type"] == "message" else self._message()
+        self._text += text
+        return [*out, ("response.output_text.delta", {"item_id": self.items[-1]["id"],
+                                                       "output_index": len(self.items) - 1, "content_index": 0,
+                                                       "delta": text, "logprobs": []})]
+
+    def _call(self, call_id: str, name: str) -> list[tuple[str, dict[str, Any]]]:
+        out = self._end_item("completed")
+        return out + self._add({"id": new_item_id("fc"), "type": "function_call", "status": "in_progress",
+                                "call_id": call_id, "name": name, "arguments": ""})
+
+    def _arguments(self, piece: str) -> list[tuple[str, dict[str, Any]]]:
+        if self._open is None:
+            return []
+        self._open["arguments"] += piece
+        return [("response.function_call_arguments.delta", {
+            "item_id": self._open["id"], "output_index": len(self.items) - 1, "delta": piece})]
+
+    def _auto(self, events: list[tuple[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
+        out: list[tuple[str, dict[str, Any]]] = []
+        for kind, value in events:
+            if kind == "content":
+                out += self._content(value)
+            else:
+                out += self._call(value["id"], value["function"]["name"])
+                out += self._arguments(value["function"]["arguments"]) + self._end_item("completed")
+        return out
+
     def feed(self, text: str) -> list[tuple[str, dict[str, Any]]]:
         if not text:
             return []
+        if self.auto is not None:
+            return self._auto(self.auto.feed(text))
         if self.reader is None:
-            self._text += text
-            return [("response.output_text.delta", {"item_id": self.items[0]["id"], "output_index": 0,
-                                                    "content_index": 0, "delta": text, "logprobs": []})]
+            return self._content(text)
         out: list[tuple[str, dict[str, Any]]] = []
         for d in self.reader.feed(text):
             if "id" in d:           # a new call: the one before it is complete
-                out += self._end_item("completed")
-                out += self._add({"id": new_item_id("fc"), "type": "function_call", "status": "in_progress",
-                                  "call_id": d["id"], "name": d["function"]["name"], "arguments": ""})
-            elif self._open is not None:
-                piece = d["function"]["arguments"]
-                self._open["arguments"] += piece
-                out.append(("response.function_call_arguments.delta", {
-                    "item_id": self._open["id"], "output_index": len(self.items) - 1, "delta": piece}))
+                out += self._call(d["id"], d["function"]["name"])
+            else:
+                out += self._arguments(d["function"]["arguments"])
         return out
 
     def close(self, finish_reason: str | None) -> list[tuple[str, dict[str, Any]]]:
         """The answer ended (`finish_reason` "length": cut by max_output_tokens)."""
+        self.cut = finish_reason == "length"
+        if self.auto is not None:
+            out = self._auto(self.auto.finish())
+            if not self.items:          # nothing written: one empty message, as for free text
+                out += self._message()
+            return out + self._end_item("incomplete" if finish_reason == "length" else "completed")
         return self._end_item("incomplete" if finish_reason == "length" else "completed")
 
     def _end_item(self, status: str) -> list[tuple[str, dict[str, Any]]]:
@@ -119,7 +159,7 @@ class OutputWriter:
 
     @property
     def incomplete(self) -> bool:
-        return any(item["status"] == "incomplete" for item in self.items) or (
+        return self.cut or (
             self.reader is not None and not self.items)
 
 

@@ -4,9 +4,10 @@ back out of the output in OpenAI's shape (whole, or as streamed `delta.tool_call
 A call is written as compact JSON, `{"name": <function name>, "arguments": <arguments>}`,
 or a list of them when parallel calls are allowed. With `tool_choice` `required` or a named
 function, decoding is held to exactly that (`ToolPlan.schema`: each tool's own parameters
-schema for its arguments), so the answer always parses into `tool_calls`. With `auto`,
-decoding is free and the text is returned as `content`: no calls are parsed out of free
-text. With `none`, the tools are not shown to the model.
+schema for its arguments), so the answer parses into `tool_calls` (cut by max_tokens: the
+calls so far, finish_reason "length", streamed or not). With `auto`, decoding is free and
+calls are read out of the text (gateway/auto_calls.py); the rest is `content`. With `none`,
+the tools are not shown to the model.
 
 Prompts: a chat template that renders `tools` (HF's `tools=`) gets them, and the
 conversation's assistant `tool_calls` and `tool` messages as they are. Otherwise the tools
@@ -20,10 +21,10 @@ from __future__ import annotations
 import copy
 import json
 import re
-import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
+from lockgate.gateway.auto_calls import new_call_id, read_auto
 from lockgate.gateway.errors import APIError
 from lockgate.gateway.protocol import ChatMessage, Tool
 
@@ -47,6 +48,15 @@ class ToolPlan:
         return self.choice not in ("none", "auto")
 
     @property
+    def auto(self) -> bool:
+        """Is the answer free text that calls are read out of (`auto`)?"""
+        return self.choice == "auto"
+
+    @property
+    def names(self) -> frozenset[str]:
+        return frozenset(t.function.name for t in self.tools)
+
+    @property
     def parallel_calls(self) -> bool:
         return self.parallel and self.choice == "required"
 
@@ -55,7 +65,8 @@ class ToolPlan:
         or with parallel calls a list of 1..MAX_PARALLEL_CALLS. Each tool's parameters sit in
         `$defs` (their own `$ref`s rebased there), so a schema with references keeps working."""
         tools = [(i, t) for i, t in enumerate(self.tools) if self.choice in ("required", t.function.name)]
-        defs = {f"tool{i}": rebase_refs(parameters_of(t), f"#/$defs/tool{i}") for i, t in tools}
+        defs = {f"tool{i}": closed(rebase_refs(parameters_of(t), f"#/$defs/tool{i}"), t.function.strict is True)
+                for i, t in tools}
         calls = [{"type": "object",
                   "properties": {"name": {"const": t.function.name}, "arguments": {"$ref": f"#/$defs/tool{i}"}},
                   "required": ["name", "arguments"], "additionalProperties": False} for i, t in tools]
@@ -67,6 +78,30 @@ class ToolPlan:
 
 def parameters_of(tool: Tool) -> dict[str, Any]:
     return tool.function.parameters if tool.function.parameters is not None else NO_ARGUMENTS
+
+
+_NOT_SCHEMAS = ("enum", "const", "default", "examples")     # values, not subschemas
+
+
+def closed(schema: Any, strict: bool) -> Any:
+    """A forced call's arguments schema with every object closed, so that decoding ends the
+    object: extra keys only where the schema itself allows them (`additionalProperties`
+    given), and with `strict` (OpenAI's strict mode) none at all and every property required."""
+    out = copy.deepcopy(schema)
+    stack = [out]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            if node.get("type") == "object" or isinstance(node.get("properties"), dict):
+                if strict:
+                    node["additionalProperties"] = False
+                    node["required"] = list(node.get("properties") or {})
+                else:
+                    node.setdefault("additionalProperties", False)
+            stack.extend(v for k, v in node.items() if k not in _NOT_SCHEMAS)
+        elif isinstance(node, list):
+            stack.extend(node)
+    return out
 
 
 def rebase_refs(schema: Any, base: str) -> Any:
@@ -166,10 +201,6 @@ def _loads(arguments: str) -> Any:
 
 
 # -- the answer ----------------------------------------------------------------------------------
-def new_call_id() -> str:
-    return "call_" + secrets.token_hex(12)
-
-
 @dataclass(slots=True)
 class ToolCallReader:
     """Reads a forced answer's text (compact JSON, as the grammar writes it) as it grows:
@@ -253,10 +284,22 @@ def read_tool_calls(text: str) -> list[dict[str, Any]] | None:
 
 
 def chat_message(text: str, finish_reason: str | None, plan: ToolPlan | None) -> tuple[dict[str, Any], str | None]:
-    """A choice's message and finish reason: a forced answer that completed is its calls
-    (`content` null, finish_reason "tool_calls"); anything else is text."""
-    if plan is not None and plan.forced and finish_reason == "stop":
-        calls = read_tool_calls(text)
-        if calls is not None:
-            return {"role": "assistant", "content": None, "refusal": None, "tool_calls": calls}, "tool_calls"
+    """A choice's message and finish reason, as its stream gives them (serving/chat.py
+    `chat_chunks`): a forced answer is its calls (`content` null; finish_reason "tool_calls"
+    once complete, else "length": the calls read so far, the last one's arguments cut short);
+    under `auto`, the calls read out of the text (gateway/auto_calls.py) and the rest as
+    content; anything else is text."""
+    if plan is not None and plan.forced:
+        complete = finish_reason == "stop" and read_tool_calls(text) is not None
+        reader = ToolCallReader()
+        reader.feed(text)
+        message: dict[str, Any] = {"role": "assistant", "content": None, "refusal": None}
+        if reader.calls:
+            message["tool_calls"] = reader.tool_calls()
+        return message, "tool_calls" if complete else finish_reason
+    if plan is not None and plan.auto:
+        content, calls = read_auto(text, plan.names)
+        if calls:
+            return ({"role": "assistant", "content": content or None, "refusal": None, "tool_calls": calls},
+                    "tool_calls" if finish_reason == "stop" else finish_reason)
     return {"role": "assistant", "content": text, "refusal": None}, finish_reason

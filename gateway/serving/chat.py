@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 
 from lockgate.engine import RequestOutput
 from lockgate.gateway import structured
+from lockgate.gateway.auto_calls import AutoCallReader
 from lockgate.gateway.errors import APIError
 from lockgate.gateway.model_directory import ModelEntry
 from lockgate.gateway.protocol import ChatCompletionRequest
@@ -58,8 +59,10 @@ async def chat_job(settings: Settings, tokenize: TokenizePool, req: ChatCompleti
 async def chat_chunks(run: RequestRun, h: Head, top: int, include_usage: bool, n: int,
                       plan: ToolPlan | None = None) -> AsyncIterator[bytes]:
     """Content deltas; or, when the answer is forced to be tool calls, `delta.tool_calls`
-    (each call's id and name, then pieces of its arguments) and finish_reason "tool_calls"."""
+    (each call's id and name, then pieces of its arguments) and finish_reason "tool_calls";
+    under `auto`, content with the calls read out of it, each whole once recognized."""
     readers = [ToolCallReader() for _ in range(n)] if plan is not None and plan.forced else None
+    autos = [AutoCallReader(plan.names) for _ in range(n)] if plan is not None and plan.auto else None
     sent_tokens = [0] * n
     ended = [False] * n      # the engine's outputs keep an ended sample: its reason is said once
     for i in range(n):
@@ -80,8 +83,26 @@ async def chat_chunks(run: RequestRun, h: Head, top: int, include_usage: bool, n
                 delta = {"tool_calls": calls} if calls else {}
                 if finish_reason == "stop" and readers[c.index].calls:
                     finish_reason = "tool_calls"
-                if not (calls or finish_reason or (lp and lp["content"])):
-                    continue
+            elif autos is not None:
+                delta, finish_reason = auto_delta(autos[c.index], c.delta_text, finish_reason)
+            if (readers or autos) and not (delta or finish_reason or (lp and lp["content"])):
+                continue
             choice = ChatChunkChoice(index=c.index, delta=delta, logprobs=lp, finish_reason=finish_reason)
             yield sse(chunk("chat", h, [choice], chunk_usage(run, include_usage)))
             run.mark_sent(0, c.index, len(c.token_ids))
+
+
+def auto_delta(reader: AutoCallReader, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
+    """Under `auto`: the delta of what `text` settles (held-back text released at the end)."""
+    before = len(reader.calls)
+    events = reader.feed(text) + (reader.finish() if finish_reason else [])
+    delta: dict = {}
+    content = "".join(v for kind, v in events if kind == "content")
+    if content:
+        delta["content"] = content
+    calls = [{"index": before + k, **v} for k, v in enumerate(v for kind, v in events if kind == "call")]
+    if calls:
+        delta["tool_calls"] = calls
+    if finish_reason == "stop" and reader.calls:
+        finish_reason = "tool_calls"
+    return delta, finish_reason

@@ -54,7 +54,7 @@ from lockgate.gateway.serving.run import RequestRun
 from lockgate.gateway.serving.ticket import admitted, ratelimit_headers
 from lockgate.gateway.serving.tiers import usage_status
 from lockgate.gateway.state import AppState
-from lockgate.gateway.tool_calls import tool_plan
+from lockgate.gateway.tool_calls import ToolPlan, tool_plan
 from lockgate.tenancy import stored_responses
 from lockgate.tenancy.auth import Principal
 from lockgate.tenancy.errors import NotFound
@@ -188,7 +188,7 @@ class Answer:
     tenant_id: str
     req: ResponsesRequest
     items: list[dict[str, Any]]       # the request's input items, as stored
-    forced_calls: bool
+    plan: ToolPlan | None             # the tools and how the answer may use them
 
     async def keep(self, body: dict[str, Any]) -> None:
         """Store the response (`store`, the default); 503 when the database does not take it."""
@@ -227,7 +227,7 @@ async def serve_responses(request: Request, state: AppState, principal: Principa
                                                   ChatCompletionRequest, ())
             job = await chat_job(state.settings, state.tokenize, chat_req, entry)
         plan = tool_plan(chat_req.tools, chat_req.tool_choice, chat_req.parallel_tool_calls)
-        answer = Answer(state, tenant_id, req, stored, plan is not None and plan.forced)
+        answer = Answer(state, tenant_id, req, stored, plan)
         return await respond(request, RequestRun(ticket, entry, tier, job.inputs), answer, tier)
 
 
@@ -251,7 +251,7 @@ async def respond(request: Request, run: RequestRun, answer: Answer, tier: str) 
     async def collect() -> JSONResponse:
         async for _ in run.events():
             pass
-        writer = OutputWriter(answer.forced_calls)
+        writer = OutputWriter(answer.plan)
         writer.start()
         final = run.finals.get(0)
         if final is not None and final.outputs:
@@ -280,7 +280,7 @@ async def events(run: RequestRun, answer: Answer, head: dict[str, Any]) -> Async
     headers went out, or a cut, is `response.failed` with its error; any ending but success
     (a disconnect included) still finishes the run, shielded, with the tokens sent so far."""
     seq = itertools.count()
-    writer = OutputWriter(answer.forced_calls)
+    writer = OutputWriter(answer.plan)
     status = "cancelled"
     try:
         for kind in ("response.created", "response.in_progress"):
