@@ -1,7 +1,7 @@
 """The README's Python examples run as printed: every ```python block of "## Calling it"
 (its subsections included), in order and in one namespace, against a live `lockgate serve`
 of the demo model, with only the README's address swapped for the server's; and the
-"## Using the engine" blocks against a demo model directory."""
+"## Using the engine" blocks against a demo model directory and a demo LoRA adapter."""
 
 from __future__ import annotations
 
@@ -9,8 +9,10 @@ import ast
 import asyncio
 import json
 import re
+import shutil
 from pathlib import Path
 
+from tests.support import lora
 from tests.support.gateway_server import running_server
 from tests.support.helpers import demo_model
 
@@ -78,11 +80,19 @@ def test_calling_it_blocks_run_as_printed(tmp_path, monkeypatch, capsys):
 
 
 def test_using_the_engine_blocks_run_as_printed(tmp_path, monkeypatch):
-    """The LLM and AsyncEngine blocks; the LoRA block's adapter directory is not provided."""
+    """LLM, AsyncEngine and the LoRA variant, a demo model for the README's model paths and a
+    demo adapter as its `adapters/sql`."""
     blocks = python_blocks("Using the engine")
-    assert len(blocks) >= 2, len(blocks)
+    assert len(blocks) == 3, len(blocks)
+    shutil.copytree(lora.source("pub"), tmp_path / "adapters" / "sql")
     monkeypatch.chdir(tmp_path)
-    ns: dict = {"__name__": "__readme__"}
     model = demo_model()
-    run_blocks([b.replace("path/to/hf-model-dir", model) for b in blocks[:2]], ns)
-    assert ns["outs"][0].outputs[0].token_ids
+    ns: dict = {"__name__": "__readme__"}
+    after = run_blocks([b.replace('"path/to/hf-model-dir"', repr(model)).replace('"base-dir"', repr(model))
+                        for b in blocks], ns)
+    assert after[0]["outs"][0].outputs[0].token_ids
+    outs = ns["outs"]   # the LoRA block's: the adapter's row and the bare base's
+    assert len(outs) == 2 and all(o.outputs[0].token_ids for o in outs)
+    for out, adapter in zip(outs, (str(lora.source("pub")), None), strict=True):   # greedy, as HF + peft
+        tokens = list(out.outputs[0].token_ids)
+        assert tokens == lora.peft_greedy(model, adapter, list(out.prompt_token_ids), len(tokens))
