@@ -34,19 +34,22 @@ class DevicesShort(ValueError):
     """The cluster lends fewer devices than the pool's workers need."""
 
 
-def pool_workers(devices: int, tensor_parallel_size: int, asked: int | None) -> int:
+def pool_workers(node_devices: list[int], tensor_parallel_size: int, asked: int | None) -> int:
     """How many workers the pool starts: `asked`, or as many groups of `tensor_parallel_size`
-    devices as the cluster's `devices` hold (one with no devices advertised: a worker on the
-    CPU then takes no device). Refused when they do not fit, rather than actors left pending."""
+    devices as the nodes' devices hold (`node_devices`: each node's; a group never spans
+    nodes). One when no node advertises devices (a worker on the CPU then takes none).
+    Refused when they do not fit, rather than actors left pending."""
     tp = max(1, tensor_parallel_size)
+    devices = sum(node_devices)
     if devices <= 0:
         return asked or 1
-    fit = devices // tp
+    fit = sum(d // tp for d in node_devices)
     n = asked or fit
-    if n < 1 or n * tp > devices:
+    if n < 1 or n > fit:
         raise DevicesShort(
-            f"the cluster lends {devices} lockgate_device unit(s); {max(n, 1)} worker(s) of "
-            f"tensor_parallel_size {tp} need {max(n, 1) * tp} (at most {fit} worker(s) fit)")
+            f"the cluster lends {devices} lockgate_device unit(s) on {len(node_devices)} node(s) "
+            f"({', '.join(map(str, node_devices))}); {max(n, 1)} worker(s) of tensor_parallel_size {tp} "
+            f"need {max(n, 1) * tp} on nodes of {tp} or more (at most {fit} worker(s) fit)")
     return n
 
 

@@ -68,6 +68,15 @@ def connect(address: str, namespace: str, *, num_cpus: int | None = None,
     return dict(ray.cluster_resources())
 
 
+def node_devices() -> list[int]:
+    """The `lockgate_device` units each live node of the cluster lends (nodes lending none
+    left out)."""
+    import ray
+
+    per = [int(n.get("Resources", {}).get(DEVICE, 0)) for n in ray.nodes() if n.get("Alive")]
+    return [d for d in per if d > 0]
+
+
 def worker_handle(name: str, namespace: str, worker_id: str, models: dict[str, str],
                   engine_kwargs: dict[str, Any], *, threads: int, owner_ttl_s: float,
                   devices: int) -> Any:

@@ -85,10 +85,11 @@ class Pool:
 
         c = self.config
         tp = max(1, int(c.engine_kwargs.get("tensor_parallel_size", 1)))
-        resources = await asyncio.to_thread(remote.connect, c.address, c.namespace, min_devices=tp)
+        await asyncio.to_thread(remote.connect, c.address, c.namespace, min_devices=tp)
         self.failures = remote.actor_failures()
-        devices = int(resources.get(remote.DEVICE, 0))
-        self.names = [f"lockgate-worker-{i}" for i in range(pool_workers(devices, tp, c.workers))]
+        nodes = await self._bounded(asyncio.to_thread(remote.node_devices))
+        devices = sum(nodes)
+        self.names = [f"lockgate-worker-{i}" for i in range(pool_workers(nodes, tp, c.workers))]
         for name in self.names:
             self.handles[name] = remote.worker_handle(
                 name, c.namespace, name, c.models, c.engine_kwargs, threads=c.threads,
