@@ -168,11 +168,15 @@ class _PoolCollector(Collector):
                                labels=["worker"])
         restarts = CounterMetricFamily("lockgate_pool_worker_restarts", "Worker restarts this replica saw",
                                        labels=["worker"])
+        devices = GaugeMetricFamily("lockgate_pool_worker_devices",
+                                    "Devices a pool worker holds (a tensor-parallel group: its size)",
+                                    labels=["worker"])
         for name, w in self._snapshot().get("workers", {}).items():
+            devices.add_metric([name], w.get("devices", 0))
             loras.add_metric([name], len(w["loras"]))
             up.add_metric([name], 0.0 if w["down"] else 1.0)
             restarts.add_metric([name], w["restarts"])
-        yield from (loras, up, restarts)
+        yield from (loras, up, restarts, devices)
 
 
 class _LimiterCollector(Collector):

@@ -17,6 +17,10 @@ in and out). The rules, online demand first:
   turn and drain rules keep a single worker from thrashing).
 
 Every change is kept with its reason (`decisions`), which `/admin/v1/engine` shows.
+
+A worker may be a tensor-parallel group: it holds `tensor_parallel_size` devices (Ray's
+`lockgate_device` units, all on one node: its ranks are processes beside it) and is placed,
+routed to and reported as one worker; `pool_workers` counts how many the cluster's devices hold.
 """
 
 from __future__ import annotations
@@ -24,6 +28,29 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
+
+
+class DevicesShort(ValueError):
+    """The cluster lends fewer devices than the pool's workers need."""
+
+
+def pool_workers(node_devices: list[int], tensor_parallel_size: int, asked: int | None) -> int:
+    """How many workers the pool starts: `asked`, or as many groups of `tensor_parallel_size`
+    devices as the nodes' devices hold (`node_devices`: each node's; a group never spans
+    nodes). One when no node advertises devices (a worker on the CPU then takes none).
+    Refused when they do not fit, rather than actors left pending."""
+    tp = max(1, tensor_parallel_size)
+    devices = sum(node_devices)
+    if devices <= 0:
+        return asked or 1
+    fit = sum(d // tp for d in node_devices)
+    n = asked or fit
+    if n < 1 or n > fit:
+        raise DevicesShort(
+            f"the cluster lends {devices} lockgate_device unit(s) on {len(node_devices)} node(s) "
+            f"({', '.join(map(str, node_devices))}); {max(n, 1)} worker(s) of tensor_parallel_size {tp} "
+            f"need {max(n, 1) * tp} on nodes of {tp} or more (at most {fit} worker(s) fit)")
+    return n
 
 
 @dataclass

@@ -7,6 +7,7 @@ import os
 from typing import Any
 
 from lockgate.engine.pool.placement import Placement
+from lockgate.engine.pool.worker import EngineWorker
 
 DEVICE = "lockgate_device"      # the custom resource a node advertises per device it lends
 
@@ -37,9 +38,20 @@ class PlacementHolder:
         return self.placement.snapshot()
 
 
-def connect(address: str, namespace: str, *, num_cpus: int | None = None) -> dict[str, float]:
+class RayEngineWorker(EngineWorker):
+    """The worker as a Ray actor: the devices it reports are those Ray assigned it."""
+
+    def held_devices(self) -> int:
+        import ray
+
+        return int(ray.get_runtime_context().get_assigned_resources().get(DEVICE, 0))
+
+
+def connect(address: str, namespace: str, *, num_cpus: int | None = None,
+            min_devices: int = 1) -> dict[str, float]:
     """Join the Ray cluster at `address` ("auto": start a local one, with one device per
-    core pair unless the machine advertises its own) under `namespace`; returns the
+    core pair, at least `min_devices` (on the CPU a device is a share of the cores: a
+    tensor-parallel worker needs as many as its ranks)) under `namespace`; returns the
     cluster's resources. Blocking: call it on a worker thread."""
     import ray
 
@@ -49,30 +61,40 @@ def connect(address: str, namespace: str, *, num_cpus: int | None = None) -> dic
         if address == "auto":
             # a local Ray on loopback only, with Ray's token authentication on
             cpus = num_cpus or os.cpu_count() or 1
-            ray.init(num_cpus=cpus, resources={DEVICE: max(1, cpus // 2)},
+            ray.init(num_cpus=cpus, resources={DEVICE: max(1, min_devices, cpus // 2)},
                      _node_ip_address="127.0.0.1", **kw)
         else:
             ray.init(address=address, **kw)
     return dict(ray.cluster_resources())
 
 
-def worker_handle(name: str, namespace: str, worker_id: str, models: dict[str, str],
-                  engine_kwargs: dict[str, Any], *, threads: int, owner_ttl_s: float,
-                  use_device: bool) -> Any:
-    """The named worker actor `name` (created by the first gateway replica that asks, with
-    these arguments; later ones get the same actor). Ray restarts it if its process dies."""
+def node_devices() -> list[int]:
+    """The `lockgate_device` units each live node of the cluster lends (nodes lending none
+    left out)."""
     import ray
 
-    from lockgate.engine.pool.worker import EngineWorker
+    per = [int(n.get("Resources", {}).get(DEVICE, 0)) for n in ray.nodes() if n.get("Alive")]
+    return [d for d in per if d > 0]
 
-    cls = ray.remote(EngineWorker)
+
+def worker_handle(name: str, namespace: str, worker_id: str, models: dict[str, str],
+                  engine_kwargs: dict[str, Any], *, threads: int, owner_ttl_s: float,
+                  devices: int) -> Any:
+    """The named worker actor `name` (created by the first gateway replica that asks, with
+    these arguments; later ones get the same actor). Ray restarts it if its process dies.
+    A tensor-parallel worker holds `devices` (its TP size; 0: the cluster lends none) and
+    `threads` CPUs per rank, all on one node: its ranks are processes beside the actor."""
+    import ray
+
+    ranks = max(1, int(engine_kwargs.get("tensor_parallel_size", 1)))
+    cls = ray.remote(RayEngineWorker)
     opts: dict[str, Any] = {"name": name, "namespace": namespace, "get_if_exists": True,
                             "lifetime": "detached", "max_restarts": -1, "max_task_retries": 0,
-                            "num_cpus": threads, "max_concurrency": 1000}
-    if use_device:
-        opts["resources"] = {DEVICE: 1}
+                            "num_cpus": threads * ranks, "max_concurrency": 1000}
+    if devices > 0:
+        opts["resources"] = {DEVICE: devices}
     return cls.options(**opts).remote(worker_id, models, engine_kwargs, threads=threads,
-                                      owner_ttl_s=owner_ttl_s)
+                                      owner_ttl_s=owner_ttl_s, devices=devices)
 
 
 def placement_handle(namespace: str, workers: list[str], capacity: dict[str, int],

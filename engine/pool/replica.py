@@ -22,6 +22,7 @@ from lockgate.engine.binding import ModelBinding
 from lockgate.engine.client import Prompt, RequestStream, SubmitOptions
 from lockgate.engine.errors import EngineDead
 from lockgate.engine.lora_files import Adapter, LoRARequest
+from lockgate.engine.pool.placement import pool_workers
 from lockgate.engine.pool.router import Router, prefix_chain, unpack_summary
 from lockgate.engine.pool.stream import RemoteStream, prompt_ids
 from lockgate.engine.pool.worker import WorkerReport
@@ -83,15 +84,16 @@ class Pool:
         from lockgate.engine.pool import remote
 
         c = self.config
-        resources = await asyncio.to_thread(remote.connect, c.address, c.namespace)
+        tp = max(1, int(c.engine_kwargs.get("tensor_parallel_size", 1)))
+        await asyncio.to_thread(remote.connect, c.address, c.namespace, min_devices=tp)
         self.failures = remote.actor_failures()
-        devices = int(resources.get(remote.DEVICE, 0))
-        n = c.workers or max(1, devices)
-        self.names = [f"lockgate-worker-{i}" for i in range(n)]
+        nodes = await self._bounded(asyncio.to_thread(remote.node_devices))
+        devices = sum(nodes)
+        self.names = [f"lockgate-worker-{i}" for i in range(pool_workers(nodes, tp, c.workers))]
         for name in self.names:
             self.handles[name] = remote.worker_handle(
                 name, c.namespace, name, c.models, c.engine_kwargs, threads=c.threads,
-                owner_ttl_s=c.owner_ttl_s, use_device=devices > 0)
+                owner_ttl_s=c.owner_ttl_s, devices=tp if devices > 0 else 0)
         starts = [self._bounded(h.start.remote(), c.start_timeout_s) for h in self.handles.values()]
         for name, report in zip(self.names, await asyncio.gather(*starts), strict=True):
             self._take_summary(name, report)
@@ -327,7 +329,8 @@ class Pool:
 def _report_dict(r: WorkerReport) -> dict:
     return {"node": r.node, "pid": r.pid, "models": r.models, "loras": r.loras,
             "waiting": r.waiting, "running": r.running, "kv_used": r.kv_used,
-            "kv_total": r.kv_total, "owned": r.owned, "capacity": r.capacity, "at": r.at}
+            "kv_total": r.kv_total, "owned": r.owned, "capacity": r.capacity, "at": r.at,
+            "tensor_parallel_size": r.tensor_parallel_size, "devices": r.devices}
 
 
 def _summed(parts: list[EngineStats], workers: WorkerPoolStats) -> EngineStats:

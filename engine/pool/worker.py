@@ -1,6 +1,8 @@
 """`EngineWorker`: one device's engine in a Ray actor (engine/pool/__init__.py has the pool).
 
-A worker owns one device (on a CPU machine: a share of its cores, `threads`) and serves every
+A worker owns one device (on a CPU machine: a share of its cores, `threads`), or a
+tensor-parallel group's `tensor_parallel_size` devices (its engine's rank 0 here, ranks
+1..N-1 processes it spawns, `threads` each), and serves every
 model of the pool from one `AsyncEngine` over a `ModelPool` under its memory budget, so the
 models it is asked for take turns on its device by demand. Its methods are what a gateway
 replica calls through Ray:
@@ -64,6 +66,8 @@ class WorkerReport:
     prefix_version: int = 0                     # the PrefixSummary's version
     prefixes: bytes | None = field(repr=False, default=None)   # its keys; None: unchanged
     prefix_blocks: int = 0                      # how many it holds
+    tensor_parallel_size: int = 1               # ranks of its engine (one worker however many)
+    devices: int = 0                            # lockgate_device units it holds (0: none lent)
 
     def load(self, service_class: str) -> int:
         """Work ahead of a new request of `service_class` here (every class: the step is shared)."""
@@ -85,7 +89,7 @@ DEFAULT_SUMMARY_BLOCKS = 16_384     # prefix blocks a summary holds before its e
 
 class EngineWorker:
     def __init__(self, worker_id: str, models: dict[str, str], engine_kwargs: dict[str, Any],
-                 *, threads: int = 1, owner_ttl_s: float = 10.0) -> None:
+                 *, threads: int = 1, owner_ttl_s: float = 10.0, devices: int = 0) -> None:
         if not models:
             raise ValueError("models: a worker serves at least one model")
         self.worker_id = worker_id
@@ -93,6 +97,8 @@ class EngineWorker:
         self.engine_kwargs = dict(engine_kwargs)
         self.threads = threads
         self.owner_ttl_s = owner_ttl_s
+        self.devices = devices
+        self.tensor_parallel_size = max(1, int(self.engine_kwargs.get("tensor_parallel_size", 1)))
         self.engine: Any = None
         self._owned: dict[str, str] = {}          # request id -> owner (a gateway replica)
         self._seen: dict[str, float] = {}         # owner -> last keepalive (monotonic)
@@ -117,6 +123,8 @@ class EngineWorker:
             torch.set_num_threads(self.threads)
             (first, path), *rest = self.models.items()
             kw = dict(self.engine_kwargs)
+            if self.tensor_parallel_size > 1:     # each rank its share, not the cores all over
+                kw.setdefault("num_threads", self.threads)
             if rest:
                 kw["models"] = {n: p for n, p in rest}
             engine = AsyncEngine(path, served_model_name=first, **kw)
@@ -129,6 +137,10 @@ class EngineWorker:
 
     def pid(self) -> int:
         return os.getpid()
+
+    def held_devices(self) -> int:
+        """The devices this worker holds (as Ray assigned them, in the actor)."""
+        return self.devices
 
     # -- requests --------------------------------------------------------------------------------
     async def generate(self, owner: str, prompt: Any, params: SamplingParams, request_id: str,
@@ -198,7 +210,8 @@ class EngineWorker:
             started=self.engine is not None, at=time.time(),
             stats=s, prefix_version=self.prefixes.version,
             prefixes=None if prefix_version == self.prefixes.version else self.prefixes.packed(),
-            prefix_blocks=len(self.prefixes))
+            prefix_blocks=len(self.prefixes), tensor_parallel_size=self.tensor_parallel_size,
+            devices=self.held_devices())
 
     # -- admin ------------------------------------------------------------------------------------
     async def add_lora(self, lora_request: LoRARequest) -> Adapter:

@@ -292,3 +292,26 @@ async def test_a_restarted_or_returning_worker_gets_the_pools_adapters_and_weigh
     await pool.refresh()
     assert "w0" not in pool.down
     assert [c[0] for c in w0.calls if c[0] not in ("report", "remove_lora")] == ["set_tenant_weight"]
+
+
+def test_pool_workers_counts_each_tensor_parallel_workers_devices():
+    from lockgate.engine.pool.placement import DevicesShort, pool_workers
+
+    assert pool_workers([4], 2, None) == 2               # two TP=2 groups on a node of four
+    assert pool_workers([3, 2], 2, None) == 2            # the third device holds no group
+    assert pool_workers([1, 1], 1, None) == 2
+    assert pool_workers([4], 2, 1) == 1
+    assert pool_workers([], 2, None) == 1                # no devices advertised: one worker
+    with pytest.raises(DevicesShort, match=r"lends 2 lockgate_device unit\(s\) on 2 node\(s\) \(1, 1\); "
+                                           r"1 worker\(s\) of tensor_parallel_size 2 need 2 on nodes of 2 "
+                                           r"or more \(at most 0 worker\(s\) fit\)"):
+        pool_workers([1, 1], 2, None)                    # a group never spans nodes
+    with pytest.raises(DevicesShort, match=r"3 worker\(s\) of tensor_parallel_size 2 need 6"):
+        pool_workers([4], 2, 3)
+
+
+def test_a_tensor_parallel_worker_reports_its_size_and_devices_as_one_worker():
+    w = EngineWorker("w", {"a": demo_model("llama", "tiny", 0)}, {"tensor_parallel_size": 2}, devices=2)
+    r = w.report()
+    assert (r.worker_id, r.tensor_parallel_size, r.devices) == ("w", 2, 2)
+    assert EngineWorker("w", {"a": "x"}, {}).report().tensor_parallel_size == 1
