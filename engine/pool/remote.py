@@ -59,9 +59,10 @@ def connect(address: str, namespace: str, *, num_cpus: int | None = None,
         kw: dict[str, Any] = {"namespace": namespace, "include_dashboard": False,
                               "log_to_driver": False, "configure_logging": False}
         if address == "auto":
-            # a local Ray on loopback only, with Ray's token authentication on
+            # a local Ray on loopback only, with Ray's token authentication on; "local": a Ray
+            # of its own even where another runs on this machine (ray.init would join that one)
             cpus = num_cpus or os.cpu_count() or 1
-            ray.init(num_cpus=cpus, resources={DEVICE: max(1, min_devices, cpus // 2)},
+            ray.init(address="local", num_cpus=cpus, resources={DEVICE: max(1, min_devices, cpus // 2)},
                      _node_ip_address="127.0.0.1", **kw)
         else:
             ray.init(address=address, **kw)
