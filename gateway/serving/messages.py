@@ -22,7 +22,7 @@ from typing import Any
 
 import anyio
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from lockgate.gateway import structured
 from lockgate.gateway.anthropic_errors import sse_error
@@ -40,7 +40,7 @@ from lockgate.gateway.model_directory import ModelEntry
 from lockgate.gateway.protocol import ChatCompletionRequest, parse, read_json
 from lockgate.gateway.serving.chat import chat_job
 from lockgate.gateway.serving.prepare import resolve_model, resolve_tier, tokenizer_error
-from lockgate.gateway.serving.respond import check_draining, run_or_disconnect
+from lockgate.gateway.serving.respond import answer_whole, check_draining
 from lockgate.gateway.serving.run import RequestRun
 from lockgate.gateway.serving.ticket import admitted, ratelimit_headers
 from lockgate.gateway.serving.tiers import usage_status
@@ -125,26 +125,12 @@ async def respond_message(request: Request, run: RequestRun, req: MessagesReques
             await asyncio.shield(run.finish(usage_status(exc)))
         raise
 
-    async def collect() -> JSONResponse:
-        async for _ in run.events():
-            pass
-        built: list[JSONResponse] = []
+    def body() -> dict[str, Any]:        # while the usage row is being committed
+        if run.usage is None:
+            raise RuntimeError(f"run {run.id} finished without its usage")
+        return message_body(run.id, req.model, run.finals[0].outputs[0], run.usage, run.tier, plan, stops)
 
-        def build() -> None:        # while the usage row is being committed
-            if run.usage is None:
-                raise RuntimeError(f"run {run.id} finished without its usage")
-            body = message_body(run.id, req.model, run.finals[0].outputs[0], run.usage, run.tier, plan, stops)
-            built.append(JSONResponse(body, headers=headers))
-
-        await run.finish("ok", build)
-        return built[0]
-
-    try:
-        return await run_or_disconnect(request, run, collect())
-    except Exception as exc:    # one row by the usage rule (a no-op after `refuse` or `finish`)
-        with contextlib.suppress(APIError):
-            await asyncio.shield(run.finish(usage_status(exc)))
-        raise
+    return await answer_whole(request, run, body, headers)
 
 
 async def message_stream(run: RequestRun, events: MessageEvents) -> AsyncIterator[bytes]:

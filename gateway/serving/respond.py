@@ -6,8 +6,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable
-from typing import TypeVar
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
 
 import anyio
 from fastapi import Request
@@ -69,20 +69,25 @@ async def respond(request: Request, run: RequestRun, job: Job, req: SamplingBody
             await asyncio.shield(run.finish(usage_status(exc)))   # a no-op after refuse/finish
         raise
 
+    return await answer_whole(request, run, lambda: answer(job.kind, h, job.choices(run.finals), run.usage),
+                              headers)
+
+
+async def answer_whole(request: Request, run: RequestRun, body: Callable[[], dict[str, Any]],
+                       headers: dict[str, str]) -> Response:
+    """The JSON answer of a submitted run: its end awaited (a client that leaves aborts it),
+    ``body`` built while its usage row is committed; any failure ends the run with one row by
+    the usage rule (a no-op after `refuse` or `finish`)."""
     async def collect() -> JSONResponse:
         async for _ in run.events():
             pass
-        built: list[JSONResponse] = []
-
-        def build() -> None:        # while the usage row is being committed
-            built.append(JSONResponse(answer(job.kind, h, job.choices(run.finals), run.usage), headers=headers))
-
-        await run.finish("ok", build)
-        return built[0]
+        built: list[dict[str, Any]] = []
+        await run.finish("ok", lambda: built.append(body()))
+        return JSONResponse(built[0], headers=headers)
 
     try:
         return await run_or_disconnect(request, run, collect())
-    except Exception as exc:    # one row by the usage rule (a no-op after `refuse` or `finish`)
+    except Exception as exc:
         with contextlib.suppress(APIError):
             await asyncio.shield(run.finish(usage_status(exc)))
         raise
