@@ -234,13 +234,15 @@ class AsyncEngine(EngineClient, EngineAdmin):
         tenant_weight: float | None = None,
         lora_request: LoRARequest | None = None,
         sheddable: bool = True,
+        cache_hint: str | None = None,
     ) -> RequestStream:
         """Queue a request now (raising InvalidRequest, PromptTooLong or EngineOverloaded at once,
         before anything is queued) and return its stream of outputs. Must be called from
         the caller's event loop; `close()` the stream when done with it (it aborts the
         request if it has not finished). A `sheddable` request may later be shed to make
         room for more urgent work while it has sent nothing: its stream then raises
-        EngineOverloaded(shed=True) before any output (engine/admission.py)."""
+        EngineOverloaded(shed=True) before any output (engine/admission.py). `cache_hint` routes
+        a pool's requests (engine/client.py `SubmitOptions`); this engine's one cache needs none."""
         core = self._core
         if model is not None and model in self._variants:
             if lora_request is not None and lora_request != self._variants[model]:

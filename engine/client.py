@@ -28,8 +28,11 @@ Prompt = str | list[int] | dict[str, Any]
 class SubmitOptions(TypedDict, total=False):
     """A request's placement in the engine, as `submit` takes it by keyword: its tenant (the
     fairness and cache-isolation key), service class and priority within the tenant, the
-    model or adapter it runs on (None: the engine's default), its cache salt, and whether a
-    queued request may be shed for more urgent work (see engine/admission.py)."""
+    model or adapter it runs on (None: the engine's default), its cache salt, whether a
+    queued request may be shed for more urgent work (see engine/admission.py), and a cache
+    hint (OpenAI's `prompt_cache_key`): requests of one tenant with the same hint go to the
+    pool worker that served it before, where their common prefix is likely cached; it never
+    changes what is shared (that is the cache salt's) and one engine, with one cache, ignores it."""
 
     tenant: str
     service_class: str
@@ -37,6 +40,7 @@ class SubmitOptions(TypedDict, total=False):
     model: str | None
     cache_salt: str | None
     sheddable: bool
+    cache_hint: str | None
 
 
 class RequestStream:

@@ -16,9 +16,10 @@ Ray is imported only when a pool starts (`remote.py`); embedded serving never im
 
 from lockgate.engine.pool.placement import Placement
 from lockgate.engine.pool.replica import Pool, PoolConfig
-from lockgate.engine.pool.router import PrefixSummary, Router, prefix_chain, unpack_summary
+from lockgate.engine.pool.router import PrefixSummary, Router, prefix_chain, request_chain, unpack_summary
 from lockgate.engine.pool.stream import RemoteStream
 from lockgate.engine.pool.worker import EngineWorker, ModelFilesMissing, WorkerReport
 
 __all__ = ["EngineWorker", "ModelFilesMissing", "Placement", "Pool", "PoolConfig",
-           "PrefixSummary", "RemoteStream", "Router", "WorkerReport", "prefix_chain", "unpack_summary"]
+           "PrefixSummary", "RemoteStream", "Router", "WorkerReport", "prefix_chain", "request_chain",
+           "unpack_summary"]

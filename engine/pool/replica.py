@@ -23,7 +23,7 @@ from lockgate.engine.client import Prompt, RequestStream, SubmitOptions
 from lockgate.engine.errors import EngineDead
 from lockgate.engine.lora_files import Adapter, LoRARequest
 from lockgate.engine.pool.placement import pool_workers
-from lockgate.engine.pool.router import Router, prefix_chain, unpack_summary
+from lockgate.engine.pool.router import Router, request_chain, unpack_summary
 from lockgate.engine.pool.stream import RemoteStream, prompt_ids
 from lockgate.engine.pool.worker import WorkerReport
 from lockgate.engine.sampling_params import SamplingParams
@@ -231,13 +231,14 @@ class Pool:
         return self.route_chain(model, tenant, cache_salt, ids, exclude)[0]
 
     def route_chain(self, model: str, tenant: str, cache_salt: str | None, ids: list[int] | None,
-                    exclude: str | None = None) -> tuple[str, list[bytes]]:
+                    exclude: str | None = None, hint: str | None = None) -> tuple[str, list[bytes]]:
         """The worker for a request, and its prompt's prefix chain (which the worker adds to
-        the summary it reports, for every replica's router)."""
+        the summary it reports, for every replica's router), led by its cache hint's key when
+        it has one: the shortest "prefix", so any longer cached prefix still wins."""
         cands = self.candidates(model, exclude)
         if not cands:
             raise EngineDead("no pool worker is reachable")
-        chain = prefix_chain(f"{model}\0{tenant}\0{cache_salt or ''}", ids or [])
+        chain = request_chain(model, tenant, cache_salt, ids or [], hint)
         worker, _ = self.router.choose(cands, self.load, chain)
         return worker, chain
 
@@ -258,7 +259,7 @@ class Pool:
         base = self.adapters[name].base_model_name if name in self.adapters else name
         base = base or next(iter(self.config.models))
         worker, chain = self.route_chain(base, options.get("tenant", "default"), options.get("cache_salt"),
-                                         prompt_ids(prompt))
+                                         prompt_ids(prompt), hint=options.get("cache_hint"))
         kwargs = {"tenant": "default", "service_class": "online", "priority": 0, "cache_salt": None,
                   "sheddable": True, **options, "model": name}
         return RemoteStream(self, base, worker, prompt, sampling_params, request_id, kwargs, chain)

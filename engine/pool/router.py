@@ -40,6 +40,22 @@ def prefix_chain(salt: str, ids: Sequence[int], block: int = BLOCK,
     return out
 
 
+def hint_key(salt: str, hint: str) -> bytes:
+    """The routing key of a request's cache hint (OpenAI's `prompt_cache_key`) under `salt`
+    (model, tenant, cache salt): requests that share it go where it went before, even when
+    their prompts share less than a block, or differ in their first block; another tenant's
+    same hint is another key."""
+    return hashlib.blake2b(b"hint\0" + salt.encode() + b"\0" + hint.encode(), digest_size=16).digest()
+
+
+def request_chain(model: str, tenant: str, cache_salt: str | None, ids: Sequence[int],
+                  hint: str | None = None) -> list[bytes]:
+    """A request's routing chain: its prompt's prefix chain salted as the engine's cache is
+    (model, tenant, cache salt), led by its hint's key when it has one."""
+    salt = f"{model}\0{tenant}\0{cache_salt or ''}"
+    return ([hint_key(salt, hint)] if hint else []) + prefix_chain(salt, ids)
+
+
 SUMMARY_KEY = 8        # bytes of each chain digest a worker's summary keeps
 
 

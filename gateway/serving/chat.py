@@ -40,7 +40,8 @@ async def chat_job(settings: Settings, tokenize: TokenizePool, req: ChatCompleti
     top = req.top_logprobs or 0
     spec = await structured.constraint(settings, info, req, plan)
     params = sampling(req, max_tokens, top if req.logprobs else None, spec)
-    inputs = RunInputs([ids], [params], len(ids) + max_tokens * params.n, req.cache_salt, req.priority or 0)
+    inputs = RunInputs([ids], [params], len(ids) + max_tokens * params.n, req.cache_salt, req.priority or 0,
+                       req.prompt_cache_key)
 
     def choices(finals: dict[int, RequestOutput]) -> list[ChatChoice]:
         out: list[ChatChoice] = []

@@ -61,7 +61,8 @@ async def completion_job(settings: Settings, tokenize: TokenizePool, req: Comple
         reserve += len(ids) + mt * sp.n
     n = params_list[0].n
     top = req.logprobs or 0
-    inputs = RunInputs(ids_list, params_list, reserve, req.cache_salt, req.priority or 0)
+    inputs = RunInputs(ids_list, params_list, reserve, req.cache_salt, req.priority or 0,
+                       req.prompt_cache_key)
 
     def choices(finals: dict[int, RequestOutput]) -> list[CompletionChoice]:
         return [{"index": i * n + c.index, "text": c.text,

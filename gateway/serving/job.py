@@ -20,14 +20,15 @@ if TYPE_CHECKING:
 @dataclass(slots=True)
 class RunInputs:
     """What a run hands the engine: a prompt's token ids and sampling parameters each, the
-    tokens to reserve (prompts + every completion's max_tokens), and the request's own cache
-    salt and priority."""
+    tokens to reserve (prompts + every completion's max_tokens), the request's own cache
+    salt and priority, and its `prompt_cache_key` (a routing hint, `cache_hint` to the engine)."""
 
     prompts: list[list[int]]
     params: list[SamplingParams]
     reserve_tokens: int
     cache_salt: str | None = None
     priority: int = 0
+    cache_hint: str | None = None
 
 
 @dataclass(slots=True)

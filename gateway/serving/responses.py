@@ -143,7 +143,7 @@ def chat_body(req: ResponsesRequest, messages: list[dict[str, Any]]) -> dict[str
     body: dict[str, Any] = {"model": req.model, "messages": messages, "stream": bool(req.stream)}
     optional = {"max_completion_tokens": req.max_output_tokens, "temperature": req.temperature,
                 "top_p": req.top_p, "service_tier": req.service_tier, "user": req.user,
-                "parallel_tool_calls": req.parallel_tool_calls}
+                "parallel_tool_calls": req.parallel_tool_calls, "prompt_cache_key": req.prompt_cache_key}
     body.update({k: v for k, v in optional.items() if v is not None})
     tools = req.function_tools()
     if tools:

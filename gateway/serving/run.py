@@ -89,6 +89,7 @@ class RequestRun:
         self.reserve_tokens = inputs.reserve_tokens
         # the engine puts the tenant into every prefix-block hash: no sharing across tenants
         self.cache_salt = inputs.cache_salt
+        self.cache_hint = inputs.cache_hint
         self.id = ticket.id
         self.t0 = ticket.t0
         self.decision: Decision | None = None
@@ -182,6 +183,7 @@ class RequestRun:
                 self.streams.append(engine.submit(
                     ids, sp, f"{self.id}-{i}", tenant=self.tenant_id, service_class=self.service_class,
                     priority=self.priority, cache_salt=self.cache_salt, sheddable=self.sheddable,
+                    cache_hint=self.cache_hint,
                 ))
         except UnknownModel as exc:
             if self.entry.parent is not None:       # an adapter deleted since the request resolved it

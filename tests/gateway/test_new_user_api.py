@@ -77,9 +77,16 @@ async def test_harmless_openai_fields_are_accepted(gateway, tenant):
     r = await c.chat.completions.create(**CHAT, **HARMLESS, logit_bias={"5": 2.5, "17": -100})
     assert r.choices[0].finish_reason == "length"
     assert gateway.engine.submitted[-1][1].logit_bias == {5: 2.5, 17: -100.0}
+    # prompt_cache_key reaches the engine as its routing hint (a pool keeps such requests together)
+    assert gateway.engine.submitted[-1][2]["cache_hint"] == "tenant-docs-v2"
     r = await c.completions.create(**COMPLETION, extra_body=HARMLESS, logit_bias={"9": 100})
     assert r.choices[0].finish_reason == "length"
     assert gateway.engine.submitted[-1][1].logit_bias == {9: 100.0}
+    assert gateway.engine.submitted[-1][2]["cache_hint"] == "tenant-docs-v2"
+    await c.responses.create(model=MODEL, input="hi", max_output_tokens=3, prompt_cache_key="conv-9")
+    assert gateway.engine.submitted[-1][2]["cache_hint"] == "conv-9"
+    await c.chat.completions.create(**CHAT)
+    assert gateway.engine.submitted[-1][2]["cache_hint"] is None
     # the same through a stream
     chunks = [x async for x in await c.chat.completions.create(**CHAT, **HARMLESS, stream=True)]
     assert chunks[-1].choices[0].finish_reason == "length"

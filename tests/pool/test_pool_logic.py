@@ -15,6 +15,7 @@ from lockgate.engine.pool import (
     PrefixSummary,
     Router,
     prefix_chain,
+    request_chain,
     unpack_summary,
 )
 from tests.support.helpers import demo_model, random_prompts
@@ -90,6 +91,28 @@ def test_a_replica_finds_a_prefix_another_replica_placed_through_the_workers_sum
     assert fresh.choose(["w0", "w1"], load.get, chain) == (other, 0)
     fresh.forget_worker(where)                        # restarted: its summary is gone
     assert fresh.summaries.get(where) is None
+
+
+def test_a_cache_hint_keeps_a_tenants_requests_on_one_worker_whatever_their_prompts():
+    """OpenAI's `prompt_cache_key`: prompts shorter than a block, or differing in their first
+    block, go where the hint went before; a longer cached prefix still wins over the hint; the
+    same hint of another tenant is another key; without a hint they spread in turn."""
+    r = Router(slack=2)
+    load = {"w0": 0, "w1": 0}
+    hinted = [r.choose(["w0", "w1"], load.get, request_chain("m", "t1", None, [i] * n, "conv-7"))[0]
+              for i, n in ((1, 3), (2, 40), (3, 17), (4, 5))]
+    assert len(set(hinted)) == 1
+    home = hinted[0]
+    other = "w1" if home == "w0" else "w0"
+    plain = [r.choose(["w0", "w1"], load.get, request_chain("m", "t1", None, [i] * 3))[0] for i in range(6)]
+    assert set(plain) == {"w0", "w1"}                 # the hint, not the tenant, held them together
+    long_prompt = list(range(900, 964))
+    r.remember(request_chain("m", "t1", None, long_prompt), other)
+    assert r.choose(["w0", "w1"], load.get, request_chain("m", "t1", None, long_prompt, "conv-7"))[0] == other
+    theirs = request_chain("m", "t2", None, [1] * 3, "conv-7")
+    assert theirs[0] not in {request_chain("m", "t1", None, [1] * 3, "conv-7")[0]}
+    load[home] = 5                                    # much busier: the hint yields to the load bound
+    assert r.choose(["w0", "w1"], load.get, request_chain("m", "t1", None, [9] * 3, "conv-7"))[0] == other
 
 
 def test_router_spreads_distinct_prefixes_in_turn():

@@ -65,7 +65,8 @@ SENTENCE = (" The quick brown fox jumps over the lazy dog, and the gateway answe
 CLASSES = ("priority", "online", "offline")
 # what `submitted` records of a request's options: each of them, AsyncEngine's default if not given
 OPTION_DEFAULTS: SubmitOptions = {"tenant": "default", "service_class": "online", "priority": 0,
-                                  "model": None, "cache_salt": None, "sheddable": True}
+                                  "model": None, "cache_salt": None, "sheddable": True,
+                                  "cache_hint": None}
 
 
 class FakeServedEngine(InstantEngine):
