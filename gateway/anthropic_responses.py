@@ -15,6 +15,8 @@ import json
 import secrets
 from typing import Any
 
+from pydantic_core import from_json
+
 from lockgate.engine import CompletionOutput
 from lockgate.gateway.auto_calls import AutoCallReader
 from lockgate.gateway.responses import Usage
@@ -59,15 +61,20 @@ def stop_reason(c: CompletionOutput, stop_sequences: list[str], called: bool) ->
 
 def message_body(request_id: str, model: str, c: CompletionOutput, u: Usage, tier: str,
                  plan: ToolPlan | None, stop_sequences: list[str]) -> dict[str, Any]:
-    """A finished message: a forced answer that completed is its `tool_use` blocks; under
-    `auto`, the calls read out of the text are `tool_use` blocks between its text blocks; any
-    other answer one text block (none when it is empty)."""
-    calls = read_tool_calls(c.text) if plan is not None and plan.forced and c.finish_reason == "stop" else None
-    if plan is not None and plan.auto:
+    """A finished message, as its stream builds it (`MessageEvents`): a forced answer is its
+    `tool_use` blocks (one cut by `max_tokens` with the input read so far, as the `anthropic`
+    client reads the stream's partial JSON); under `auto`, the calls read out of the text are
+    `tool_use` blocks between its text blocks; any other answer one text block (none when it
+    is empty)."""
+    calls: list[dict[str, Any]] | None = None
+    if plan is not None and plan.forced:
+        reader = ToolCallReader()
+        reader.feed(c.text)
+        content = [partial_tool_use(name, arguments) for name, arguments in reader.calls]
+        calls = content if c.finish_reason == "stop" and read_tool_calls(c.text) else None
+    elif plan is not None and plan.auto:
         content = auto_blocks(c.text, plan.names)
         calls = [b for b in content if b["type"] == "tool_use"] if c.finish_reason == "stop" else None
-    elif calls:
-        content = [tool_use(call) for call in calls]
     else:
         content = [{"type": "text", "text": c.text}] if c.text else []
     reason, sequence = stop_reason(c, stop_sequences, bool(calls))
@@ -88,6 +95,17 @@ def auto_blocks(text: str, names: frozenset[str]) -> list[dict[str, Any]]:
         else:
             blocks.append({"type": "text", "text": value})
     return blocks
+
+
+def partial_tool_use(name: str, arguments: str) -> dict[str, Any]:
+    """A `tool_use` block of a call whose arguments may be cut short: what they hold so far,
+    an unfinished string left out (the `anthropic` client's reading of a stream's partial JSON)."""
+    try:
+        value = from_json(arguments or "{}", allow_partial=True)
+    except ValueError:
+        value = {}
+    return {"type": "tool_use", "id": new_tool_use_id(), "name": name,
+            "input": value if isinstance(value, dict) else {}}
 
 
 def tool_use(call: dict[str, Any]) -> dict[str, Any]:

@@ -126,6 +126,30 @@ async def test_stream_a_forced_tool_call(gateway, fresh):
     assert "input_json" in kinds and "text" not in kinds
 
 
+@pytest.mark.parametrize("max_tokens, read", [(4, None), (27, {}), (36, {}), (44, {"city": "Paris"})])
+async def test_a_forced_call_cut_by_max_tokens_has_one_shape_streamed_or_not(gateway, fresh, max_tokens, read):
+    """Cut before the call's name, at its arguments' start, inside a string, or after a whole
+    key: the message and the stream's final message (as the client reads it) hold the same
+    blocks."""
+    _, key = fresh
+    c = client(gateway, key)
+    ask = {"model": SONNET, "max_tokens": max_tokens, "messages": [{"role": "user", "content": "Weather?"}],
+           "tools": [WEATHER], "tool_choice": {"type": "tool", "name": "get_weather"}}
+    gateway.engine.answers[:] = ['{"name":"get_weather","arguments":{"city":"Paris","days":3}}'] * 2
+    whole = await c.messages.create(**ask)
+    async with c.messages.stream(**ask) as s:
+        streamed = await s.get_final_message()
+
+    def shape(m):
+        return [(b.type, getattr(b, "name", None), getattr(b, "input", None), getattr(b, "text", None))
+                for b in m.content]
+
+    assert whole.stop_reason == streamed.stop_reason == "max_tokens"
+    assert shape(whole) == shape(streamed), (shape(whole), shape(streamed))
+    # never the call's raw JSON as text: its block once its name is read, with the input so far
+    assert shape(whole) == ([] if read is None else [("tool_use", "get_weather", read, None)])
+
+
 async def test_a_client_that_leaves_mid_stream_leaves_one_row_and_its_lease_settled(gateway):
     t, key = await gateway.tenant(quota={"max_concurrent_requests": 4})
     body = {"model": SONNET, "max_tokens": 60, "messages": HELLO, "stream": True}
