@@ -13,17 +13,23 @@ and counts only each request's own forced output length.
 
 from __future__ import annotations
 
+import io
 import json
 import multiprocessing as mp
 import os
 import resource
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from lockgate.loadtests.cache import demo_model_dir
+from lockgate.loadtests.cache import cache_dir, demo_model_dir
 from lockgate.loadtests.workload import OfflineRequest, offline_workload
 
 
@@ -206,8 +212,52 @@ def _prefill_step(forward, pieces, work, tokens) -> None:
             tokens[i].append(int(row.argmax()))
 
 
+# -- side 4 (--baseline REV): the engine as it stood at another revision --------------------
+def baseline_tree(rev: str) -> Path:
+    """The project's tree at `rev` (`git archive`, symlinks kept), unpacked once under the
+    cache directory; it imports as `lockgate` when first on the path."""
+    root = Path(__file__).resolve().parent.parent
+    git = shutil.which("git")
+    if git is None:
+        raise ValueError("baseline: git is not on PATH")
+    sha = subprocess.run([git, "-C", str(root), "rev-parse", "--verify", f"{rev}^{{commit}}"],
+                         capture_output=True, text=True, timeout=30)
+    if sha.returncode != 0:
+        raise ValueError(f"baseline: {rev!r} is not a revision of {root}: {sha.stderr.strip()}")
+    tree = cache_dir() / "baselines" / sha.stdout.strip()
+    if not (tree / "lockgate" / "__init__.py").exists():
+        tree.mkdir(parents=True, exist_ok=True)
+        archive = subprocess.run([git, "-C", str(root), "archive", sha.stdout.strip()],
+                                 capture_output=True, check=True, timeout=120)
+        with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
+            tar.extractall(tree, filter="data")
+    return tree
+
+
+def run_baseline(tree: str, model_dir: str, num_requests: int, seed: int, engine_kwargs: dict) -> dict[str, Any]:
+    """`run_engine` of the tree at the baseline revision, in a fresh interpreter whose
+    `lockgate` is that tree's (PYTHONPATH comes before the installed project)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "run.json"
+        code = ("import json, sys, lockgate; from lockgate.loadtests.bench_throughput import run_engine; "
+                "json.dump({**run_engine(*json.loads(sys.argv[1])), 'source': lockgate.__file__}, "
+                "open(sys.argv[2], 'w'))")
+        env = {**os.environ, "PYTHONPATH": tree}
+        args = json.dumps([model_dir, num_requests, seed, engine_kwargs])
+        done = subprocess.run([sys.executable, "-c", code, args, str(out)], env=env, cwd=tmp,
+                              capture_output=True, text=True, timeout=1800)
+        if done.returncode != 0:
+            raise RuntimeError(f"baseline side failed: {done.stderr[-2000:]}")
+        run = json.loads(out.read_text())
+    if not Path(run["source"]).resolve().is_relative_to(Path(tree).resolve()):
+        raise RuntimeError(f"baseline side imported {run['source']}, not the tree at {tree}")
+    return run
+
+
 # -- the run --------------------------------------------------------------------------------
 def _in_fresh_process(fn, *args) -> dict[str, Any]:
+    if fn is run_baseline:         # a process of its own already, on another tree
+        return fn(*args)
     ctx = mp.get_context("spawn")
     with ctx.Pool(1) as pool:
         return pool.apply(fn, args)
@@ -222,16 +272,22 @@ def bench_throughput(
     skip_hf: bool = False,
     repeats: int = 3,
     json_out: str | None = None,
+    baseline: str | None = None,
+    skip_ideal: bool = False,
     echo=print,
 ) -> dict[str, Any]:
+    """`baseline`: a git revision whose engine runs the same workload as a fourth side."""
     model_dir = str(model_dir or default_model_dir())
     engine_kwargs = engine_kwargs or {}
     echo(f"workload: {num_requests} requests, prompts 32-512 tokens, outputs 16-256 tokens "
          f"(forced), seed {seed}, model {model_dir}, torch threads {torch.get_num_threads()}")
-    sides = {
-        "engine": (run_engine, (model_dir, num_requests, seed, engine_kwargs)),
-        "ideal": (run_ideal, (model_dir, num_requests, seed, engine_kwargs)),
-    }
+    sides: dict[str, tuple[Any, tuple]] = {"engine": (run_engine, (model_dir, num_requests, seed, engine_kwargs))}
+    if baseline is not None:
+        tree = str(baseline_tree(baseline))
+        echo(f"baseline: {baseline} unpacked at {tree}")
+        sides["baseline"] = (run_baseline, (tree, model_dir, num_requests, seed, engine_kwargs))
+    if not skip_ideal:
+        sides["ideal"] = (run_ideal, (model_dir, num_requests, seed, engine_kwargs))
     if not skip_hf:
         sides["hf_static"] = (run_hf_static, (model_dir, num_requests, seed))
     # Each side `repeats` times, interleaved, each run in a fresh process; the fastest run of
@@ -244,11 +300,23 @@ def bench_throughput(
             echo(f"  run {rep + 1}/{repeats} {name:<10} {run['output_tokens'] / run['elapsed_s']:8.1f} tok/s")
             if name not in results or run["elapsed_s"] < results[name]["elapsed_s"]:
                 results[name] = run
-    report = _report(results, echo)
+    report = _report(results, echo) if "ideal" in results else {}
+    if "baseline" in results:
+        report.update(_baseline_report(results, baseline, echo))
     if json_out:
         slim = {k: {kk: vv for kk, vv in v.items() if kk != "tokens"} for k, v in results.items()}
         Path(json_out).write_text(json.dumps({"results": slim, **report}, indent=2))
     return report
+
+
+def _baseline_report(results: dict[str, Any], rev: str | None, echo) -> dict[str, Any]:
+    eng, base = results["engine"], results["baseline"]
+    ratio = (eng["output_tokens"] / eng["elapsed_s"]) / (base["output_tokens"] / base["elapsed_s"])
+    cpu = (eng["output_tokens"] / eng["cpu_s"]) / (base["output_tokens"] / base["cpu_s"])
+    same = sum(a == b for a, b in zip(eng["tokens"], base["tokens"], strict=True))
+    echo(f"ratio engine / engine at {rev}: {ratio:.3f}x (best runs; per CPU-second {cpu:.3f}x); "
+         f"greedy tokens identical in {same}/{len(eng['tokens'])} requests")
+    return {"engine_vs_baseline": ratio, "engine_vs_baseline_cpu": cpu, "match_baseline": same}
 
 
 def _report(results: dict[str, Any], echo) -> dict[str, Any]:

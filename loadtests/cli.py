@@ -36,6 +36,9 @@ def bench_throughput(
              "scripts/peer-vllm.sh makes); 64 requests unless --num-requests is given")] = None,
     scaling: Annotated[bool, typer.Option(
         help="with --peer: also 16/64/256 concurrent sequences and a 7B-shaped layer")] = False,
+    baseline: Annotated[str | None, typer.Option(
+        help="also run the engine of this git revision (e.g. main~3), alternating with this one")] = None,
+    skip_ideal: Annotated[bool, typer.Option(help="skip the ideal-batching side")] = False,
 ) -> None:
     """Offline throughput: the engine vs HF static batching vs the ideal-batching bound, or
     (--peer vllm) the engine vs vLLM's CPU build, both checked against HF."""
@@ -62,6 +65,8 @@ def bench_throughput(
         skip_hf=skip_hf,
         repeats=repeats,
         json_out=str(json_out) if json_out else None,
+        baseline=baseline,
+        skip_ideal=skip_ideal,
         echo=typer.echo,
     )
 

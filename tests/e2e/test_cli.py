@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.support.helpers import demo_model
 
 LOCKGATE = str(Path(sys.executable).with_name("lockgate"))
@@ -48,3 +50,20 @@ def test_bench_throughput_runs_all_three_sides_and_prints_ratios(tmp_path):
     assert data["match_ideal"] == 4
     assert set(data["tokens_per_s"]) == {"engine", "ideal", "hf_static"}
     assert 0 < data["kv_utilization"] <= 1
+
+
+def test_bench_throughput_runs_a_baseline_revision_from_its_own_tree(tmp_path, monkeypatch):
+    """`--baseline REV`: the revision's tree unpacked under the cache directory, its engine
+    run in an interpreter of its own that imports that tree (checked by the bench), its
+    greedy tokens compared; a name that is no revision is refused before anything runs."""
+    from lockgate.loadtests.bench_throughput import baseline_tree, bench_throughput
+
+    monkeypatch.setenv("LOCKGATE_CACHE_DIR", str(tmp_path / "cache"))
+    lines: list[str] = []
+    report = bench_throughput(demo_model("llama"), num_requests=2, repeats=1, skip_hf=True, skip_ideal=True,
+                              baseline="HEAD", echo=lines.append)
+    assert report["match_baseline"] == 2 and report["engine_vs_baseline"] > 0, lines
+    assert any(line.startswith("ratio engine / engine at HEAD") for line in lines)
+    assert (baseline_tree("HEAD") / "lockgate" / "__init__.py").is_file()
+    with pytest.raises(ValueError, match="not a revision"):
+        baseline_tree("no-such-revision")
