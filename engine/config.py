@@ -199,10 +199,6 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a number of seconds > 0; got {value!r}")
         if self.tensor_parallel_size > 1:
             self.distributed_executor_backend = "mp"
-            # not yet split: say so at start rather than serve something wrong
-            if self.models:
-                raise ValueError("models: several models on one budget are not supported with "
-                                 "tensor_parallel_size > 1 yet")
 
     def step_target_s(self, cls: str) -> float | None:
         """The step-time target `slo` sets for class `cls` (a first token takes about two

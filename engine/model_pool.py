@@ -39,7 +39,7 @@ from lockgate.engine.lora import Adapter, LoRAManager, LoRARequest
 from lockgate.engine.memory import CUDA_ACTIVATION_HEADROOM, MemoryBudget
 from lockgate.engine.outputs import RequestOutput
 from lockgate.engine.request import EngineRequest, RequestState
-from lockgate.engine.stats import EngineStats, PooledModelStats, PoolStats, summed_stats
+from lockgate.engine.stats import EngineStats, PooledModelStats, PoolStats, summed_parallel, summed_stats
 from lockgate.engine.step_engine import StepEngine
 from lockgate.engine.tokenizer import Tokenizer
 
@@ -300,5 +300,6 @@ class ModelPool:
             for n in self.cores
         }
         out.pool = PoolStats(out.memory, self.num_switches, self.switch_s_total, self.current, models)
+        out.parallel = summed_parallel(s.parallel for s in per.values())
         out.by_model = per
         return out

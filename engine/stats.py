@@ -211,6 +211,20 @@ def summed_stats(parts: Iterable[EngineStats]) -> EngineStats:
     return out
 
 
+def summed_parallel(parts: Iterable[ParallelStats | None]) -> ParallelStats | None:
+    """Several models' rank groups on one budget (each model has its own): seconds, counts
+    and failures summed, every group's ranks listed; the latest recovery the slowest's."""
+    got = [p for p in parts if p is not None]
+    if not got:
+        return None
+    recoveries = [p.last_recovery_s for p in got if p.last_recovery_s is not None]
+    return ParallelStats(
+        got[0].tensor_parallel_size, got[0].backend, sum(p.collective_s for p in got),
+        sum(p.num_collectives for p in got), sum(p.forward_s for p in got),
+        max(p.last_step_collective_s for p in got), [r for p in got for r in p.ranks],
+        sum(p.rank_failures for p in got), max(recoveries) if recoveries else None)
+
+
 def _add_counts(into: object, other: object, keep: tuple[str, ...] = ()) -> None:
     """Add `other`'s numeric fields into `into` (a dataclass of the same type), but `keep`."""
     for f in dataclasses.fields(other):     # type: ignore[arg-type]

@@ -141,3 +141,35 @@ def test_a_quantized_and_a_full_precision_model_share_the_budget(dirs, tmp_path)
         oracle = dirs["b"] if i % 2 else str(twin)
         assert done[f"r{i}"] == hf_greedy(oracle, p, NEW, ignore_eos=True), i
     assert pool.stats().pool.models["b"].loads >= 1 and pool.stats().pool.models["awq"].offloads >= 1
+
+
+def test_two_models_take_turns_on_one_budget_at_two_ranks(dirs):
+    """Tensor parallelism changes nothing of the switching: each model's shards come and go on
+    every rank (rank 0's budget counts its own shard), outputs equal HF's."""
+    probe = ModelPool(EngineConfig(model=dirs["a"], models={"b": dirs["b"]}, dtype="float32", num_kv_blocks=32,
+                                   tensor_parallel_size=2))
+    sizes = {n: s.memory_bytes for n, s in probe.stats().pool.models.items()}
+    probe.shutdown()
+    budget = max(sizes.values()) + min(sizes.values()) // 2
+    pool = ModelPool(EngineConfig(model=dirs["a"], models={"b": dirs["b"]}, dtype="float32", num_kv_blocks=32,
+                                  memory_budget=budget, max_num_seqs=4, tensor_parallel_size=2))
+    try:
+        rng = random.Random(3)  # noqa: S311 - a seeded test workload, not a secret
+        prompts = {m: random_prompts(dirs[m], [rng.randint(3, 40) for _ in range(4)], seed=i + 1)
+                   for i, m in enumerate("ab")}
+        sent, done = {}, {}
+        for i in range(4):
+            for m in "ab":
+                pool.add_request(EngineRequest(f"{m}{i}", prompts[m][i], greedy(), model=None if m == "a" else "b"))
+                sent[f"{m}{i}"] = (m, prompts[m][i])
+            for _ in range(3):
+                done.update({o.request_id: o.outputs[0].token_ids for o in pool.step() if o.finished})
+        while pool.has_unfinished:
+            done.update({o.request_id: o.outputs[0].token_ids for o in pool.step() if o.finished})
+        assert {r: done[r] for r in sent} == {r: hf_greedy(dirs[m], p, NEW, ignore_eos=True)
+                                             for r, (m, p) in sent.items()}
+        assert all(s.offloads >= 1 for s in pool.stats().pool.models.values())
+        par = pool.stats().parallel
+        assert par is not None and par.tensor_parallel_size == 2 and len(par.ranks) == 4   # a group per model
+    finally:
+        pool.shutdown()
