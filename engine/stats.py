@@ -179,6 +179,7 @@ class EngineStats:
     by_model: dict[str, EngineStats] = field(default_factory=dict)   # a pool's: each model's
     workers: WorkerPoolStats | None = None       # served by a Ray pool: its workers and placement
     parallel: ParallelStats | None = None        # tensor parallelism (None: one rank)
+    by_worker: dict[str, EngineStats] = field(default_factory=dict)  # a Ray pool's: each worker's own
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -269,11 +269,11 @@ class Pool:
             h.abort.remote(request_id)
 
     def stats(self) -> EngineStats:
-        return _summed([r.stats for r in self.reports.values()], self.snapshot())
+        return _summed({w: r.stats for w, r in self.reports.items()}, self.snapshot())
 
     def model_stats(self, model: str) -> EngineStats:
-        parts = [r.stats.by_model.get(model, r.stats) if r.stats.pool is not None else r.stats
-                 for r in self.reports.values()]
+        parts = {w: r.stats.by_model.get(model, r.stats) if r.stats.pool is not None else r.stats
+                 for w, r in self.reports.items()}
         return _summed(parts, self.snapshot())
 
     @property
@@ -334,11 +334,13 @@ def _report_dict(r: WorkerReport) -> dict:
             "tensor_parallel_size": r.tensor_parallel_size, "devices": r.devices}
 
 
-def _summed(parts: list[EngineStats], workers: WorkerPoolStats) -> EngineStats:
-    """The workers' stats of one model added up, with the pool's workers and placement; the
-    bounded queue is each worker's own, the first one's shown."""
-    out = summed_stats(parts)
+def _summed(parts: dict[str, EngineStats], workers: WorkerPoolStats) -> EngineStats:
+    """The workers' stats (of one model) added up, each worker's own kept in `by_worker`,
+    with the pool's workers and placement; the bounded queue is each worker's own, the first
+    one's shown."""
+    out = summed_stats(parts.values())
     if parts:
-        out.overload = parts[0].overload
+        out.overload = next(iter(parts.values())).overload
     out.workers = workers
+    out.by_worker = dict(parts)
     return out

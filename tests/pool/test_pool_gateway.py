@@ -107,6 +107,14 @@ def test_two_replicas_share_one_pool_and_its_workers(replicas):
         assert r.status_code == 200, r.text
         outs.append(r.json()["choices"][0]["logprobs"]["tokens"])
     assert outs[0] == outs[1]
+    # /admin/v1/engine: the model's totals, and each worker's own in the same shape
+    eng = a.admin.get(a.url + "/admin/v1/engine", timeout=10).json()["models"][MODEL]
+    assert set(eng["workers"]) == {"lockgate-worker-0", "lockgate-worker-1"}
+    for part in eng["workers"].values():
+        assert set(part) == set(eng) and part["workers"] == {}
+    for field in ("generated_tokens", "preemptions"):
+        assert eng[field] == sum(part[field] for part in eng["workers"].values())
+    assert eng["kv_blocks"]["total"] == sum(p["kv_blocks"]["total"] for p in eng["workers"].values()) > 0
 
 
 def test_quotas_stay_exact_across_replicas_on_a_pool(replicas):
