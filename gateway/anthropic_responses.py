@@ -73,7 +73,7 @@ def message_body(request_id: str, model: str, c: CompletionOutput, u: Usage, tie
         content = [partial_tool_use(name, arguments) for name, arguments in reader.calls]
         calls = content if c.finish_reason == "stop" and read_tool_calls(c.text) else None
     elif plan is not None and plan.auto:
-        content = auto_blocks(c.text, plan.names)
+        content = auto_blocks(c.text, plan.names, plan.auto_max_calls)
         calls = [b for b in content if b["type"] == "tool_use"] if c.finish_reason == "stop" else None
     else:
         content = [{"type": "text", "text": c.text}] if c.text else []
@@ -82,10 +82,10 @@ def message_body(request_id: str, model: str, c: CompletionOutput, u: Usage, tie
             "content": content, "stop_reason": reason, "stop_sequence": sequence, "usage": of_usage(u, tier)}
 
 
-def auto_blocks(text: str, names: frozenset[str]) -> list[dict[str, Any]]:
+def auto_blocks(text: str, names: frozenset[str], max_calls: int) -> list[dict[str, Any]]:
     """Under `auto`: the text's blocks, the calls read out of it `tool_use` blocks between
     the text blocks of what is around them."""
-    reader = AutoCallReader(names)
+    reader = AutoCallReader(names, max_calls)
     blocks: list[dict[str, Any]] = []
     for kind, value in reader.feed(text) + reader.finish():
         if kind == "call":
@@ -131,7 +131,7 @@ class MessageEvents:
         self.model = model
         self.prompt_len = prompt_len
         self.reader = ToolCallReader() if plan is not None and plan.forced else None
-        self.auto = AutoCallReader(plan.names) if plan is not None and plan.auto else None
+        self.auto = AutoCallReader(plan.names, plan.auto_max_calls) if plan is not None and plan.auto else None
         self.stop_sequences = stop_sequences
         self.started = False
         self.blocks = 0                  # blocks opened so far

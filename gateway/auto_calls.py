@@ -76,6 +76,8 @@ def partial_open(text: str) -> int:
 @dataclass(slots=True)
 class AutoCallReader:
     names: frozenset[str]                      # the declared tools
+    # parallel_tool_calls false: one; a call past this many stays content, as written
+    max_calls: int = MAX_CALLS
     calls: list[dict[str, Any]] = field(default_factory=list)
     _held: str = ""
     _at_start: bool = True                     # at the output's start or just after a call
@@ -109,7 +111,9 @@ class AutoCallReader:
             return None
         values = value if isinstance(value, list) and 0 < len(value) <= MAX_CALLS else [value]
         calls = [self._call(v) for v in values]
-        return None if None in calls else [c for c in calls if c is not None]
+        if None in calls or len(self.calls) + len(calls) > self.max_calls:
+            return None
+        return [c for c in calls if c is not None]
 
     def _settle(self, out: list[Event], content: str, calls: list[dict[str, Any]] | None, rest: str) -> None:
         if calls:
@@ -167,8 +171,8 @@ class AutoCallReader:
         return False
 
 
-def read_auto(text: str, names: frozenset[str]) -> tuple[str, list[dict[str, Any]]]:
+def read_auto(text: str, names: frozenset[str], max_calls: int = MAX_CALLS) -> tuple[str, list[dict[str, Any]]]:
     """A whole output's content (what is not a call) and its calls."""
-    reader = AutoCallReader(names)
+    reader = AutoCallReader(names, max_calls)
     events = reader.feed(text) + reader.finish()
     return "".join(v for kind, v in events if kind == "content"), reader.calls

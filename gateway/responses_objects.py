@@ -62,7 +62,7 @@ class OutputWriter:
     def __init__(self, plan: ToolPlan | None) -> None:
         self.items: list[dict[str, Any]] = []
         self.reader = ToolCallReader() if plan is not None and plan.forced else None
-        self.auto = AutoCallReader(plan.names) if plan is not None and plan.auto else None
+        self.auto = AutoCallReader(plan.names, plan.auto_max_calls) if plan is not None and plan.auto else None
         self._open: dict[str, Any] | None = None     # the item being written
         self._text = ""                                # the open message's text so far
         self.cut = False                               # by max_output_tokens

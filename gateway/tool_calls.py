@@ -57,6 +57,11 @@ class ToolPlan:
         return frozenset(t.function.name for t in self.tools)
 
     @property
+    def auto_max_calls(self) -> int:
+        """Under `auto`, the calls an answer may make: one unless parallel calls are allowed."""
+        return MAX_PARALLEL_CALLS if self.parallel else 1
+
+    @property
     def parallel_calls(self) -> bool:
         return self.parallel and self.choice == "required"
 
@@ -298,7 +303,7 @@ def chat_message(text: str, finish_reason: str | None, plan: ToolPlan | None) ->
             message["tool_calls"] = reader.tool_calls()
         return message, "tool_calls" if complete else finish_reason
     if plan is not None and plan.auto:
-        content, calls = read_auto(text, plan.names)
+        content, calls = read_auto(text, plan.names, plan.auto_max_calls)
         if calls:
             return ({"role": "assistant", "content": content or None, "refusal": None, "tool_calls": calls},
                     "tool_calls" if finish_reason == "stop" else finish_reason)

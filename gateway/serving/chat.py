@@ -63,7 +63,8 @@ async def chat_chunks(run: RequestRun, h: Head, top: int, include_usage: bool, n
     (each call's id and name, then pieces of its arguments) and finish_reason "tool_calls";
     under `auto`, content with the calls read out of it, each whole once recognized."""
     readers = [ToolCallReader() for _ in range(n)] if plan is not None and plan.forced else None
-    autos = [AutoCallReader(plan.names) for _ in range(n)] if plan is not None and plan.auto else None
+    autos = ([AutoCallReader(plan.names, plan.auto_max_calls) for _ in range(n)]
+             if plan is not None and plan.auto else None)
     sent_tokens = [0] * n
     ended = [False] * n      # the engine's outputs keep an ended sample: its reason is said once
     for i in range(n):

@@ -47,6 +47,15 @@ def test_what_is_not_a_well_formed_declared_call_stays_content(text):
     assert "".join(v for k, v in events if k == "content") == text and not reader.calls
 
 
+def test_without_parallel_calls_a_second_call_stays_content():
+    from lockgate.gateway.auto_calls import read_auto  # here: the API tests run on older code
+    two = f"{TAGGED}\n<tool_call>{BARE}</tool_call>"
+    content, calls = read_auto(two, NAMES, max_calls=1)
+    assert len(calls) == 1 and content == f"Let me look.\n<tool_call>{BARE}</tool_call>"   # the space between: neither
+    assert read_auto(f"[{BARE}, {BARE}]", NAMES, max_calls=1) == (f"[{BARE}, {BARE}]", [])
+    assert len(read_auto(two, NAMES)[1]) == 2
+
+
 async def chat_events(gateway, key: str, **body) -> list[dict]:
     body = {"model": "tiny", "messages": ASK, "tools": TOOLS, "max_tokens": 200, "stream": True, **body}
     async with gateway.http.stream("POST", "/v1/chat/completions", json=body,
@@ -77,6 +86,14 @@ async def test_chat_auto_reads_calls_streamed_and_not(gateway, tenant):
         r = await c.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, max_tokens=200)
         assert (r.choices[0].message.content, r.choices[0].message.tool_calls) == (text, None)
         assert r.choices[0].finish_reason == "stop"
+    # parallel_tool_calls false: the first call only, streamed and not
+    two = f"{TAGGED}\n<tool_call>{BARE}</tool_call>"
+    gateway.engine.answers[:] = [two, two]
+    r = await c.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, max_tokens=200,
+                                        parallel_tool_calls=False)
+    assert len(r.choices[0].message.tool_calls) == 1 and BARE in r.choices[0].message.content
+    deltas = [e["choices"][0]["delta"] for e in await chat_events(gateway, key, parallel_tool_calls=False)]
+    assert len([t for d in deltas for t in d.get("tool_calls") or []]) == 1
 
 
 @on_loop
