@@ -94,3 +94,16 @@ def test_the_draft_is_smaller_and_the_files_are_deterministic(models, tmp_path):
     assert digest(write_copy_model(tmp_path / "seed1", seed=1)) != digest(again)
     with pytest.raises(ValueError, match="size"):
         write_copy_model(tmp_path / "bad", size="tiny-mqa")
+
+
+def test_demo_model_command_writes_the_copy_models(models, tmp_path):
+    from typer.testing import CliRunner
+
+    from lockgate.gateway.cli import app
+
+    runner = CliRunner()
+    out = runner.invoke(app, ["demo-model", str(tmp_path / "d"), "--copy", "--draft"])
+    assert out.exit_code == 0, out.output
+    assert (tmp_path / "d" / "model.safetensors").read_bytes() == (Path(models[1]) / "model.safetensors").read_bytes()
+    out = runner.invoke(app, ["demo-model", str(tmp_path / "q"), "--copy", "--family", "qwen2"])
+    assert out.exit_code != 0 and "--family" in out.output
