@@ -7,7 +7,7 @@ the `EngineClient` / `EngineAdmin` protocols and their `RequestStream`;
 requests (`SamplingParams`, `StructuredOutputsParams`, `LoRARequest`), outputs, stats and
 errors; the grammar compiler structured outputs share (`grammar_compiler`); the model
 directory's own `ModelConfig` and `Tokenizer`; and the model tools the command line runs
-(`write_demo_model`, `write_demo_adapter`, `quantize_model`). Everything else in
+(`write_demo_model`, `write_copy_model`, `write_demo_adapter`, `quantize_model`). Everything else in
 `lockgate.engine.*` is the engine's inside.
 """
 
@@ -51,6 +51,7 @@ from lockgate.engine.outputs import CompletionOutput, Logprob, RequestMetrics, R
 from lockgate.engine.pool import Pool, PoolConfig
 from lockgate.engine.quant.quantize import QuantizeSpec, default_group_size, quantize_model
 from lockgate.engine.sampling_params import SamplingParams, StructuredOutputsParams
+from lockgate.engine.spec.copy_model import write_copy_model
 from lockgate.engine.stats import (
     CostModelStats,
     EngineStats,
@@ -76,5 +77,5 @@ __all__ = [
     "RankStartupError", "RequestMetrics",
     "RequestOutput", "RequestStream", "SamplingParams", "ServedEngine", "StructuredOutputsParams", "SubmitOptions",
     "TenantClassStats", "Tokenizer", "UnknownModel", "WorkerPoolStats", "default_group_size", "grammar_compiler",
-    "parse_targets", "quantize_model", "write_demo_adapter", "write_demo_model",
+    "parse_targets", "quantize_model", "write_copy_model", "write_demo_adapter", "write_demo_model",
 ]

@@ -86,6 +86,7 @@ __all__ = [
     "build_tokenizer_json",
     "random_prompts",
     "write_demo_model",
+    "write_model_dir",
 ]
 
 FAMILIES = ("llama", "qwen2", "mistral")
@@ -361,16 +362,21 @@ def write_demo_model(
         seed = operator.index(seed)
     except TypeError:
         raise ValueError(f"seed must be an int, got {seed!r}") from None
+    return write_model_dir(out_dir, build_config(family, size), build_state_dict(family, size, seed))
+
+
+def write_model_dir(out_dir: str | os.PathLike, cfg: dict[str, Any],
+                    state_dict: dict[str, torch.Tensor]) -> pathlib.Path:
+    """Write a model directory from its config.json contents and its weights, with the demo
+    tokenizer of ``cfg["vocab_size"]`` tokens (512 or 8192) and the demo generation config."""
     from safetensors.torch import save
 
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    cfg = build_config(family, size)
     _dump_json(out / "config.json", cfg)
     _dump_json(out / "generation_config.json", _generation_config())
     (out / "tokenizer.json").write_text(build_tokenizer_json(cfg["vocab_size"]), encoding="utf-8")
     _dump_json(out / "tokenizer_config.json", tokenizer_config(cfg["max_position_embeddings"]))
     _dump_json(out / "special_tokens_map.json", special_tokens_map())
-    weights = save(build_state_dict(family, size, seed), metadata={"format": "pt"})
-    (out / "model.safetensors").write_bytes(weights)
+    (out / "model.safetensors").write_bytes(save(state_dict, metadata={"format": "pt"}))
     return out

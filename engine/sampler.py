@@ -137,10 +137,17 @@ class Sampler:
             ).exponential_(generator=self.generator)
         for i, r in enumerate(rows):
             if r.params.seed is not None:
-                g = torch.Generator(device=probs.device)
-                g.manual_seed(_mix(r.params.seed, r.sample_index, r.position))
+                g = seeded_generator(r.params.seed, r.sample_index, r.position, probs.device)
                 noise[i].exponential_(generator=g)
         return noise
+
+
+def seeded_generator(seed: int, index: int, position: int, device: torch.device) -> torch.Generator:
+    """The generator a seeded row draws from for the token at `position` of sample `index`:
+    the same (seed, index, position) gives the same draws whatever else runs in the batch."""
+    g = torch.Generator(device=device)
+    g.manual_seed(_mix(seed, index, position))
+    return g
 
 
 def _mix(seed: int, index: int, position: int) -> int:

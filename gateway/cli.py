@@ -83,15 +83,24 @@ def demo_model(
     family: Annotated[str, typer.Option(help="llama, qwen2 or mistral")] = "llama",
     size: Annotated[str, typer.Option(help="tiny (tests), tiny-mqa (one KV head), or small (benchmarks)")] = "tiny",
     seed: Annotated[int, typer.Option(help="weights and nothing else depend on it")] = 0,
+    copy: Annotated[bool, typer.Option("--copy", help="a llama that quotes its prompt (speculative "
+                                       "decoding demos); --size picks its vocabulary: tiny or small")] = False,
+    draft: Annotated[bool, typer.Option("--draft", help="the copy model's smaller draft (implies --copy)")] = False,
 ) -> None:
     """Write a small random-weight Hugging Face model with a tokenizer, offline."""
-    from lockgate.engine import write_demo_model
+    from lockgate.engine import write_copy_model, write_demo_model
 
+    if (copy or draft) and family != "llama":
+        raise typer.BadParameter("--copy and --draft write a llama; leave --family out", param_hint="--family")
     try:
-        path = write_demo_model(out_dir, family=family, size=size, seed=seed)
+        if copy or draft:
+            path = write_copy_model(out_dir, draft=draft, size=size, seed=seed)
+        else:
+            path = write_demo_model(out_dir, family=family, size=size, seed=seed)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
-    typer.echo(f"wrote {family}/{size} demo model (seed {seed}) to {path}")
+    kind = "copy draft" if draft else "copy" if copy else "demo"
+    typer.echo(f"wrote {family}/{size} {kind} model (seed {seed}) to {path}")
 
 
 @app.command("demo-adapter")

@@ -1,0 +1,1 @@
+"""Speculative decoding: proposers, the verifier, and demo models that quote their prompt."""
