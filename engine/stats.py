@@ -155,6 +155,39 @@ class ParallelStats:
 
 
 @dataclass(slots=True)
+class SpecClassStats:
+    """Speculative decoding in one service class: drafts verified (rows that carried draft
+    tokens), their tokens, the tokens kept, kept tokens by draft position (position 0: the
+    first draft token; each count the rows that kept at least that many), and the switch:
+    whether this class drafts now, its running acceptance (kept per draft token)."""
+
+    enabled: bool = True
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+    acceptance_rate: float | None = None      # num_accepted_tokens / num_draft_tokens
+    running_acceptance: float | None = None   # what the switch decides on (recent rows weigh most)
+
+
+@dataclass(slots=True)
+class SpecStats:
+    """Speculative decoding (`EngineConfig.speculative_config`): the settings, the counters
+    summed over classes (vLLM's `spec_decode_*` metrics), and each class's."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int
+    prompt_lookup_max: int
+    auto_disable: bool
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+    classes: dict[str, SpecClassStats] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
 class EngineStats:
     """One model's engine (or, for a pool, the totals over its models)."""
 
@@ -180,6 +213,7 @@ class EngineStats:
     workers: WorkerPoolStats | None = None       # served by a Ray pool: its workers and placement
     parallel: ParallelStats | None = None        # tensor parallelism (None: one rank)
     by_worker: dict[str, EngineStats] = field(default_factory=dict)  # a Ray pool's: each worker's own
+    spec: SpecStats | None = None                # speculative decoding (None: off)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

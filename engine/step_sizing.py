@@ -255,6 +255,9 @@ class StepSizer:
             self.shape.add_decode(seq.num_tokens, sign)
             if urgent:
                 self.urgent_shape.add_decode(seq.num_tokens, sign)
+        elif seq.is_decode:      # with draft tokens: a decode still, computed as a short chunk
+            for shape in (self.shape, self.urgent_shape) if urgent else (self.shape,):
+                shape.add_verify(num_tokens, seq.num_computed_tokens, sign)
         else:
             done = seq.num_computed_tokens + num_tokens >= seq.num_tokens
             self.shape.add_prefill(num_tokens, seq.num_computed_tokens, done, sign)
