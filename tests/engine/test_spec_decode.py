@@ -1,0 +1,202 @@
+"""Speculative decoding end to end (engine/spec/decode.py): the same output with and without
+drafts, on the copy demo model (whose greedy output quotes its prompt, so n-gram drafts are
+kept) and on a random demo model (where they are not), with chunked prefill, prefix caching
+and preemption in the runs; an oracle proposer kept whole, a wrong one changing nothing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lockgate.engine import LLM, SamplingParams
+from lockgate.engine.demo_tokenizer import _corpus
+from lockgate.engine.tokenizer import Tokenizer
+from tests.support.helpers import copy_model, demo_model, random_prompts
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+def quoting_prompts(model_dir: str, num: int) -> list[list[int]]:
+    """A shared opening (two blocks: prefix-cache hits), then a few sentences of the demo
+    tokenizer's text and their first tokens again: the copy model goes on quoting them."""
+    tok = Tokenizer(model_dir)
+    corpus = _corpus()
+    opening = tok.encode(" ".join(corpus[100:103]))[:32]
+    out = []
+    for i in range(num):
+        src = tok.encode(" ".join(corpus[3 * i:3 * i + 3 + i % 3]))
+        out.append(opening + src + src[:6])
+    return out
+
+
+def run(model_dir: str, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+        spec: dict | None, proposer=None, **engine):
+    """(outputs, engine stats) of one LLM.generate."""
+    llm = LLM(model_dir, speculative_config=spec, **engine)
+    if proposer is not None:
+        llm.engine.spec.proposer = proposer
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_progress_bar=False)
+    return outs, llm.engine.stats()
+
+
+def token_ids(outs) -> list[list[list[int]]]:
+    return [[list(c.token_ids) for c in o.outputs] for o in outs]
+
+
+GREEDY_64 = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+GREEDY_128 = SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True)
+# batch 32 with too few blocks for every sequence's 200-odd tokens: preemption; budget
+# 256: long prompts are chunked
+BATCH_32 = {"max_num_batched_tokens": 256, "num_kv_blocks": 160}
+
+
+@pytest.mark.parametrize("which", ["copy", "random"])
+def test_greedy_batch_1_is_the_same_with_drafts(which):
+    """8 prompts one at a time (max_num_seqs 1), 64 tokens each, chunks of 48 tokens. (The
+    cache is kept small throughout: the invariant check walks every block each step.)"""
+    model = copy_model() if which == "copy" else demo_model()
+    prompts = quoting_prompts(model, 8) if which == "copy" else random_prompts(model, [40, 70, 90] * 2 + [20, 130])
+    engine = {"max_num_seqs": 1, "max_num_batched_tokens": 48, "num_kv_blocks": 64}
+    plain, _ = run(model, prompts, GREEDY_64, None, **engine)
+    spec, stats = run(model, prompts, GREEDY_64, NGRAM, **engine)
+    assert token_ids(spec) == token_ids(plain)
+    assert [o.outputs[0].text for o in spec] == [o.outputs[0].text for o in plain]
+    s = stats.spec
+    assert s is not None and s.num_drafts > 0
+    if which == "copy":
+        assert s.num_accepted_tokens > s.num_draft_tokens / 2, s
+        assert stats.num_steps < 8 * 64 / 2          # fewer steps than tokens, by far
+    print(f"\n{which}: {s.num_accepted_tokens}/{s.num_draft_tokens} draft tokens kept, {stats.num_steps} steps")
+
+
+@pytest.mark.parametrize("which", ["copy", "random"])
+def test_greedy_batch_32_with_preemption_is_the_same_with_drafts(which):
+    """40 prompts (32 run at once), 128 tokens each, 160 blocks of 16 for ~230-token
+    sequences: preempted and recomputed; a shared opening: prefix-cache hits."""
+    model = copy_model() if which == "copy" else demo_model()
+    if which == "copy":
+        prompts = quoting_prompts(model, 40)
+    else:
+        opening = random_prompts(model, [32], seed=1)[0]
+        prompts = [opening + p for p in random_prompts(model, [20 + 7 * (i % 10) for i in range(40)])]
+    engine = {"max_num_seqs": 32, **BATCH_32}
+    plain, plain_stats = run(model, prompts, GREEDY_128, None, **engine)
+    spec, stats = run(model, prompts, GREEDY_128, NGRAM, **engine)
+    assert token_ids(spec) == token_ids(plain)
+    assert stats.num_preemptions > 0 and plain_stats.num_preemptions > 0
+    assert stats.kv.prefix_cache_hits > 0
+    s = stats.spec
+    assert s is not None and s.num_drafts > 0 and s.classes["online"].num_drafts == s.num_drafts
+    assert sum(s.accepted_per_pos) == s.num_accepted_tokens
+    if which == "copy":
+        assert s.num_accepted_tokens > 0 and stats.num_steps < plain_stats.num_steps
+    print(f"\n{which}: {s.num_accepted_tokens}/{s.num_draft_tokens} kept, steps {plain_stats.num_steps} -> "
+          f"{stats.num_steps}, preemptions {stats.num_preemptions}")
+
+
+def test_an_oracle_proposer_is_kept_whole_and_a_wrong_one_changes_nothing():
+    """The oracle proposes the true greedy continuation (from a run without drafts): every
+    draft token is kept. The wrong one proposes tokens the model never picks: none is kept,
+    and the output is the same (the switch is off, so every decode carries a draft)."""
+    model = demo_model()
+    prompts = random_prompts(model, [30, 50, 17, 64, 9, 40])
+    engine = {"max_num_seqs": 8, "max_num_batched_tokens": 64, "num_kv_blocks": 40}
+    plain, plain_stats = run(model, prompts, GREEDY_64, None, **engine)
+    truth = {tuple(p): o.outputs[0].token_ids for p, o in zip(prompts, plain, strict=True)}
+
+    def oracle(seq, k):
+        return truth[tuple(seq.state.req.prompt_token_ids)][seq.num_output_tokens:seq.num_output_tokens + k]
+
+    spec, stats = run(model, prompts, GREEDY_64, NGRAM, oracle, **engine)
+    assert token_ids(spec) == token_ids(plain)
+    s = stats.spec
+    assert s.num_draft_tokens > 0 and s.num_accepted_tokens == s.num_draft_tokens
+    assert s.accepted_per_pos[0] == s.num_drafts
+    assert stats.num_steps < plain_stats.num_steps / 3
+
+    def wrong(seq, k):
+        return [(t + 1) % 512 for t in truth[tuple(seq.state.req.prompt_token_ids)][seq.num_output_tokens:][:k]]
+
+    spec, stats = run(model, prompts, GREEDY_64, {**NGRAM, "auto_disable": False}, wrong, **engine)
+    assert token_ids(spec) == token_ids(plain)
+    assert stats.spec.num_draft_tokens > 0 and stats.spec.num_accepted_tokens == 0
+
+
+def test_seeded_sampling_gives_the_tokens_it_gives_without_drafts():
+    """Seeded sampled rows (n 2, top-p) draw each position's token with the sampler's own
+    noise for that position: the same tokens with drafts as without, run after run, alone
+    or beside other requests."""
+    model = copy_model()
+    prompts = quoting_prompts(model, 6)
+    params = [SamplingParams(temperature=0.7, top_p=0.95, seed=100 + i, n=2, max_tokens=48, ignore_eos=True)
+              for i in range(len(prompts))]
+    engine = {"max_num_seqs": 16, "max_num_batched_tokens": 128, "num_kv_blocks": 128}
+    plain, _ = run(model, prompts, params, None, **engine)
+    spec, stats = run(model, prompts, params, NGRAM, **engine)
+    again, _ = run(model, prompts, params, NGRAM, **engine)
+    alone, _ = run(model, prompts[2:3], params[2:3], NGRAM, **engine)
+    assert token_ids(spec) == token_ids(plain) == token_ids(again)
+    assert token_ids(alone) == token_ids(plain)[2:3]
+    assert stats.spec.num_accepted_tokens > 0
+
+
+def test_stops_penalties_logprobs_and_max_tokens_as_without_drafts():
+    """Emitted tokens go through the same stop path one by one: a stop string or stop token
+    inside a kept draft ends the output there, max_tokens is never passed, penalties see
+    the drafts before each position, logprobs come per emitted token."""
+    model = copy_model()
+    prompts = quoting_prompts(model, 5)
+    llm = LLM(model, num_kv_blocks=64)
+    quoted = token_ids(llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY_64,
+                                    use_progress_bar=False))
+    stop_text = llm.tokenizer.decode(quoted[0][0][20:23])
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=64, stop=[stop_text]),
+        SamplingParams(temperature=0.0, max_tokens=64, stop_token_ids=[quoted[1][0][17]]),
+        SamplingParams(temperature=0.0, max_tokens=13, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=40, repetition_penalty=1.3, presence_penalty=0.5,
+                       frequency_penalty=0.3, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=40, logprobs=3, n=2, ignore_eos=True),
+    ]
+    engine = {"max_num_seqs": 8, "num_kv_blocks": 128}
+    plain, _ = run(model, prompts, params, None, **engine)
+    spec, stats = run(model, prompts, params, NGRAM, **engine)
+    assert stats.spec.num_accepted_tokens > 0
+    for a, b in zip(spec, plain, strict=True):
+        for x, y in zip(a.outputs, b.outputs, strict=True):
+            assert (list(x.token_ids), x.text, x.finish_reason, x.stop_reason) == \
+                   (list(y.token_ids), y.text, y.finish_reason, y.stop_reason)
+            if y.logprobs is not None:
+                assert x.logprobs is not None and len(x.logprobs) == len(y.logprobs) == 40
+                for lx, ly in zip(x.logprobs, y.logprobs, strict=True):
+                    assert lx.keys() == ly.keys()
+                    # the same up to float32 rounding of logits ~30 (a chunk's matmuls are not a decode's)
+                    assert [lx[t].logprob for t in lx] == pytest.approx([ly[t].logprob for t in lx], rel=1e-4, abs=1e-3)
+    assert (spec[0].outputs[0].finish_reason, spec[0].outputs[0].stop_reason) == ("stop", stop_text)
+    assert spec[1].outputs[0].stop_reason == quoted[1][0][17]
+    assert len(spec[2].outputs[0].token_ids) == 13
+
+
+def test_opted_out_requests_and_grammar_rows_decode_without_drafts():
+    """`speculative=False` and a structured-output row get no drafts; the others do."""
+    from lockgate.engine import StructuredOutputsParams
+
+    model = copy_model()
+    prompts = quoting_prompts(model, 2)
+    off = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, speculative=False)
+    _, stats = run(model, prompts, off, NGRAM, num_kv_blocks=32)
+    assert stats.spec.num_drafts == 0
+    grammar = SamplingParams(temperature=0.0, max_tokens=16,
+                             structured_outputs=StructuredOutputsParams(regex="[a-z ]{1,12}"))
+    _, stats = run(model, prompts, grammar, NGRAM, num_kv_blocks=32)
+    assert stats.spec.num_drafts == 0
+    with pytest.raises(Exception, match="speculative"):
+        SamplingParams(speculative="no")
