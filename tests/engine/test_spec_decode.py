@@ -102,20 +102,26 @@ def test_greedy_batch_32_with_preemption_is_the_same_with_drafts(which):
           f"{stats.num_steps}, preemptions {stats.num_preemptions}")
 
 
-def test_an_oracle_proposer_is_kept_whole_and_a_wrong_one_changes_nothing():
+PENALIZED_64 = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True, repetition_penalty=1.2,
+                              frequency_penalty=1.0, presence_penalty=0.5)
+
+
+@pytest.mark.parametrize("params", [GREEDY_64, PENALIZED_64], ids=["greedy", "penalized"])
+def test_an_oracle_proposer_is_kept_whole_and_a_wrong_one_changes_nothing(params):
     """The oracle proposes the true greedy continuation (from a run without drafts): every
-    draft token is kept. The wrong one proposes tokens the model never picks: none is kept,
-    and the output is the same (the switch is off, so every decode carries a draft)."""
+    draft token is kept (with penalties too: the row of each position counts the drafts
+    before it). The wrong one proposes tokens the model never picks: none is kept, and the
+    output is the same (the switch is off, so every decode carries a draft)."""
     model = demo_model()
     prompts = random_prompts(model, [30, 50, 17, 64, 9, 40])
     engine = {"max_num_seqs": 8, "max_num_batched_tokens": 64, "num_kv_blocks": 40}
-    plain, plain_stats = run(model, prompts, GREEDY_64, None, **engine)
+    plain, plain_stats = run(model, prompts, params, None, **engine)
     truth = {tuple(p): o.outputs[0].token_ids for p, o in zip(prompts, plain, strict=True)}
 
     def oracle(seq, k):
         return truth[tuple(seq.state.req.prompt_token_ids)][seq.num_output_tokens:seq.num_output_tokens + k]
 
-    spec, stats = run(model, prompts, GREEDY_64, NGRAM, oracle, **engine)
+    spec, stats = run(model, prompts, params, NGRAM, oracle, **engine)
     assert token_ids(spec) == token_ids(plain)
     s = stats.spec
     assert s.num_draft_tokens > 0 and s.num_accepted_tokens == s.num_draft_tokens
@@ -125,7 +131,7 @@ def test_an_oracle_proposer_is_kept_whole_and_a_wrong_one_changes_nothing():
     def wrong(seq, k):
         return [(t + 1) % 512 for t in truth[tuple(seq.state.req.prompt_token_ids)][seq.num_output_tokens:][:k]]
 
-    spec, stats = run(model, prompts, GREEDY_64, {**NGRAM, "auto_disable": False}, wrong, **engine)
+    spec, stats = run(model, prompts, params, {**NGRAM, "auto_disable": False}, wrong, **engine)
     assert token_ids(spec) == token_ids(plain)
     assert stats.spec.num_draft_tokens > 0 and stats.spec.num_accepted_tokens == 0
 
