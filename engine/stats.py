@@ -243,7 +243,34 @@ def summed_stats(parts: Iterable[EngineStats]) -> EngineStats:
         out.num_generated_tokens += s.num_generated_tokens
         out.num_steps += s.num_steps
         _add_counts(out.kv, s.kv)
+        if s.spec is not None:
+            out.spec = _add_spec(out.spec, s.spec)
     return out
+
+
+def _add_spec(into: SpecStats | None, other: SpecStats) -> SpecStats:
+    """Speculation counters summed (per class too); a class drafts if it does anywhere, its
+    rates recomputed from the sums (the running one is an engine's own: the first's)."""
+    if into is None:
+        return dataclasses.replace(other, accepted_per_pos=list(other.accepted_per_pos),
+                                   classes={c: dataclasses.replace(r, accepted_per_pos=list(r.accepted_per_pos))
+                                            for c, r in other.classes.items()})
+    pairs: list[tuple[SpecStats | SpecClassStats, SpecStats | SpecClassStats]] = [(into, other)]
+    for cls, row in other.classes.items():
+        mine = into.classes.setdefault(cls, SpecClassStats(accepted_per_pos=[0] * len(row.accepted_per_pos)))
+        mine.enabled = mine.enabled or row.enabled
+        pairs.append((mine, row))
+    for a, b in pairs:
+        a.num_drafts += b.num_drafts
+        a.num_draft_tokens += b.num_draft_tokens
+        a.num_accepted_tokens += b.num_accepted_tokens
+        width = max(len(a.accepted_per_pos), len(b.accepted_per_pos))
+        a.accepted_per_pos = [x + y for x, y in zip(a.accepted_per_pos + [0] * (width - len(a.accepted_per_pos)),
+                                                    b.accepted_per_pos + [0] * (width - len(b.accepted_per_pos)),
+                                                    strict=True)]
+    for row in into.classes.values():
+        row.acceptance_rate = row.num_accepted_tokens / row.num_draft_tokens if row.num_draft_tokens else None
+    return into
 
 
 def summed_parallel(parts: Iterable[ParallelStats | None]) -> ParallelStats | None:

@@ -206,3 +206,22 @@ def test_opted_out_requests_and_grammar_rows_decode_without_drafts():
     assert stats.spec.num_drafts == 0
     with pytest.raises(Exception, match="speculative"):
         SamplingParams(speculative="no")
+
+
+def test_a_pools_totals_sum_each_engines_spec_counters():
+    """Two engines' (a pool's workers) counters add up, per class too; rates from the sums."""
+    from lockgate.engine import EngineStats, SpecClassStats, SpecStats
+    from lockgate.engine.stats import summed_stats
+
+    def one(drafts, tokens, kept, per_pos, enabled):
+        row = SpecClassStats(enabled, drafts, tokens, kept, per_pos)
+        return EngineStats(spec=SpecStats("ngram", 2, 1, 3, True, drafts, tokens, kept, list(per_pos),
+                                          {"online": row}))
+
+    total = summed_stats([one(3, 6, 4, [3, 1], False), one(2, 4, 1, [1, 0], True), EngineStats()]).spec
+    assert (total.num_drafts, total.num_draft_tokens, total.num_accepted_tokens, total.accepted_per_pos) == \
+           (5, 10, 5, [4, 1])
+    online = total.classes["online"]
+    assert (online.num_drafts, online.accepted_per_pos, online.acceptance_rate, online.enabled) == \
+           (5, [4, 1], 0.5, True)
+    assert summed_stats([EngineStats()]).spec is None
