@@ -3,8 +3,9 @@
 The scheduler asks `try_drafts` for each running decode: up to k tokens from the proposer
 (engine/spec/ngram.py), fewer where the step's token budget, `max_tokens` or the context its
 class may use leave less room, none for a request that opted out (`speculative=False`), one
-with a grammar or an adapter (those decode a token a step in this first version), or a class
-the switch (engine/spec/switch.py) has turned off. The row then computes its last token and
+with a grammar (its matcher would have to follow the draft: such rows decode a token a step
+for now), or a class the switch (engine/spec/switch.py) has turned off. A row with a LoRA
+adapter drafts too: its chunk is one more segment of its adapter's tokens. The row then computes its last token and
 the drafts as one short chunk over the paged KV cache; the runner samples a token at each of
 its 1 + d positions, the row at position j seeing the drafts before it as its history (so
 penalties, logit bias and seeds apply exactly as they would had those tokens been emitted).
@@ -78,9 +79,8 @@ class SpecDecoder:
     def _room(self, seq: Sequence, tokens_left: int) -> int:
         """How many draft tokens `seq` may carry this step (0: none)."""
         rank = seq.state.class_rank
-        p, req = seq.params, seq.state.req
-        if not (self.switch.enabled[rank] and p.speculative) or p.structured_outputs is not None \
-                or req.lora_request is not None:
+        p = seq.params
+        if not (self.switch.enabled[rank] and p.speculative) or p.structured_outputs is not None:
             return 0
         # every emitted token must fit: the budget, the class's context and max_tokens
         k = min(self.num_spec, tokens_left - 1, self.max_seq_len_by_rank[rank] - seq.num_tokens - 1)

@@ -136,6 +136,45 @@ def test_an_oracle_proposer_is_kept_whole_and_a_wrong_one_changes_nothing(params
     assert stats.spec.num_draft_tokens > 0 and stats.spec.num_accepted_tokens == 0
 
 
+def test_lora_rows_draft_and_keep_their_adapters_output(tmp_path):
+    """Three adapters and the base model in one batch, the oracle proposing each row's own
+    continuation under its adapter: every draft kept, the output as without drafts."""
+    pytest.importorskip("peft")
+    from lockgate.engine import LoRARequest
+    from lockgate.engine.lora_demo import write_demo_adapter
+
+    base = demo_model()
+    adapters = [LoRARequest(name, i + 1, str(write_demo_adapter(base, tmp_path / name, rank=rank, targets=t,
+                                                                seed=i + 1)))
+                for i, (name, rank, t) in enumerate([("qv", 8, "q,v"), ("all", 4, "q,k,v,o,gate,up,down"),
+                                                     ("mlp", 16, "gate,up,down")])]
+    loras = [adapters[0], None, adapters[1], adapters[2], None, adapters[0], adapters[1], adapters[2]]
+    prompts = random_prompts(base, [5, 17, 33, 9, 64, 40, 3, 100], seed=11)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+    def run_lora(spec, proposer=None):
+        llm = LLM(base, enable_lora=True, max_loras=3, max_lora_rank=16, max_num_batched_tokens=64,
+                  num_kv_blocks=64, speculative_config=spec)
+        if proposer is not None:
+            llm.engine.spec.proposer = proposer
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, lora_request=loras,
+                            use_progress_bar=False)
+        return outs, llm.engine.stats()
+
+    plain, _ = run_lora(None)
+    truth = {(tuple(p), lr.lora_name if lr else None): o.outputs[0].token_ids
+             for p, lr, o in zip(prompts, loras, plain, strict=True)}
+
+    def oracle(seq, k):
+        lr = seq.state.req.lora_request
+        done = seq.num_output_tokens
+        return truth[(tuple(seq.state.req.prompt_token_ids), lr.lora_name if lr else None)][done:done + k]
+
+    spec, stats = run_lora(NGRAM, oracle)
+    assert token_ids(spec) == token_ids(plain)
+    assert stats.spec.num_draft_tokens > 0 and stats.spec.num_accepted_tokens == stats.spec.num_draft_tokens
+
+
 def test_seeded_sampling_gives_the_tokens_it_gives_without_drafts():
     """Seeded sampled rows (n 2, top-p) draw each position's token with the sampler's own
     noise for that position: the same tokens with drafts as without, run after run, alone
