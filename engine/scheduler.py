@@ -200,7 +200,7 @@ class Scheduler:
         self._admitting = True
         self.sizer.begin(self)
         if self.spec is not None:
-            self.spec.begin(self.running, self.cost)
+            self.spec.begin(self.running, self.waiting, self.cost, self.max_num_batched_tokens)
         self._running_loras = {s.state.req.lora_id for s in self.running} - {0}
         self._lora_gate = None
         self.running.sort(key=self.key)
@@ -217,9 +217,8 @@ class Scheduler:
                                sizer.target, self._drafts)
 
     def update(self, out: SchedulerOutput, accepted: dict[Sequence, int] | None = None) -> None:
-        """After the step ran: each scheduled sequence computed its tokens, and its newly
-        full blocks go into the prefix cache. A decode with drafts keeps its last token and
-        the `accepted[seq]` drafts; the slots of the rest are released."""
+        """After the step ran: each scheduled sequence computed its tokens (a decode with drafts its
+        last and the `accepted[seq]` drafts: the rest's slots released); full blocks to the prefix cache."""
         for seq, num_new in out.scheduled:
             if accepted is not None and seq in accepted:
                 seq.num_computed_tokens += 1 + accepted[seq]
@@ -230,15 +229,17 @@ class Scheduler:
 
     def _schedule_decodes(self, budget: StepBudget, scheduled: dict[Sequence, int],
                           preempted: list[Sequence]) -> None:
+        after = sum(1 for s in self.running if s.is_decode and s not in scheduled)   # decodes to come
         for seq in list(self.running):
             if seq.status is not SeqStatus.RUNNING or not seq.is_decode or seq in scheduled:
                 continue
+            after -= 1
             if self.sizer.skips_decode(seq):
                 continue
             if budget.tokens_left < 1:
                 return
-            # draft tokens, with their blocks (drafts never preempt): 1 + len(drafts) tokens
-            drafts = self.spec.try_drafts(seq, budget.tokens_left, self.reserve_for(seq)) if self.spec else []
+            # drafts with their blocks, never preempting, a token left for each decode to come
+            drafts = self.spec.try_drafts(seq, budget.tokens_left - after, self.reserve_for(seq)) if self.spec else []
             if drafts:
                 self._drafts[seq] = drafts
                 self._take(seq, 1 + len(drafts), budget, scheduled, decode=True)

@@ -56,19 +56,28 @@ class SpecDecoder:
         self.switch = SpecSwitch(len(classes), self.num_spec, auto=config.auto_disable)
         self.counts = [SpecClassStats(accepted_per_pos=[0] * self.num_spec) for _ in classes]
         self.proposer: Proposer = self.ngram
+        self.prefill_reserve = 0       # this step's tokens kept from drafts for pending prefill
 
     def ngram(self, seq: Sequence, k: int) -> list[int]:
         cfg = self.config
         return propose(seq.token_ids, k, cfg.prompt_lookup_min or 1, cfg.prompt_lookup_max or 1)
 
-    def begin(self, running: Iterable[Sequence], cost: CostView) -> None:
-        """A step is being scheduled: the switch decides each class's drafts."""
+    def begin(self, running: list[Sequence], waiting: Iterable[Sequence], cost: CostView,
+              max_num_batched_tokens: int) -> None:
+        """A step is being scheduled: the switch decides each class's drafts, and the budget
+        that pending prefill keeps from drafts is set: its tokens, up to half the budget (a
+        prompt's token is certain work, a draft token a guess; decodes are scheduled first,
+        so without this a batch of drafting decodes could hold every arrival back)."""
         self.switch.begin(running, cost)
+        pending = sum(s.num_pending_tokens for s in running if not s.is_decode)
+        pending += sum(s.num_tokens - s.num_computed_tokens for s in waiting)
+        self.prefill_reserve = min(pending, max_num_batched_tokens // 2)
 
     def try_drafts(self, seq: Sequence, tokens_left: int, reserve: int) -> list[int]:
         """Draft tokens for decode `seq`, blocks for them allocated (leaving `reserve` free);
-        [] when it gets none, or they do not fit the free blocks (drafts preempt no one)."""
-        k = self._room(seq, tokens_left)
+        [] when it gets none, or they do not fit the free blocks (drafts preempt no one).
+        `tokens_left`: the step's budget, less a token for each decode still to come."""
+        k = self._room(seq, tokens_left - self.prefill_reserve)
         if k < 1:
             return []
         drafts = list(self.proposer(seq, k))[:k]

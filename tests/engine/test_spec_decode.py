@@ -247,6 +247,44 @@ def test_opted_out_requests_and_grammar_rows_decode_without_drafts():
         SamplingParams(speculative="no")
 
 
+def test_drafts_crowd_out_neither_decodes_nor_arrivals(tmp_path):
+    """The scheduler alone (tests/support/scheduler_harness.py), a proposer that always offers
+    4 drafts, 8 requests of 4 prompt tokens and a budget of 12 tokens a step: a token is kept
+    for every decode to come and up to half the budget for pending prompts, so every decode
+    runs in every step and every request starts within 7 steps (without: 3 drafting decodes
+    took all 12 tokens and the other 5 waited until they finished). No draft is ever kept: the rejected slots are
+    released (the invariant check, every step)."""
+    from lockgate.engine.spec.config import SpeculativeConfig
+    from lockgate.engine.spec.decode import SpecDecoder
+    from tests.support.scheduler_harness import CLASSES, SchedulerHarness
+
+    h = SchedulerHarness(tmp_path, num_blocks=256, max_num_batched_tokens=12)
+    spec = SpecDecoder(SpeculativeConfig.of(NGRAM), h.kv, CLASSES, [1 << 20] * len(CLASSES))
+    spec.proposer = lambda seq, k: [9] * k
+    h.sched.spec = spec
+    states = [h.add(4, max_tokens=20) for _ in range(8)]
+    num_drafted, started = 0, {}
+    for step in range(400):
+        if not h.sched.has_work:
+            break
+        out = h.sched.schedule()
+        for seq, _ in out.scheduled:
+            started.setdefault(seq.state.request_id, step)
+        h.check(out)
+        ran = {seq for seq, _ in out.scheduled}
+        assert all(s in ran for s in h.sched.running if s.is_decode), out.scheduled
+        num_drafted += len(out.drafts)
+        h.sched.update(out, {seq: 0 for seq in out.drafts})
+        for seq, _ in out.scheduled:
+            if seq.num_computed_tokens == seq.num_tokens:
+                seq.token_ids.append(7)
+                if seq.num_output_tokens >= seq.params.max_tokens:
+                    h.sched.finish(seq, "length")
+    assert all(st.finished for st in states)
+    assert max(started.values()) <= 6, started      # 32 prompt tokens, 6 or more a step
+    assert num_drafted > 0 and h.kv.num_used_blocks == 0
+
+
 def test_a_pools_totals_sum_each_engines_spec_counters():
     """Two engines' (a pool's workers) counters add up, per class too; rates from the sums."""
     from lockgate.engine import EngineStats, SpecClassStats, SpecStats
