@@ -1,18 +1,23 @@
-"""The chaos test, scaled down for CI: the gateway's reliability promises hold through a
-killed replica, a hung Redis, a stopped database, a Redis restarted empty and all of them at
-once. 150 chat completions with client-side ids (more, at the same pace, while a slow
-restart keeps the faults going) over two `lockgate serve` replicas on a PostgreSQL and a
-redis-server of the run's own, while the driver (one fault at a time, see
-`loadtests/harness/chaos_faults.py`) kills a replica with SIGKILL once (under load: once it
-holds a lease), hangs Redis for 1.5 s, stops the database for 2 s, kills Redis and starts it
-again empty, then overlaps: the database down, Redis hung, a replica killed, all cleared
-within 3 s (the replica restarted on its data directory, replaying its spool). Lease ttl 3 s
-(heartbeat 1 s). The full 1,000-request run is `lockgate bench chaos`.
+"""The chaos test, scaled down for CI: the gateway's reliability promises hold through a killed
+replica, a hung Redis, a stopped database, a Redis restarted empty and all of them at once.
+150 requests with client-side ids, a third each on chat completions, the Responses API and
+the Messages API, streamed or not, a fifth of the streams left by the client part way (more
+requests, at the same pace, while a slow restart keeps the faults going) over two `lockgate
+serve` replicas on a PostgreSQL and a redis-server of the run's own, while the driver (one
+fault at a time, see `loadtests/harness/chaos_faults.py`) kills a replica with SIGKILL once
+(under load: once it holds a lease and a stream of every route is under way on it), hangs
+Redis for 1.5 s, stops the database for 2 s, kills Redis and starts it again empty, then
+overlaps: the database down, Redis hung, a replica killed, all cleared within 3 s (the
+replica restarted on its data directory, replaying its spool). Lease ttl 3 s (heartbeat 1
+s). The full 1,000-request run is `lockgate bench chaos`.
 
 The run happens once (module fixture, about 60 s); each test asserts one promise on it:
 
-- every attempt answered 200 (JSON, or a stream to [DONE]) has exactly one usage row, "ok",
-  with the tokens the client was told; every other attempt at most one; no row invented;
+- every attempt answered 200 (JSON, or a stream to its last event) has exactly one usage row,
+  "ok", with the tokens the client was told; every other attempt at most one; no row
+  invented: over the run and on each route alone, a stream the client left with its row too;
+- the kill cut a stream of every route mid-way: each at most one row, its admission settled
+  or refunded;
 - each killed replica's leases are released within lease_ttl + one heartbeat, from the
   limiter's state on Redis's clock (`loadtests/harness/chaos_checks.py` says why that is
   sound), and its reservations are reconciled within that bound too;
@@ -33,6 +38,7 @@ import pytest
 from lockgate.loadtests.chaos import ChaosConfig, ChaosResult, format_report, run_chaos
 from lockgate.loadtests.harness.chaos_checks import Row, check_rows
 from lockgate.loadtests.harness.chaos_client import Attempt
+from lockgate.loadtests.harness.chaos_routes import ROUTES
 from lockgate.loadtests.harness.services import ServiceUnavailable
 
 CONFIG = ChaosConfig(
@@ -40,7 +46,7 @@ CONFIG = ChaosConfig(
     duration_s=30.0,
     concurrency=8, lease_ttl_s=3.0, tenants=3, tenant_concurrency=2,
     max_tokens=(16, 64, 128, 256),      # long enough that a kill finds requests in flight
-    warmup_s=3.0, tail_s=4.0,
+    warmup_s=3.0, tail_s=4.0, leave_fraction=0.2,
 )
 # The reconciler runs once per heartbeat on each replica; the sampler that sees an admission
 # leave the pending index reads every 0.25 s, and a replica under this load may be a beat
@@ -77,6 +83,37 @@ def test_row_checker_finds_lost_duplicated_invented_and_mismatched_rows():
     assert not report.ok
     clean = check_rows(attempts[:1] + attempts[3:5], [row("a"), row("d", "cancelled")])
     assert clean.ok, clean.examples
+    # a stream the client left has its row, unless its replica was killed just after
+    left = attempt("g", "left")
+    assert check_rows([left], []).lost == 1
+    assert check_rows([left], [row("g", "cancelled")]).ok
+    killed = check_rows([left], [], kills=[(0, 1.5)])
+    assert killed.ok and killed.left_unwritten == 1
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_every_route_every_200_has_exactly_one_row(chaos: ChaosResult, route: str):
+    rows = chaos.by_route[route]
+    assert rows.ok_attempts >= CONFIG.num_requests // 10, "too few 200s on the route for the check to mean much"
+    assert (rows.lost, rows.duplicated, rows.mismatched) == (0, 0, 0), rows.examples
+    assert rows.by_outcome["ok"]["with_row"] == rows.ok_attempts
+    mine = [a for a in chaos.attempts if a.route == route]
+    assert any(a.stream and a.outcome == "ok" for a in mine) and any(not a.stream and a.outcome == "ok" for a in mine)
+    assert "left" in rows.by_outcome, "no stream of the route was left by its client"
+
+
+def test_the_kill_cut_a_stream_of_every_route_leaving_one_row_at_most_and_its_reservation_settled(
+        chaos: ChaosResult):
+    assert len(chaos.killed) == CONFIG.kills
+    by_id = {a.client_id: a for a in chaos.attempts}
+    kills = [f for f in chaos.faults if f.kind == "kill"]
+    for fault, cut in zip(kills, chaos.killed, strict=True):
+        assert sorted(cut) == sorted(ROUTES), cut
+        for route, c in cut.items():
+            assert c["mid_stream"] >= 1 and c["max_rows"] <= 1, (route, c)
+            assert c["settled"] == c["mid_stream"], (route, c)      # settled to its row or refunded
+            assert all(by_id[cid].outcome == "cut" for cid in fault.mid_stream[route])
+    assert chaos.killed_ok
 
 
 def test_every_200_has_exactly_one_row_and_no_row_is_invented(chaos: ChaosResult):
