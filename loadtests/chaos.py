@@ -119,10 +119,11 @@ class ChaosResult:
 
     @property
     def killed_ok(self) -> bool:
-        """Every plain kill cut a stream of every route, each with at most one row and its
-        admission settled or refunded."""
-        return all(set(k) == set(ROUTES) and all(c["max_rows"] <= 1 and c["settled"] == c["mid_stream"]
-                                                  for c in k.values()) for k in self.killed)
+        """Every plain kill cut a stream of every route; each stream under way at it at most
+        one row and its admission settled or refunded."""
+        return all(set(k) == set(ROUTES) and all(c["cut"] >= 1 and c["max_rows"] <= 1
+                                                  and c["settled"] == c["mid_stream"] for c in k.values())
+                   for k in self.killed)
 
     @property
     def requests_ok(self) -> int:
@@ -330,7 +331,7 @@ def _route_lines(r: ChaosResult) -> list[str]:
             f"{with_row.get('cut', 0)}; lost {rep.lost} / duplicated {rep.duplicated} / mismatched {rep.mismatched}")
     for n, k in enumerate(r.killed, 1):
         lines.append(f"  kill {n} cut mid-stream: " + ", ".join(
-            f"{route} {c['mid_stream']} (leased {c['leased']}, settled or refunded {c['settled']}, "
+            f"{route} {c['mid_stream']} (cut {c['cut']}, leased {c['leased']}, settled or refunded {c['settled']}, "
             f"most rows {c['max_rows']})" for route, c in k.items())
             + ("" if set(k) == set(ROUTES) else " -- NOT every route"))
     return lines

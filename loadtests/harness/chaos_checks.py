@@ -332,9 +332,9 @@ def rows_by_route(attempts: Sequence[Attempt], rows: Sequence[Row],
 
 def killed_streams(mid_stream: dict[str, list[str]], leases: dict[str, int], attempts: Sequence[Attempt],
                    rows: Sequence[Row], reconciled_at: dict[str, int]) -> dict[str, dict[str, int]]:
-    """Per route, of the streams under way at a kill (client ids): how many, how many held a
-    lease of the dead process, how many are settled (see the module docstring), and the most
-    rows any of them has."""
+    """Per route, of the streams under way at a kill (client ids): how many, how many the
+    kill cut (the others ended just before it), how many held a lease of the dead process,
+    how many are settled (see the module docstring), and the most rows any of them has."""
     by_id = {a.client_id: a for a in attempts}
     num_rows = Counter(r.client_request_id for r in rows)
     out = {}
@@ -346,7 +346,8 @@ def killed_streams(mid_stream: dict[str, list[str]], leases: dict[str, int], att
             leased += held
             settled += (sid in reconciled_at) if held else num_rows[cid] == 1
             most = max(most, num_rows[cid])
-        out[route] = {"mid_stream": len(ids), "leased": leased, "settled": settled, "max_rows": most}
+        out[route] = {"mid_stream": len(ids), "cut": sum(by_id[cid].outcome == "cut" for cid in ids),
+                      "leased": leased, "settled": settled, "max_rows": most}
     return out
 
 

@@ -82,17 +82,19 @@ async def _loaded(replica: Replica, state: LoadState, watch: LeaseWatch, timeout
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and not state.done:
         if state.in_flight[replica.index] >= 2 and (not long_one or _long_one(replica, state)) \
-                and (not every_route or len(mid_stream(replica.index, state)) == len(ROUTES)) \
+                and (not every_route or len(mid_stream(replica.index, state, early=True)) == len(ROUTES)) \
                 and await watch.holds_lease(replica.index):
             return
         await asyncio.sleep(0.005)
 
 
-def mid_stream(replica: int, state: LoadState) -> dict[str, list[str]]:
-    """Per route, the streams under way on `replica` that have sent content."""
+def mid_stream(replica: int, state: LoadState, early: bool = False) -> dict[str, list[str]]:
+    """Per route, the streams under way on `replica` that have sent content; `early`: only
+    those of 64 tokens or more not past half of them (not about to end as the kill comes)."""
     out: dict[str, list[str]] = {}
     for a in list(state.open.values()):
-        if a.replica == replica and a.stream and a.deltas > 0 and a.status == 200:
+        if a.replica == replica and a.stream and a.deltas > 0 and a.status == 200 \
+                and (not early or (a.max_tokens >= 64 and a.deltas <= a.max_tokens // 2)):
             out.setdefault(a.route, []).append(a.client_id)
     return out
 
