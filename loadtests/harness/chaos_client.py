@@ -37,7 +37,7 @@ OUTCOMES = (
     "ok",            # 200 JSON, or a stream to its route's last event
     "left",          # a 200 stream the client closed on purpose, part way
     "refused",       # an HTTP error status (its code in `error_code`)
-    "stream_error",  # a 200 stream that ended with a data: {"error": ...} event
+    "stream_error",  # a 200 stream that ended with an error event (`response.failed` on Responses)
     "cut",           # a response begun and broken off (the replica died), or no last event
     "unreachable",   # no response: connection refused or reset before any answer
     "timeout",       # the client's timeout passed

@@ -69,8 +69,10 @@ def error_code(route: str, resp: httpx.Response, text: str) -> str | None:
         error = json.loads(text)["error"]
     except (ValueError, KeyError, TypeError):
         return None
+    if not isinstance(error, dict):
+        return None
     if route != "messages":
-        return error.get("code") if isinstance(error, dict) else None
+        return error.get("code")
     if resp.status_code == 429 and resp.headers.get("x-should-retry") == "false":
         return "insufficient_quota"
     if resp.status_code == 503 and "rate limiter" in str(error.get("message", "")):
