@@ -31,11 +31,14 @@ test can fail.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 
+import httpx
 import pytest
 
 from lockgate.loadtests.chaos import ChaosConfig, ChaosResult, format_report, run_chaos
+from lockgate.loadtests.harness import chaos_routes
 from lockgate.loadtests.harness.chaos_checks import Row, check_rows
 from lockgate.loadtests.harness.chaos_client import Attempt
 from lockgate.loadtests.harness.chaos_routes import ROUTES
@@ -176,3 +179,47 @@ def test_each_fault_injected_under_load_and_recovered(chaos: ChaosResult):
     assert any(a.error_code == "limiter_unavailable" for a in chaos.attempts)   # the hang was
     overlap = chaos.faults[-1]
     assert overlap.started < overlap.ended < overlap.ready      # cleared, then its replica restarted
+
+
+def _sse(*events: dict | str) -> bytes:
+    return b"".join(b"data: " + (e if isinstance(e, str) else json.dumps(e)).encode() + b"\n\n" for e in events)
+
+
+STREAMS = {   # route -> (a stream to its last event, its server id, (prompt, completion))
+    "chat": (_sse({"id": "chatcmpl-s1", "choices": [{"delta": {"content": "a"}}]},
+                  {"id": "chatcmpl-s1", "choices": [{"delta": {"content": "b"}}]},
+                  {"id": "chatcmpl-s1", "choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 2}},
+                  "[DONE]"), "s1", (5, 2)),
+    "responses": (_sse({"type": "response.created", "response": {"id": "resp_s2"}},
+                       {"type": "response.output_text.delta", "delta": "a"},
+                       {"type": "response.output_text.delta", "delta": "b"},
+                       {"type": "response.completed",
+                        "response": {"id": "resp_s2", "usage": {"input_tokens": 5, "output_tokens": 2}}}),
+                  "s2", (5, 2)),
+    "messages": (_sse({"type": "message_start", "message": {"id": "msg_s3"}},
+                      {"type": "content_block_delta", "delta": {"text": "a"}},
+                      {"type": "content_block_delta", "delta": {"text": "b"}},
+                      {"type": "message_delta", "usage": {"input_tokens": 3, "cache_read_input_tokens": 2,
+                                                          "output_tokens": 2}},
+                      {"type": "message_stop"}), "s3", (5, 2)),
+}
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_each_routes_stream_is_read_to_its_last_event(route: str):
+    """The client's reading of each route's stream: "ok" only at its last event, with the
+    tokens and the server's id; "cut" without it; "left" when it leaves on purpose."""
+    body, sid, usage = STREAMS[route]
+
+    async def one(content: bytes, leave_after: int = 0) -> Attempt:
+        transport = httpx.MockTransport(lambda request: httpx.Response(200, content=content))
+        a = Attempt(0, 0, "c", 0, 0, True, 0.0, route=route, leave_after=leave_after)
+        async with httpx.AsyncClient(transport=transport) as client:
+            await chaos_routes.send(route, client, "http://x", "k", chaos_routes.body(route, True, 8, 0), a, 5.0)
+        return a
+
+    whole = asyncio.run(one(body))
+    assert (whole.outcome, whole.server_id, whole.usage, whole.deltas) == ("ok", sid, usage, 2)
+    last = body.rstrip(b"\n").rsplit(b"\n\n", 1)[0] + b"\n\n"
+    assert asyncio.run(one(last)).outcome == "cut"
+    assert asyncio.run(one(body, leave_after=1)).outcome == "left"
