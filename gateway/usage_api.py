@@ -10,10 +10,10 @@ import binascii
 import csv
 import io
 import json
+from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any
 
-from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
@@ -82,10 +82,10 @@ def decode_cursor(value: str | None) -> list[str] | None:
     return values
 
 
-async def usage_response(state: AppState, request: Request, tenant_id: str | None) -> Response:
-    """The report the query asks for (start, end, group_by, format, limit, after), of
-    `tenant_id`'s usage (None: everyone's)."""
-    q = request.query_params
+async def usage_response(state: AppState, q: Mapping[str, str], tenant_id: str | None) -> Response:
+    """The report the query `q` asks for (start, end, group_by, format, limit, after), of
+    `tenant_id`'s usage (None: everyone's): what the admin's and a tenant's routes and the
+    console's download answer."""
     unknown = set(q) - QUERY
     if unknown:
         name = sorted(unknown)[0]
