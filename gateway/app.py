@@ -26,6 +26,8 @@ from lockgate.gateway.admin import vllm_lora
 from lockgate.gateway.authenticator import Authenticator
 from lockgate.gateway.background import Background
 from lockgate.gateway.batch_runner import BatchRunner
+from lockgate.gateway.console import install as install_console
+from lockgate.gateway.console.web import SecurityHeaders
 from lockgate.gateway.draining import DrainGate
 from lockgate.gateway.errors import install_error_handlers
 from lockgate.gateway.fields import refuse_nul_params
@@ -37,6 +39,7 @@ from lockgate.gateway.model_directory import ModelDirectory, ModelEntry
 from lockgate.gateway.openapi import install_openapi
 from lockgate.gateway.reconciler import reconcile_once, replay_charger
 from lockgate.gateway.request_context import RequestContext
+from lockgate.gateway.root_path import RootPath
 from lockgate.gateway.settings import Settings, parse_model_specs
 from lockgate.gateway.state import AppState, Lifecycle
 from lockgate.gateway.tokenize_pool import TokenizePool
@@ -367,6 +370,8 @@ def create_app(settings: Settings | None = None, engine_factory: EngineFactory =
     # /metrics (an admin key or the metrics token), Anthropic's Messages API
     for api in (openai_api, batch_api, responses_api, admin, vllm_lora, tokenize_api, metrics_api, messages_api):
         app.include_router(api.router)
+    if settings.console:        # the admin console's pages (gateway/console/)
+        install_console(app)
     install_openapi(app, openai_api.BODY_MODELS + responses_api.BODY_MODELS + tokenize_api.BODY_MODELS
                     + messages_api.BODY_MODELS)
 
@@ -401,6 +406,10 @@ def create_app(settings: Settings | None = None, engine_factory: EngineFactory =
 
     # innermost first: the drain's 503 has a request id, and every answer is counted
     max_upload = settings.max_file_bytes + (64 << 10)      # a file and its multipart framing
+    if settings.console:
+        app.add_middleware(SecurityHeaders)         # the CSP of every answer under /console
+    if settings.root_path:
+        app.add_middleware(RootPath, root_path=settings.root_path)
     app.add_middleware(DrainGate)
     app.add_middleware(BodyLimits, max_body_bytes=settings.max_body_bytes, max_upload_bytes=max_upload,
                        upload_paths=RequestContext.UPLOAD_PATHS, timeout_s=settings.body_read_timeout_s,

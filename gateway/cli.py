@@ -298,6 +298,10 @@ def serve(
         "split each model over this many devices, a rank process each (default 1)"))] = None,
     pipeline_parallel_size: Annotated[int | None, typer.Option("--pipeline-parallel-size", "-pp", min=1, help=(
         "only 1 (vLLM's flag, accepted for its scripts)"))] = None,
+    root_path: Annotated[str | None, typer.Option(
+        help="the path prefix a proxy serves Lockgate under, e.g. /ops (default none)")] = None,
+    console: Annotated[bool | None, typer.Option(
+        "--console/--no-console", help="the admin console at /console (default on)")] = None,
 ) -> None:
     """Run the gateway and its engine(s). With no configuration: SQLite, the in-process
     limiter and the demo model under the data directory. The engine flags are vLLM's, by
@@ -310,7 +314,7 @@ def serve(
                          tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size)
     settings = _settings(models=model or None, host=host, port=port, data_dir=data_dir, migrate=migrate or None,
                          shutdown_timeout_s=shutdown_timeout, private_models=private_model or None, pool=pool,
-                         max_loras=max_loras, max_lora_rank=max_lora_rank)
+                         max_loras=max_loras, max_lora_rank=max_lora_rank, root_path=root_path, console=console)
     settings.engine_kwargs = {**settings.engine_kwargs, **flags}
     for note in filter(None, (_device_note(flags, settings.pool),)):
         typer.echo(note, err=True)
