@@ -124,7 +124,7 @@ async def create_admin_key(state: AppState, session: Any, body: AdminKeyCreate, 
                            actor: str) -> tuple[Any, str]:
     """An admin key, or a viewer key (`scopes: ["viewer"]`): (row, plaintext shown once)."""
     k, plaintext = await api_keys.create_key(
-        session, tenant_id=None, name=body.name, scopes=tuple(body.scopes or ("admin",)),
+        session, tenant_id=None, name=body.name, scopes=tuple(body.scopes if body.scopes is not None else ("admin",)),
         expires_at=body.expires_at, pepper=state.pepper, actor=actor)
     state.auth.keys.forget_missing(k.prefix)
     return k, plaintext
