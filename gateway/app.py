@@ -353,6 +353,22 @@ async def lifespan(app: FastAPI, settings: Settings, engine_factory: EngineFacto
         await database.dispose()
 
 
+def _add_middleware(app: FastAPI, settings: Settings) -> None:
+    # innermost first: the drain's 503 has a request id, and every answer is counted
+    max_upload = settings.max_file_bytes + (64 << 10)      # a file and its multipart framing
+    if settings.console:
+        app.add_middleware(SecurityHeaders)         # the CSP of every answer under /console
+    if settings.root_path:
+        app.add_middleware(RootPath, root_path=settings.root_path)
+    app.add_middleware(DrainGate)
+    app.add_middleware(BodyLimits, max_body_bytes=settings.max_body_bytes, max_upload_bytes=max_upload,
+                       upload_paths=RequestContext.UPLOAD_PATHS, timeout_s=settings.body_read_timeout_s,
+                       min_bytes_per_s=settings.body_min_bytes_per_s)
+    app.add_middleware(RequestContext, max_body_bytes=settings.max_body_bytes,
+                       max_upload_bytes=max_upload)
+    app.add_middleware(CountResponses)
+
+
 def create_app(settings: Settings | None = None, engine_factory: EngineFactory = AsyncEngine) -> FastAPI:
     """`engine_factory(model_dir, **engine_kwargs)` makes each model's engine: AsyncEngine, or
     anything with its interface (the gateway benchmark's instant stand-in). The app's
@@ -404,17 +420,5 @@ def create_app(settings: Settings | None = None, engine_factory: EngineFactory =
         return JSONResponse({"status": status, **checks},
                             status_code=200 if ok else 503)
 
-    # innermost first: the drain's 503 has a request id, and every answer is counted
-    max_upload = settings.max_file_bytes + (64 << 10)      # a file and its multipart framing
-    if settings.console:
-        app.add_middleware(SecurityHeaders)         # the CSP of every answer under /console
-    if settings.root_path:
-        app.add_middleware(RootPath, root_path=settings.root_path)
-    app.add_middleware(DrainGate)
-    app.add_middleware(BodyLimits, max_body_bytes=settings.max_body_bytes, max_upload_bytes=max_upload,
-                       upload_paths=RequestContext.UPLOAD_PATHS, timeout_s=settings.body_read_timeout_s,
-                       min_bytes_per_s=settings.body_min_bytes_per_s)
-    app.add_middleware(RequestContext, max_body_bytes=settings.max_body_bytes,
-                       max_upload_bytes=max_upload)
-    app.add_middleware(CountResponses)
+    _add_middleware(app, settings)
     return app

@@ -42,7 +42,7 @@ async def tenants_page(request: Request) -> Response:
 async def tenant_create(request: Request) -> Response:
     user = await signed_in(request)
     form = await form_of(request, user, "tenants", "create")
-    body = TenantCreate(name=form.get("name", "").strip(), weight=form.get("weight") or 1.0)
+    body = TenantCreate.model_validate({"name": form.get("name", "").strip(), "weight": form.get("weight") or 1.0})
     state = app_state(request)
     async with state.sessions() as session:
         t = await service.create_tenant(state, session, body, actor=user.key_id)
@@ -104,7 +104,7 @@ async def tenant_key_create(request: Request, tenant_id: str) -> Response:
     state = app_state(request)
     async with state.sessions() as session:
         k, plaintext = await service.create_tenant_key(state, session, tenant_id,
-                                                       KeyCreate(name=form.get("name", "").strip()),
+                                                       KeyCreate.model_validate({"name": form.get("name", "").strip()}),
                                                        actor=user.key_id)
     return await _tenant_page(request, user, tenant_id, status=201, created=(k, plaintext))
 
@@ -130,7 +130,7 @@ async def key_create(request: Request) -> Response:
     role = form.get("role") or "admin"
     if role not in ("admin", "viewer"):
         raise APIError(400, "role: admin or viewer", param="role")
-    body = AdminKeyCreate(name=form.get("name", "").strip(), scopes=[role])  # type: ignore[list-item]
+    body = AdminKeyCreate.model_validate({"name": form.get("name", "").strip(), "scopes": [role]})
     state = app_state(request)
     async with state.sessions() as session:
         created = await service.create_admin_key(state, session, body, actor=user.key_id)
