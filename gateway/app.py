@@ -269,12 +269,15 @@ async def start_serving(state: AppState) -> tuple[BatchRunner, list[asyncio.Task
     if isinstance(limiter, FailoverLimiter):
         state.metrics.watch_limiter(lambda: limiter.counts)
     await bootstrap_keys(state)
+    s = state.settings
+    if s.console:
+        print(f"lockgate: the admin console: http://{s.host}:{s.port}{s.root_path}/console/ "
+              "(sign in with an admin key)", flush=True)
     state.refusals.start()     # 429 counts to the database every refusal_flush_interval_s
     loop = asyncio.get_running_loop()
     runner = BatchRunner(state)
     tasks = [loop.create_task(heartbeat(state)), loop.create_task(reconciler(state)),
              loop.create_task(state.models.adapters.watch()), loop.create_task(runner.run())]
-    s = state.settings
     if s.memory_trim_interval_s > 0:
         tasks.append(loop.create_task(trim_loop(s.memory_trim_interval_s, s.memory_trim_growth_mb << 20)))
     return runner, tasks

@@ -207,3 +207,27 @@ async def test_a_bad_form_is_a_400_naming_the_field(gw):
     assert r.status_code == 400 and "requests_per_minute" in r.text
     r = await c.post("/console/tenants", data={"name": "", "csrf": token})
     assert r.status_code == 400 and "name" in r.text
+
+
+async def test_the_cookie_is_secure_over_https(gw):
+    c = gw.client(base_url="https://test")
+    form = await c.get("/console/sign-in")
+    assert "Secure" in form.headers["set-cookie"]
+    r = await c.post("/console/sign-in", data={"key": gw.admin_key, "csrf": csrf(form)})
+    cookie = next(v for k, v in r.headers.multi_items() if k == "set-cookie" and v.startswith("lockgate_console="))
+    assert "Secure" in cookie and "HttpOnly" in cookie
+
+
+async def test_tenants_are_searched_by_name_a_page_at_a_time(gw):
+    c = await sign_in(gw, gw.admin_key)
+    tag = secrets.token_hex(3)
+    made = [(await gw.tenant(f"Find-{tag}-{i}"))[0]["id"] for i in range(30)]
+    await gw.tenant(f"other-{tag}")
+    first = await c.get("/console/tenants", params={"q": f"find-{tag}"})
+    ids = re.findall(r'<code>(ten_[0-9a-f]+)</code>', first.text)
+    nxt = re.search(r'rel="next" href="([^"]+)"', first.text).group(1).replace("&amp;", "&")
+    rest = re.findall(r'<code>(ten_[0-9a-f]+)</code>', (await c.get(nxt)).text)
+    assert len(ids) == 25 and ids + rest == sorted(made)
+    api = (await gw.admin.get("/tenants", params={"name": f"FIND-{tag}", "limit": 500})).json()["data"]
+    assert sorted(t["id"] for t in api) == sorted(made)
+    assert (await c.get("/console/tenants", params={"q": "%"})).status_code == 200
