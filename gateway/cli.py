@@ -298,21 +298,21 @@ def serve(
         "split each model over this many devices, a rank process each (default 1)"))] = None,
     pipeline_parallel_size: Annotated[int | None, typer.Option("--pipeline-parallel-size", "-pp", min=1, help=(
         "only 1 (vLLM's flag, accepted for its scripts)"))] = None,
+    root_path: Annotated[str | None, typer.Option(help="the path prefix a proxy serves it under: /ops")] = None,
+    console: Annotated[bool | None, typer.Option("--console/--no-console", help="/console (default on)")] = None,
 ) -> None:
-    """Run the gateway and its engine(s). With no configuration: SQLite, the in-process
-    limiter and the demo model under the data directory. The engine flags are vLLM's, by
-    its names; they win over LOCKGATE_ENGINE_KWARGS."""
+    """Run the gateway and its engine(s) (no configuration: SQLite, the in-process limiter, the demo
+    model under the data directory). The engine flags are vLLM's; they win over LOCKGATE_ENGINE_KWARGS."""
     from lockgate.gateway.server import run_server
-
     flags = engine_flags(max_num_seqs=max_num_seqs, max_model_len=max_model_len, block_size=block_size,
                          max_num_batched_tokens=max_num_batched_tokens, gpu_memory_utilization=gpu_memory_utilization,
                          enable_prefix_caching=enable_prefix_caching, enable_lora=enable_lora, dtype=dtype,
                          tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size)
     settings = _settings(models=model or None, host=host, port=port, data_dir=data_dir, migrate=migrate or None,
                          shutdown_timeout_s=shutdown_timeout, private_models=private_model or None, pool=pool,
-                         max_loras=max_loras, max_lora_rank=max_lora_rank)
+                         max_loras=max_loras, max_lora_rank=max_lora_rank, root_path=root_path, console=console)
     settings.engine_kwargs = {**settings.engine_kwargs, **flags}
-    for note in filter(None, (_device_note(flags, settings.pool),)):
+    if note := _device_note(flags, settings.pool):
         typer.echo(note, err=True)
     raise typer.Exit(run_server(settings))
 
