@@ -195,16 +195,13 @@ class EngineConfig:
             raise ValueError(f"pipeline_parallel_size: {self.pipeline_parallel_size} is not supported; "
                              "only 1 (split a model with tensor_parallel_size instead)")
         backend = self.distributed_executor_backend
-        if backend == "ray":
-            raise ValueError("distributed_executor_backend: 'ray' is not supported yet; use 'mp' "
-                             "(rank processes spawned by the engine)")
-        if backend not in (None, "mp"):
-            raise ValueError(f"distributed_executor_backend must be 'mp' (or 'ray', later); got {backend!r}")
+        if backend not in (None, "mp", "ray"):
+            raise ValueError(f"distributed_executor_backend must be 'mp' or 'ray'; got {backend!r}")
         for name in ("distributed_timeout_s", "rank_start_timeout_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
                 raise ValueError(f"{name} must be a number of seconds > 0; got {value!r}")
-        if self.tensor_parallel_size > 1:
+        if self.tensor_parallel_size > 1 and backend is None:
             self.distributed_executor_backend = "mp"
 
     def step_target_s(self, cls: str) -> float | None:

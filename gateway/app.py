@@ -26,6 +26,8 @@ from lockgate.gateway.admin import vllm_lora
 from lockgate.gateway.authenticator import Authenticator
 from lockgate.gateway.background import Background
 from lockgate.gateway.batch_runner import BatchRunner
+from lockgate.gateway.console import install as install_console
+from lockgate.gateway.console.web import SecurityHeaders
 from lockgate.gateway.draining import DrainGate
 from lockgate.gateway.errors import install_error_handlers
 from lockgate.gateway.fields import refuse_nul_params
@@ -37,6 +39,7 @@ from lockgate.gateway.model_directory import ModelDirectory, ModelEntry
 from lockgate.gateway.openapi import install_openapi
 from lockgate.gateway.reconciler import reconcile_once, replay_charger
 from lockgate.gateway.request_context import RequestContext
+from lockgate.gateway.root_path import RootPath
 from lockgate.gateway.settings import Settings, parse_model_specs
 from lockgate.gateway.state import AppState, Lifecycle
 from lockgate.gateway.tokenize_pool import TokenizePool
@@ -266,12 +269,15 @@ async def start_serving(state: AppState) -> tuple[BatchRunner, list[asyncio.Task
     if isinstance(limiter, FailoverLimiter):
         state.metrics.watch_limiter(lambda: limiter.counts)
     await bootstrap_keys(state)
+    s = state.settings
+    if s.console:
+        print(f"lockgate: the admin console: http://{s.host}:{s.port}{s.root_path}/console/ "
+              "(sign in with an admin key)", flush=True)
     state.refusals.start()     # 429 counts to the database every refusal_flush_interval_s
     loop = asyncio.get_running_loop()
     runner = BatchRunner(state)
     tasks = [loop.create_task(heartbeat(state)), loop.create_task(reconciler(state)),
              loop.create_task(state.models.adapters.watch()), loop.create_task(runner.run())]
-    s = state.settings
     if s.memory_trim_interval_s > 0:
         tasks.append(loop.create_task(trim_loop(s.memory_trim_interval_s, s.memory_trim_growth_mb << 20)))
     return runner, tasks
@@ -350,6 +356,22 @@ async def lifespan(app: FastAPI, settings: Settings, engine_factory: EngineFacto
         await database.dispose()
 
 
+def _add_middleware(app: FastAPI, settings: Settings) -> None:
+    # innermost first: the drain's 503 has a request id, and every answer is counted
+    max_upload = settings.max_file_bytes + (64 << 10)      # a file and its multipart framing
+    if settings.console:
+        app.add_middleware(SecurityHeaders)         # the CSP of every answer under /console
+    if settings.root_path:
+        app.add_middleware(RootPath, root_path=settings.root_path)
+    app.add_middleware(DrainGate)
+    app.add_middleware(BodyLimits, max_body_bytes=settings.max_body_bytes, max_upload_bytes=max_upload,
+                       upload_paths=RequestContext.UPLOAD_PATHS, timeout_s=settings.body_read_timeout_s,
+                       min_bytes_per_s=settings.body_min_bytes_per_s)
+    app.add_middleware(RequestContext, max_body_bytes=settings.max_body_bytes,
+                       max_upload_bytes=max_upload)
+    app.add_middleware(CountResponses)
+
+
 def create_app(settings: Settings | None = None, engine_factory: EngineFactory = AsyncEngine) -> FastAPI:
     """`engine_factory(model_dir, **engine_kwargs)` makes each model's engine: AsyncEngine, or
     anything with its interface (the gateway benchmark's instant stand-in). The app's
@@ -367,6 +389,8 @@ def create_app(settings: Settings | None = None, engine_factory: EngineFactory =
     # /metrics (an admin key or the metrics token), Anthropic's Messages API
     for api in (openai_api, batch_api, responses_api, admin, vllm_lora, tokenize_api, metrics_api, messages_api):
         app.include_router(api.router)
+    if settings.console:        # the admin console's pages (gateway/console/)
+        install_console(app)
     install_openapi(app, openai_api.BODY_MODELS + responses_api.BODY_MODELS + tokenize_api.BODY_MODELS
                     + messages_api.BODY_MODELS)
 
@@ -399,13 +423,5 @@ def create_app(settings: Settings | None = None, engine_factory: EngineFactory =
         return JSONResponse({"status": status, **checks},
                             status_code=200 if ok else 503)
 
-    # innermost first: the drain's 503 has a request id, and every answer is counted
-    max_upload = settings.max_file_bytes + (64 << 10)      # a file and its multipart framing
-    app.add_middleware(DrainGate)
-    app.add_middleware(BodyLimits, max_body_bytes=settings.max_body_bytes, max_upload_bytes=max_upload,
-                       upload_paths=RequestContext.UPLOAD_PATHS, timeout_s=settings.body_read_timeout_s,
-                       min_bytes_per_s=settings.body_min_bytes_per_s)
-    app.add_middleware(RequestContext, max_body_bytes=settings.max_body_bytes,
-                       max_upload_bytes=max_upload)
-    app.add_middleware(CountResponses)
+    _add_middleware(app, settings)
     return app

@@ -1,6 +1,10 @@
-"""Who is calling: the bearer key -> a `Principal` (401 without a valid one), and the two
-roles a route may require, tenant and admin (403 for the other). `gateway.deps` wraps them
-as route parameters."""
+"""Who is calling: the bearer key -> a `Principal` (401 without a valid one), and the roles a
+route may require: tenant, or one of the admin side's (403 for the others). `gateway.deps`
+wraps them as route parameters.
+
+The admin side's rule lives here alone (`may`): an "admin" key may call every admin method, a
+"viewer" key only the reading ones (GET, HEAD). The /admin routes (`admin_principal`) and the
+console's pages and actions (gateway/console/) both ask it."""
 
 from __future__ import annotations
 
@@ -11,7 +15,11 @@ from lockgate.gateway.state import app_state
 from lockgate.tenancy.auth import Principal
 from lockgate.tenancy.errors import AuthError
 
-__all__ = ["admin_principal", "bearer", "principal", "tenant_principal"]
+__all__ = ["ADMIN_ROLES", "admin_principal", "admin_role", "authorize_admin", "bearer", "may", "principal",
+           "tenant_principal"]
+
+ADMIN_ROLES = ("admin", "viewer")
+READ_METHODS = frozenset({"GET", "HEAD"})
 
 _AUTH_MESSAGES = {
     "missing": "You didn't provide an API key. Send it as 'Authorization: Bearer lg-...'.",
@@ -64,9 +72,31 @@ async def tenant_principal(request: Request) -> Principal:
     return p
 
 
-async def admin_principal(request: Request) -> Principal:
-    """An admin key (no tenant, scope `admin`): every /admin route."""
-    p = await principal(request)
-    if p.tenant_id is not None or not p.is_admin:
+def admin_role(p: Principal) -> str | None:
+    """"admin" or "viewer" for a key without a tenant holding that scope; None otherwise."""
+    if p.tenant_id is not None:
+        return None
+    return next((r for r in ADMIN_ROLES if r in p.scopes), None)
+
+
+def may(role: str | None, method: str) -> bool:
+    """Whether an admin-side `role` may make a request of HTTP `method`: the one rule."""
+    return role == "admin" or (role == "viewer" and method.upper() in READ_METHODS)
+
+
+def authorize_admin(p: Principal, method: str) -> str:
+    """The caller's admin role if it `may` use `method`; 403 otherwise."""
+    role = admin_role(p)
+    if role is None:
         raise APIError(403, "This route needs an admin API key.", code="admin_only")
+    if not may(role, method):
+        raise APIError(403, "This API key is a viewer key: it may read the admin routes (GET) "
+                       "and change nothing.", code="read_only_key")
+    return role
+
+
+async def admin_principal(request: Request) -> Principal:
+    """An admin key (no tenant, scope `admin`, or `viewer` for GET and HEAD): every /admin route."""
+    p = await principal(request)
+    authorize_admin(p, request.method)
     return p

@@ -320,17 +320,18 @@ def serve(
     pipeline_parallel_size: Annotated[int | None, typer.Option("--pipeline-parallel-size", "-pp", min=1, help=(
         "only 1 (vLLM's flag, accepted for its scripts)"))] = None,
     speculative_config: Annotated[str | None, typer.Option("--speculative-config", help=_SPEC_HELP)] = None,
+    root_path: Annotated[str | None, typer.Option(help="the path prefix a proxy serves it under: /ops")] = None,
+    console: Annotated[bool | None, typer.Option("--console/--no-console", help="/console (default on)")] = None,
 ) -> None:
-    """Run the gateway and its engine(s). With no configuration: SQLite, the in-process
-    limiter and the demo model under the data directory. The engine flags are vLLM's, by
-    its names; they win over LOCKGATE_ENGINE_KWARGS."""
+    """Run the gateway and its engine(s) (no configuration: SQLite, the in-process limiter, the demo
+    model under the data directory). The engine flags are vLLM's; they win over LOCKGATE_ENGINE_KWARGS."""
     from lockgate.gateway.server import run_server
 
     args = locals()       # ENGINE_FLAGS are this command's parameters, by the engine's names
     flags = engine_flags(**{name: args[name] for name in ENGINE_FLAGS})
     settings = _settings(models=model or None, host=host, port=port, data_dir=data_dir, migrate=migrate or None,
                          shutdown_timeout_s=shutdown_timeout, private_models=private_model or None, pool=pool,
-                         max_loras=max_loras, max_lora_rank=max_lora_rank)
+                         max_loras=max_loras, max_lora_rank=max_lora_rank, root_path=root_path, console=console)
     settings.engine_kwargs = {**settings.engine_kwargs, **flags}
     if note := _device_note(flags, settings.pool):
         typer.echo(note, err=True)

@@ -52,7 +52,7 @@ async def get_model(model_id: str, principal: TenantDep, models: ModelsDep) -> d
 
 @router.get("/v1/usage", responses=error_responses(400, 401, 403))
 async def tenant_usage(request: Request, tenant_id: OwnTenantDep, state: StateDep) -> Response:
-    return await usage_response(state, request, tenant_id)
+    return await usage_response(state, request.query_params, tenant_id)
 
 
 @router.get("/v1/usage/quota", responses=error_responses(400, 401, 403))

@@ -73,6 +73,8 @@ class KeyCreate(_Strict):
 class AdminKeyCreate(_Strict):
     name: Ident = Field(min_length=1, max_length=128)
     expires_at: datetime | None = None
+    # ["admin"] (the default) or ["viewer"]: a key that reads the admin routes and changes nothing
+    scopes: list[Literal["admin", "viewer"]] | None = None
 
 
 class AdapterCreate(_Strict):

@@ -57,6 +57,13 @@ class Settings(BaseSettings):
     # bearer token); metrics_public opens it to anyone who reaches the port (a private network)
     metrics_token: SecretStr | None = None
     metrics_public: bool = False
+    # the admin console at /console (gateway/console/): signed in with an admin key
+    console: bool = True
+    console_session_ttl_s: float = Field(default=8 * 3600.0, gt=0, le=30 * 86400)
+    console_sign_ins_per_minute: int = Field(default=10, ge=1)    # per client address, per replica
+    # the path prefix a proxy serves Lockgate under ("/ops"): URLs the app writes start with it,
+    # and requests arrive with it or with it stripped
+    root_path: str = ""
 
     # request limits
     max_body_bytes: int = 1 << 20
@@ -202,6 +209,13 @@ class Settings(BaseSettings):
     def _metrics_token(cls, v: SecretStr | None) -> SecretStr | None:
         if v is not None and len(v.get_secret_value()) < 16:
             raise ValueError("must be at least 16 characters (it guards tenant names)")
+        return v
+
+    @field_validator("root_path")
+    @classmethod
+    def _root_path(cls, v: str) -> str:
+        if v and (not v.startswith("/") or v.endswith("/") or "//" in v or any(c in v for c in "?#% ")):
+            raise ValueError("must be empty or a path such as /ops: starting with /, not ending with /")
         return v
 
     @field_validator("redis_timeout_s")

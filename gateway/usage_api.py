@@ -10,17 +10,18 @@ import binascii
 import csv
 import io
 import json
+from collections.abc import Mapping
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
 from lockgate.gateway.errors import APIError
 from lockgate.gateway.state import AppState
 from lockgate.tenancy.errors import Invalid
-from lockgate.tenancy.usage.report import parse_group_by, usage_page
+from lockgate.tenancy.usage.report import UsagePage, parse_group_by, usage_page
 from lockgate.tenancy.validation import MAX_LIST_LIMIT
 
 CSV_FIELDS = ["requests", "ok", "errors", "cancelled", "prompt_tokens", "cached_tokens",
@@ -82,10 +83,18 @@ def decode_cursor(value: str | None) -> list[str] | None:
     return values
 
 
-async def usage_response(state: AppState, request: Request, tenant_id: str | None) -> Response:
-    """The report the query asks for (start, end, group_by, format, limit, after), of
-    `tenant_id`'s usage (None: everyone's)."""
-    q = request.query_params
+@dataclass(frozen=True, slots=True)
+class UsageReport:
+    groups: tuple[str, ...]
+    page: UsagePage
+    start: datetime | None
+    end: datetime | None
+    last_id: str | None       # the cursor of the page after this one
+
+
+async def usage_report(state: AppState, q: Mapping[str, str], tenant_id: str | None) -> UsageReport:
+    """The report the query `q` asks for (start, end, group_by, limit, after; `format` is
+    checked here and honoured by `usage_response`), of `tenant_id`'s usage (None: everyone's)."""
     unknown = set(q) - QUERY
     if unknown:
         name = sorted(unknown)[0]
@@ -93,8 +102,7 @@ async def usage_response(state: AppState, request: Request, tenant_id: str | Non
     start, end = parse_time(q.get("start"), "start"), parse_time(q.get("end"), "end")
     if start and end and end < start:
         raise APIError(400, "end: is before start", param="end")
-    fmt = q.get("format") or "json"
-    if fmt not in ("json", "csv"):
+    if (q.get("format") or "json") not in ("json", "csv"):
         raise APIError(400, "format: must be json or csv", param="format")
     limit, after = parse_limit(q.get("limit")), decode_cursor(q.get("after"))
     try:
@@ -104,18 +112,24 @@ async def usage_response(state: AppState, request: Request, tenant_id: str | Non
                                     group_by=groups, limit=limit, after=after)
     except Invalid as exc:
         raise APIError(400, str(exc), param=exc.field) from None
-    last_id = encode_cursor(page.last) if page.last is not None else None
-    if fmt == "csv":
-        headers = {"x-has-more": str(page.has_more).lower(), **({"x-last-id": last_id} if last_id else {})}
-        return Response(_csv(groups, page.data), media_type="text/csv", headers=headers)
-    report = UsagePublic(tenant_id=tenant_id, group_by=",".join(groups) or None,
-                         start=start.isoformat() if start else None,
-                         end=end.isoformat() if end else None, data=page.data,
-                         has_more=page.has_more, last_id=last_id)
+    return UsageReport(groups, page, start, end, encode_cursor(page.last) if page.last is not None else None)
+
+
+async def usage_response(state: AppState, q: Mapping[str, str], tenant_id: str | None) -> Response:
+    """`usage_report` as JSON (`UsagePublic`) or CSV: what the admin's and a tenant's routes
+    and the console's download answer."""
+    r = await usage_report(state, q, tenant_id)
+    if (q.get("format") or "json") == "csv":
+        headers = {"x-has-more": str(r.page.has_more).lower(), **({"x-last-id": r.last_id} if r.last_id else {})}
+        return Response(usage_csv(r.groups, r.page.data), media_type="text/csv", headers=headers)
+    report = UsagePublic(tenant_id=tenant_id, group_by=",".join(r.groups) or None,
+                         start=r.start.isoformat() if r.start else None,
+                         end=r.end.isoformat() if r.end else None, data=r.page.data,
+                         has_more=r.page.has_more, last_id=r.last_id)
     return JSONResponse(report.model_dump())
 
 
-def _csv(groups: tuple[str, ...], rows: list[dict[str, Any]]) -> str:
+def usage_csv(groups: tuple[str, ...], rows: list[dict[str, Any]]) -> str:
     """One line per entry: its group (one `group` column, or one column per group when there
     are several), then its totals."""
     names = list(groups) if len(groups) > 1 else ["group"]

@@ -1,12 +1,16 @@
 """The chaos run: two `lockgate serve` replicas on a PostgreSQL and a redis-server of the
-run's own, tenants with a concurrency limit and a daily token budget, `num_requests` chat
-completions with client-side ids (streaming and not), while a fault driver injects, one at a
-time (`harness.chaos_faults`): `kills` SIGKILLs of a replica (restarted on its port and data
+run's own, tenants with a concurrency limit and a daily token budget, `num_requests` requests
+with client-side ids on the three routes (chat completions, Responses, Messages: a third
+each, streaming and not, some streams left by the client part way; `harness.chaos_routes`),
+while a fault driver injects, one at a time (`harness.chaos_faults`): `kills` SIGKILLs of a
+replica once a stream of each route is under way on it (restarted on its port and data
 directory after `restart_pause_s`), a Redis hang (SIGSTOP ... SIGCONT) of `redis_hang_s`, a
 database stop of `db_stop_s`, `redis_restarts` Redis restarts (killed, back empty) and an
 overlap (database down, Redis hung, a replica killed, all cleared: `overlap_s`). Then the
-checks of `harness.chaos_checks`: usage rows against attempts, the killed replicas' leases
-from the limiter's own state, budgets against rows; and the time to recover from each fault.
+checks of `harness.chaos_checks`: usage rows against attempts (the run's, and each route's),
+the streams each kill cut (per route: at most one row, the admission settled or refunded),
+the killed replicas' leases from the limiter's own state, budgets against rows; and the time
+to recover from each fault.
 
     result = asyncio.run(run_chaos(ChaosConfig(num_requests=150, kills=1), work_dir))
     print("\\n".join(format_report(result)))
@@ -34,10 +38,13 @@ from lockgate.loadtests.harness.chaos_checks import (
     check_leases,
     check_rows,
     fetch_rows,
+    killed_streams,
     lease_key,
+    rows_by_route,
 )
 from lockgate.loadtests.harness.chaos_client import Attempt, LoadPlan, LoadState, run_load
 from lockgate.loadtests.harness.chaos_faults import KILLS, Cluster, Fault, drive_faults, plan_faults
+from lockgate.loadtests.harness.chaos_routes import ROUTES
 from lockgate.loadtests.harness.own_redis import OwnRedis
 from lockgate.loadtests.harness.pg import ThrowawayPostgres, throwaway_postgres
 from lockgate.loadtests.harness.replica import Replica, serve_env
@@ -63,6 +70,7 @@ class ChaosConfig:
     tight_budget_fraction: float = 0.6   # the last tenant's daily budget, of its expected use
     max_tokens: tuple[int, ...] = (16, 64, 128, 256)   # long enough for a kill to find requests
     stream_fraction: float = 0.5
+    leave_fraction: float = 0.1      # of streams, left by the client after 2 content events
     max_attempts: int = 6
     client_timeout_s: float = 15.0
     restart_pause_s: float = 0.5
@@ -105,6 +113,17 @@ class ChaosResult:
     budgets_converged_s: float | None       # after the load, when every gap was 0; None: never
     lease_samples: tuple[int, int]          # sampled, failed (Redis hung)
     notes: list[str] = field(default_factory=list)
+    by_route: dict[str, RowsReport] = field(default_factory=dict)
+    # per plain kill: route -> its streams cut mid-way (chaos_checks.killed_streams)
+    killed: list[dict[str, dict[str, int]]] = field(default_factory=list)
+
+    @property
+    def killed_ok(self) -> bool:
+        """Every plain kill cut a stream of every route; each stream under way at it at most
+        one row and its admission settled or refunded."""
+        return all(set(k) == set(ROUTES) and all(c["cut"] >= 1 and c["max_rows"] <= 1
+                                                  and c["settled"] == c["mid_stream"] for c in k.values())
+                   for k in self.killed)
 
     @property
     def requests_ok(self) -> int:
@@ -118,7 +137,8 @@ class ChaosResult:
     def passed(self) -> bool:
         """Rows lost, invented, duplicated or mismatched: none; the killed replicas' leases
         released within ttl + heartbeat; budgets equal to the rows."""
-        return self.rows.ok and self.leases.ok and self.budgets_ok
+        return (self.rows.ok and all(r.ok for r in self.by_route.values()) and self.killed_ok
+                and self.leases.ok and self.budgets_ok)
 
     def recoveries(self) -> list[float | None]:
         return [f.recovery(self.attempts) for f in self.faults]
@@ -134,7 +154,8 @@ class ChaosResult:
             "rows": asdict(self.rows), "leases": {**asdict(self.leases), "ok": self.leases.ok},
             "budgets": self.budgets, "budgets_ok": self.budgets_ok,
             "budgets_converged_s": self.budgets_converged_s, "passed": self.passed,
-            "notes": self.notes,
+            "notes": self.notes, "by_route": {k: asdict(v) for k, v in self.by_route.items()},
+            "killed": self.killed, "killed_ok": self.killed_ok,
         }
 
 
@@ -219,11 +240,11 @@ async def _run(cfg: ChaosConfig, cluster: Cluster, echo: Callable[[str], None]) 
     replica_sets = [[lease_key(PREFIX, f"key:{ids[r]}", tag=f"tenant:{t}")
                      for t, ids in zip(cluster.tenant_ids, cluster.key_ids, strict=True)] for r in range(2)]
     watch = LeaseWatch(cluster.redis.url, PREFIX, tenant_sets, replica_sets, cluster.tenant_ids)
-    state = LoadState()
     plan = LoadPlan(cfg.num_requests, cfg.num_requests / cfg.duration_s, cfg.concurrency,
                     cluster.keys, [r.url for r in cluster.replicas], cfg.max_tokens,
-                    cfg.stream_fraction, cfg.max_attempts, cfg.client_timeout_s,
-                    f"chaos{secrets.token_hex(3)}", cfg.seed)
+                    cfg.stream_fraction, cfg.max_attempts, leave_fraction=cfg.leave_fraction,
+                    timeout_s=cfg.client_timeout_s, run_id=f"chaos{secrets.token_hex(3)}", seed=cfg.seed)
+    state = LoadState(run_id=plan.run_id)
     faults = plan_faults(cfg)
     stop = asyncio.Event()
     load_start: asyncio.Future = asyncio.get_running_loop().create_future()
@@ -244,14 +265,20 @@ async def _run(cfg: ChaosConfig, cluster: Cluster, echo: Callable[[str], None]) 
                  for f in faults if f.started > state.last_start]
         echo(f"load done in {load_s:.1f} s; waiting for the spool and the leases")
         await _settled(cluster)
-        rows = check_rows(state.attempts, await fetch_rows(cluster.pg.dsn))
+        all_rows = await fetch_rows(cluster.pg.dsn)
+        kills = [(int(f.target.split()[1]), f.killed_at) for f in faults if f.kind in KILLS]
+        rows = check_rows(state.attempts, all_rows, kills)
         leases = await check_leases(watch, cfg.lease_ttl_s, cfg.heartbeat_s)
         stop.set()
         await sampler
         budgets, converged, _ = await _budgets(cfg, cluster, watch, cluster.pg.dsn)
         requests = len({a.request for a in state.attempts})
+        killed = [killed_streams(f.mid_stream, snap.leases, state.attempts, all_rows, watch.reconciled_at)
+                  for f, snap in zip([f for f in faults if f.kind in KILLS], watch.kills, strict=True)
+                  if f.kind == "kill"]
         return ChaosResult(cfg, started, load_s, requests, state.attempts, faults, rows, leases,
-                           budgets, converged, (watch.samples, watch.failed_samples), notes)
+                           budgets, converged, (watch.samples, watch.failed_samples), notes,
+                           rows_by_route(state.attempts, all_rows, kills), killed)
     finally:
         stop.set()
         sampler.cancel()
@@ -287,6 +314,29 @@ def _fmt_s(x: float | None) -> str:
     return "never" if x is None else f"{x:.2f} s"
 
 
+def _route_lines(r: ChaosResult) -> list[str]:
+    """Per route: its attempts and their rows; the streams each plain kill cut."""
+    from collections import Counter
+
+    lines = ["per route:"]
+    for route, rep in r.by_route.items():
+        mine = [a for a in r.attempts if a.route == route]
+        outcomes = Counter(a.outcome for a in mine)
+        with_row = {o: c["with_row"] for o, c in rep.by_outcome.items()}
+        lines.append(
+            f"  {route:<9} attempts {len(mine)} ({sum(a.stream for a in mine)} streamed; "
+            + ", ".join(f"{o} {n}" for o, n in outcomes.most_common())
+            + f"); rows {rep.rows}: 200s {rep.ok_attempts} with one row {with_row.get('ok', 0)}, "
+            f"left {outcomes['left']} with a row {with_row.get('left', 0)}, cut {outcomes['cut']} with a row "
+            f"{with_row.get('cut', 0)}; lost {rep.lost} / duplicated {rep.duplicated} / mismatched {rep.mismatched}")
+    for n, k in enumerate(r.killed, 1):
+        lines.append(f"  kill {n} cut mid-stream: " + ", ".join(
+            f"{route} {c['mid_stream']} (cut {c['cut']}, leased {c['leased']}, settled or refunded {c['settled']}, "
+            f"most rows {c['max_rows']})" for route, c in k.items())
+            + ("" if set(k) == set(ROUTES) else " -- NOT every route"))
+    return lines
+
+
 def format_report(r: ChaosResult) -> list[str]:
     """The run's figures, as `lockgate bench chaos` prints them."""
     from collections import Counter
@@ -315,6 +365,7 @@ def format_report(r: ChaosResult) -> list[str]:
         lines.append(f"  {outcome:<12} attempts {c['attempts']:5d}, with a row {c['with_row']:5d} "
                      f"{c['row_statuses'] or ''}")
     lines += [f"  problem: {e}" for e in rows.examples]
+    lines += _route_lines(r)
     le = r.leases
     lines.append(f"leases (ttl {le.ttl_s:g} s, heartbeat {le.heartbeat_s:g} s, bound ttl + heartbeat "
                  f"{le.ttl_s + le.heartbeat_s:g} s; {r.lease_samples[0]} samples, "

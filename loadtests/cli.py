@@ -424,8 +424,9 @@ def bench_chaos(
     json_out: Annotated[Path | None, typer.Option("--json", help="also write the results here")] = None,
 ) -> None:
     """Two replicas on a PostgreSQL and a Redis of their own, killed, hung, stopped and restarted
-    under load, alone and together: usage rows lost / invented / duplicated, lease release,
-    budgets, time to recover."""
+    under load (chat, Responses and Messages, a third each), alone and together: usage rows
+    lost / invented / duplicated, over the run and per route, lease release, budgets, time to
+    recover."""
     from lockgate.loadtests.chaos import ChaosConfig
     from lockgate.loadtests.chaos import bench_chaos as run
     from lockgate.loadtests.harness.services import ServiceUnavailable

@@ -35,4 +35,18 @@ fi
 # the lock is complete but for torch, installed above.
 "${PIP[@]}" install --require-hashes --no-deps -r requirements.lock
 "${PIP[@]}" install --no-deps -e .
+
+# the console's browser tests (tests/e2e/test_console_browser.py) drive Debian's chromium through
+# Playwright (in the lock): installed here when missing, as root or by sudo without a prompt;
+# Playwright's own browser download is never used
+if ! { [ -x /usr/bin/chromium ] && [ -x /usr/bin/chromedriver ]; }; then
+  as_root() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo -n "$@"; fi; }
+  if command -v apt-get >/dev/null 2>&1 && { [ "$(id -u)" = 0 ] || sudo -n true 2>/dev/null; }; then
+    echo "setup: installing chromium from Debian's packages (the console's browser tests)"
+    as_root apt-get update -qq && DEBIAN_FRONTEND=noninteractive as_root apt-get install -y -qq chromium chromium-driver >/dev/null
+  else
+    echo "setup: chromium is missing and cannot be installed here (no root, no apt-get):" \
+         "the console's browser tests will be skipped (in CI, CI=true, they fail instead)"
+  fi
+fi
 echo "setup: done ($("$VENV/bin/python" -c 'import torch; print("torch", torch.__version__, "cuda" if torch.cuda.is_available() else "cpu")'))"

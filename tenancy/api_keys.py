@@ -11,14 +11,14 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import ColumnElement, or_, select, update
+from sqlalchemy import ColumnElement, String, cast, delete, or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from lockgate.tenancy import audit, keys
 from lockgate.tenancy.db import in_transaction
 from lockgate.tenancy.errors import Conflict, Invalid, NotFound
-from lockgate.tenancy.models import SCOPES, ApiKey, utcnow
+from lockgate.tenancy.models import ADMIN_SCOPES, SCOPES, ApiKey, ConsoleSession, utcnow
 from lockgate.tenancy.quota import Quota, quota_of, store_quota
 from lockgate.tenancy.tenants import get_tenant, tenant_for_update
 from lockgate.tenancy.validation import as_utc, check_actor, check_pepper, check_quota, check_str_list, check_text
@@ -49,16 +49,16 @@ def _check_scopes(scopes: Any) -> list[str]:
 
 def _check_owner(tenant_id: Any, scope_list: list[str]) -> None:
     """A tenant key has scope "inference" only; a key without tenant (an admin key) exactly
-    "admin"."""
+    "admin", or exactly "viewer" (one that reads the admin side and changes nothing)."""
     if tenant_id is not None:
         if not isinstance(tenant_id, str):
             raise Invalid("tenant_id", "must be a tenant id or null")
-        if "admin" in scope_list:
-            raise Invalid("scopes", "a tenant key cannot have the 'admin' scope; "
+        if any(s in ADMIN_SCOPES for s in scope_list):
+            raise Invalid("scopes", "a tenant key cannot have the 'admin' or 'viewer' scope; "
                                     "admin keys have tenant_id null")
-    elif scope_list != ["admin"]:
+    elif scope_list not in (["admin"], ["viewer"]):
         raise Invalid("tenant_id", "required for an 'inference' key; a key without a tenant "
-                                   "is an admin key with scopes ['admin']")
+                                   "is an admin key with scopes ['admin'] or ['viewer']")
 
 
 def key_quota(k: ApiKey) -> Quota:
@@ -148,6 +148,8 @@ async def revoke_key(session: AsyncSession, key_id: str, *, actor: str) -> ApiKe
             key.revoked_at = utcnow()
             audit.record(session, actor, "key.revoke", "key", key.id,
                          {"tenant_id": key.tenant_id, "name": key.name})
+            # its console sessions end with it (each request reads the key anyway)
+            await session.execute(delete(ConsoleSession).where(ConsoleSession.api_key_id == key.id))
             await session.flush()
         return key
 
@@ -239,9 +241,11 @@ async def ensure_admin_key(session: AsyncSession, plaintext: str, pepper: bytes,
 
 
 async def has_admin_key(session: AsyncSession) -> bool:
-    """Whether any usable (unrevoked, unexpired) admin key exists."""
+    """Whether any usable (unrevoked, unexpired) admin key exists (a viewer key is not one)."""
     stmt = select(ApiKey.id).where(
         ApiKey.tenant_id.is_(None),
+        # the JSON list as text, on SQLite and PostgreSQL alike
+        cast(ApiKey.scopes, String).like('%"admin"%'),
         ApiKey.revoked_at.is_(None),
         or_(ApiKey.expires_at.is_(None), ApiKey.expires_at > utcnow()),
     ).limit(1)

@@ -31,7 +31,10 @@ SERVICE_TIERS = ("default", "priority", "flex")
 # else's work in the engine) is granted by an admin, on create or by PATCH. Existing rows
 # keep the tiers they were stored with.
 DEFAULT_PLAN = ("default", "flex")
-SCOPES = ("inference", "admin")
+SCOPES = ("inference", "admin", "viewer")
+# the scopes of a key without a tenant: "admin" may do anything on the admin side, "viewer"
+# read it only (gateway/caller.py's `may` is the one rule)
+ADMIN_SCOPES = ("admin", "viewer")
 TENANT_STATUSES = ("active", "suspended")
 USAGE_STATUSES = ("ok", "error", "cancelled")
 
@@ -211,6 +214,19 @@ class AuditEntry(Base):
     target_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
     detail: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True), nullable=True)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, index=True)
+
+
+class ConsoleSession(Base):
+    """A signed-in admin console: the browser holds a random token, the row its SHA-256 (a
+    leaked table signs no one in), the admin key it was exchanged for (read on every request,
+    so revoking the key ends its sessions on every replica) and when it expires."""
+
+    __tablename__ = "console_sessions"
+
+    token_hash: Mapped[str] = mapped_column(String(64), primary_key=True)
+    api_key_id: Mapped[str] = mapped_column(String(20), ForeignKey("api_keys.id"), index=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    expires_at: Mapped[datetime] = mapped_column(UTCDateTime, index=True)
 
 
 # -- the Batch API: files, batches and their lines ----------------------------------------------------

@@ -12,7 +12,7 @@ import math
 from collections.abc import Sequence
 from typing import Any, cast
 
-from sqlalchemy import CursorResult, select, update
+from sqlalchemy import CursorResult, func, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 
@@ -32,6 +32,7 @@ from lockgate.tenancy.models import (
 from lockgate.tenancy.quota import Quota, check_price, quota_of, store_quota
 from lockgate.tenancy.validation import (
     MODEL_NAME_MAX,
+    NAME_MAX,
     check_actor,
     check_list_limit,
     check_name,
@@ -170,15 +171,19 @@ async def _name_taken(session: AsyncSession, name: str, exclude_id: str | None =
         raise Conflict("name", f"a tenant named {name!r} already exists{note}")
 
 
-async def list_tenants(session: AsyncSession, *, limit: int = 50,
-                       after: str | None = None) -> list[Tenant]:
-    """Live tenants ordered by id; pass the last id seen as `after` for the next page."""
+async def list_tenants(session: AsyncSession, *, limit: int = 50, after: str | None = None,
+                       name_contains: str | None = None) -> list[Tenant]:
+    """Live tenants ordered by id; pass the last id seen as `after` for the next page;
+    `name_contains`: only those whose name holds it, in any case."""
     check_list_limit(limit)
     if after is not None:
         check_text(after, "after")
     stmt = select(Tenant).where(Tenant.deleted_at.is_(None)).order_by(Tenant.id).limit(limit)
     if after is not None:
         stmt = stmt.where(Tenant.id > after)
+    if name_contains:
+        needle = check_text(name_contains, "name")[:NAME_MAX].lower()
+        stmt = stmt.where(func.lower(Tenant.name).contains(needle, autoescape=True))
     return list((await session.scalars(stmt)).all())
 
 

@@ -25,7 +25,9 @@ def test_the_wheel_installs_one_top_level_name(tmp_path):
     assert top == {"lockgate"}
     for must in ("lockgate/__init__.py", "lockgate/engine/scheduler.py", "lockgate/kernels/linear/csrc/linear.c",
                  "lockgate/kernels/csrc/lg_exp.h", "lockgate/tenancy/limiter/limiter.lua",
-                 "lockgate/migrations/alembic.ini", "lockgate/loadtests/cli.py", "lockgate/gateway/cli.py"):
+                 "lockgate/migrations/alembic.ini", "lockgate/loadtests/cli.py", "lockgate/gateway/cli.py",
+                 "lockgate/gateway/console/templates/base.html", "lockgate/gateway/console/templates/tenant.html",
+                 "lockgate/gateway/console/static/console.css", "lockgate/gateway/console/static/console.js"):
         assert must in names, must
     entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
     with zipfile.ZipFile(wheel) as z:

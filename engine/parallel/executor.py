@@ -1,8 +1,8 @@
-"""Rank 0's side of a tensor-parallel group ('mp'): `RankProcesses` spawns ranks 1..N-1
-(`python -m lockgate.engine.parallel`, worker.py in a fresh interpreter: nothing of this
-process is re-imported or copied), waits for each to read its shard and say how many KV
-blocks it holds, joins the group with them, hands each step's inputs over (step_channel.py),
-fans control calls out, and stops them.
+"""Rank 0's side of a tensor-parallel group: `RankProcesses` starts ranks 1..N-1 ('mp':
+`python -m lockgate.engine.parallel`, worker.py in a fresh interpreter: nothing of this
+process is re-imported or copied; 'ray': Ray actors on this node, ray_ranks.py), waits for
+each to read its shard and say how many KV blocks it holds, joins the group with them, hands
+each step's inputs over (step_channel.py), fans control calls out, and stops them.
 
 Bounded everywhere: a rank's start-up by `rank_start_timeout_s`, each call by
 `distributed_timeout_s` (each collective by the group's own timeout). A rank that fails is
@@ -57,7 +57,8 @@ def rank_spec(config: EngineConfig, model_config: ModelConfig, device: torch.dev
         start_timeout_s=config.rank_start_timeout_s, num_threads=threads, block_size=config.block_size,
         num_kv_blocks=config.num_kv_blocks, kv_cache_memory=config.kv_cache_memory,
         gpu_memory_utilization=config.gpu_memory_utilization,
-        lora_slots=(config.max_loras, config.max_lora_rank) if config.enable_lora else None)
+        lora_slots=(config.max_loras, config.max_lora_rank) if config.enable_lora else None,
+        backend=config.distributed_executor_backend or "mp")
 
 
 def rank_device(device: torch.device, rank: int) -> str:
@@ -76,7 +77,21 @@ def _child_env() -> dict[str, str]:
     return env
 
 
-def _reap(procs: list[subprocess.Popen], conns: list[Connection], sender: StepSender) -> None:
+def _spawn(num: int) -> tuple[list[subprocess.Popen], list[Connection]]:
+    """Ranks 1..num as fresh interpreters, each with a socket of its own to this process."""
+    env = _child_env()
+    procs, conns = [], []
+    for _ in range(num):
+        ours, theirs = socket.socketpair()
+        procs.append(subprocess.Popen(  # noqa: S603 - this interpreter, our own module, no shell
+            [sys.executable, "-m", "lockgate.engine.parallel", str(theirs.fileno())],
+            pass_fds=(theirs.fileno(),), env=env, close_fds=True))
+        theirs.close()
+        conns.append(Connection(ours.detach()))
+    return procs, conns
+
+
+def _reap(procs: list[Any], conns: list[Connection], sender: StepSender) -> None:
     """Stop every rank (a stop message, then SIGKILL past the grace period) and remove the
     step buffer: run by `close` or, if the engine is dropped without it, by the finalizer."""
     sender.send_stop()
@@ -98,21 +113,17 @@ class RankProcesses:
         self.template, self.size, self.device = template, size, device
         self.timeout_s, self.start_timeout_s = template.timeout_s, template.start_timeout_s
         self.store = open_store("127.0.0.1", 0, size, is_server=True, timeout_s=self.start_timeout_s)
-        self.procs: list[subprocess.Popen] = []
-        self.conns: list[Connection] = []
-        env = _child_env()
-        for rank in range(1, size):
-            ours, theirs = socket.socketpair()
-            proc = subprocess.Popen(  # noqa: S603 - this interpreter, our own module, no shell
-                [sys.executable, "-m", "lockgate.engine.parallel", str(theirs.fileno())],
-                pass_fds=(theirs.fileno(),), env=env, close_fds=True)
-            theirs.close()
-            conn = Connection(ours.detach())
+        self.procs: list[Any]       # subprocess.Popen, or ray_ranks.RayRank (the same parts)
+        if template.backend == "ray":
+            from lockgate.engine.parallel.ray_ranks import start_ray_ranks
+
+            self.procs, self.conns = start_ray_ranks(size - 1, self.start_timeout_s)
+        else:
+            self.procs, self.conns = _spawn(size - 1)
+        for rank, conn in enumerate(self.conns, start=1):
             spec = dataclasses.replace(template, rank=rank, device=rank_device(device, rank),
                                        store_port=self.store.port)
             conn.send_bytes(pickle.dumps(spec))
-            self.procs.append(proc)
-            self.conns.append(conn)
         self.sender = StepSender(self.conns, [p.pid for p in self.procs])
         self.group: RankGroup | None = None
         self.capacities: list[RankCapacity] | None = None

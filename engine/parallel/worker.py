@@ -56,6 +56,7 @@ class RankSpec:
     kv_cache_memory: int | None
     gpu_memory_utilization: float
     lora_slots: tuple[int, int] | None = None    # (max_loras, max_lora_rank) where LoRA is on
+    backend: str = "mp"                          # how ranks 1..N-1 start: processes, or Ray actors
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,7 +202,12 @@ class RankWorker:
 
 
 def main(argv: list[str]) -> int:
-    conn = Connection(int(argv[1]))
+    return serve(Connection(int(argv[1])))
+
+
+def serve(conn: Connection) -> int:
+    """A rank's life on its control connection (a spawned process's inherited socket, or a
+    Ray actor's, ray_ranks.py): its spec, start-up, then steps until stopped; the exit code."""
     worker: RankWorker | None = None
     try:
         spec: RankSpec = pickle.loads(conn.recv_bytes())  # noqa: S301 - rank 0's, over a private socketpair

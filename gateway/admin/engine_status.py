@@ -4,60 +4,20 @@ model, and every served model and adapter with its residency."""
 from __future__ import annotations
 
 from dataclasses import asdict
-from typing import Any
 
 from fastapi import Request
 
 from lockgate.engine import EngineStats
+from lockgate.gateway import admin_service
 from lockgate.gateway.admin.route import admin_router
 from lockgate.gateway.state import app_state
 
 router = admin_router()
 
 
-def _json(part: Any) -> dict | None:
-    return asdict(part) if part is not None else None
-
-
-def engine_json(s: EngineStats) -> dict:
-    """One model's engine as /admin/v1/engine shows it."""
-    return {
-        "waiting": s.waiting_requests,
-        "running": s.running,
-        "waiting_by_tenant": s.waiting_by_tenant,
-        "running_by_tenant": s.running_by_tenant,
-        "kv_blocks": {"total": s.kv.total, "used": s.kv.used, "free": s.kv.free},
-        "preemptions": s.num_preemptions,
-        "classes": {c: asdict(q) for c, q in s.classes.items()},
-        # per tenant and class, fairness counters too
-        "tenants": {t: {c: asdict(row) for c, row in by_class.items()} for t, by_class in s.tenants.items()},
-        "generated_tokens": s.num_generated_tokens,
-        "prefix_cache": {"queries": s.kv.prefix_cache_queries, "hits": s.kv.prefix_cache_hits},
-        "lora": _json(s.lora),     # in_slots, in_cpu, requests, slot_loads, disk_loads
-        # the engine's bounded queue: queued per class, bounds, refused / shed per tenant
-        "overload": _json(s.overload),
-        # the step-cost model step sizing uses: fitted seconds per unit of each feature,
-        # the median relative error of its recent predictions (each made before its step)
-        "cost_model": _json(s.cost_model),
-        # a model split over ranks: its size, communication, each rank's memory, rebuilds
-        "tensor_parallel": _json(s.parallel),
-        # speculative decoding: its settings, drafts verified and tokens kept (in all, by draft
-        # position, per class), and per class whether it drafts now (engine/spec/switch.py)
-        "speculative": _json(s.spec),
-        # served by a Ray pool: each worker's own, in this same shape (the fields above are
-        # their sum); one engine in this process: none
-        "workers": {w: engine_json(part) for w, part in s.by_worker.items()},
-    }
-
-
 @router.get("/engine")
 async def engine(request: Request) -> dict:
-    state = app_state(request)
-    out = {}
-    for name, stats in state.models.engine_stats():
-        out[name] = engine_json(stats)
-    return {"object": "engine", "models": out, "inflight_requests": len(state.inflight),
-            "draining": state.draining}
+    return admin_service.engine_snapshot(app_state(request))
 
 
 @router.get("/models")

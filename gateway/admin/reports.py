@@ -5,14 +5,14 @@ from __future__ import annotations
 
 from fastapi import Request, Response
 
+from lockgate.gateway import admin_service
 from lockgate.gateway.admin.route import admin_router
 from lockgate.gateway.deps import SessionDep, StateDep
 from lockgate.gateway.errors import APIError
 from lockgate.gateway.openapi import error_responses
 from lockgate.gateway.quota_report import ADMIN_QUERY, QuotaReportPublic, quota_response
 from lockgate.gateway.schemas import AuditPagePublic, AuditPublic
-from lockgate.gateway.usage_api import UsagePublic, parse_limit, parse_time, usage_response
-from lockgate.tenancy.audit import audit_page
+from lockgate.gateway.usage_api import UsagePublic, usage_response
 from lockgate.tenancy.models import Tenant
 
 router = admin_router()
@@ -24,7 +24,7 @@ async def usage(request: Request, state: StateDep, session: SessionDep) -> Respo
     # deleted tenants included: their usage rows are kept for billing
     if tenant_id is not None and await session.get(Tenant, tenant_id) is None:
         raise APIError(404, f"tenant {tenant_id!r} not found", param="tenant_id", code="not_found")
-    return await usage_response(state, request, tenant_id)
+    return await usage_response(state, request.query_params, tenant_id)
 
 
 @router.get("/quotas/report", responses=error_responses(400, 404))
@@ -35,28 +35,12 @@ async def quota_report(request: Request, state: StateDep) -> QuotaReportPublic:
                                 allowed=ADMIN_QUERY)
 
 
-AUDIT_QUERY = {"limit", "after", "action", "target_type", "target_id", "actor", "start", "end"}
-
-
 @router.get("/audit", responses=error_responses(400))
 async def audit(request: Request, session: SessionDep) -> AuditPagePublic:
     """The newest entries first, a page of `limit` (100; at most 1000) after `after` (the
     `last_id` of the page before; `has_more` says whether there is one), filtered by
     `action`, `target_type`, `target_id`, `actor` and [`start`, `end`). Any other query
     parameter is a 400, not a filter silently ignored."""
-    q = request.query_params
-    unknown = sorted(set(q) - AUDIT_QUERY)
-    if unknown:
-        raise APIError(400, f"{unknown[0]}: unknown query parameter (known: "
-                       f"{', '.join(sorted(AUDIT_QUERY))})", param=unknown[0])
-    limit = parse_limit(q.get("limit"), default=100)
-    after = q.get("after") or None
-    if after is not None and not (after.isdigit() and len(after) <= 18):
-        raise APIError(400, "after: not a cursor of this listing (the last_id of a page)", param="after")
-    start, end = parse_time(q.get("start"), "start"), parse_time(q.get("end"), "end")
-    rows, has_more = await audit_page(
-        session, limit, before_id=int(after) if after else None, action=q.get("action") or None,
-        target_type=q.get("target_type") or None, target_id=q.get("target_id") or None,
-        actor=q.get("actor") or None, start=start, end=end)
+    rows, has_more = await admin_service.audit_listing(session, request.query_params)
     return AuditPagePublic(data=[AuditPublic.from_row(r) for r in rows], has_more=has_more,
                            last_id=str(rows[-1].id) if rows else None)

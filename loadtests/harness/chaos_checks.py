@@ -3,8 +3,15 @@ the clients' attempts, the limiter's leases and day counters in Redis.
 
 **Usage rows** (`check_rows`). Every attempt carried an `x-request-id` of its own, stored on
 its row as `client_request_id`. An attempt the client saw succeed (200 JSON, or a stream to
-`[DONE]`) has exactly one row, status "ok", with the tokens the client was told; any other
-attempt at most one; a row no attempt's id names is invented.
+its route's last event) has exactly one row, status "ok", with the tokens the client was
+told; a stream the client left on purpose exactly one too (any status), unless its replica
+was killed within `LEFT_GRACE_S` of it (then at most one); any other attempt at most one; a
+row no attempt's id names is invented. `rows_by_route` judges each route's attempts alone.
+
+**Killed streams** (`killed_streams`): per kill and route, the streams under way on the
+killed replica (content read): each at most one row, and its admission settled (its lease
+among the dead process's, then gone from the pending index: settled to its row or refunded
+by a reconciler; or settled by its own process, with its row, just before the kill).
 
 **Leases** (`LeaseWatch`, `check_leases`). A lease is a member of a scope's sorted set
 ``{prefix}{scope}:lease`` whose score is its expiry on Redis's clock (µs); a heartbeat sets it
@@ -45,6 +52,7 @@ from typing import Any
 from lockgate.loadtests.harness.chaos_client import OUTCOMES, Attempt
 
 _US = 1_000_000
+LEFT_GRACE_S = 2.0     # a stream left this long before its replica's kill may have no row
 
 
 def lease_key(prefix: str, scope: str, tag: str | None = None) -> str:
@@ -251,6 +259,7 @@ class RowsReport:
     duplicated: int = 0         # attempts with more than one row
     invented: int = 0           # rows whose client id no attempt sent
     mismatched: int = 0         # "ok" attempts whose row is not "ok" or bills other tokens
+    left_unwritten: int = 0     # left streams with no row, their replica killed just after
     # outcome -> attempts, those with a row, and the rows' statuses
     by_outcome: dict[str, dict[str, Any]] = field(default_factory=dict)
     examples: list[str] = field(default_factory=list)
@@ -260,7 +269,13 @@ class RowsReport:
         return not (self.lost or self.duplicated or self.invented or self.mismatched)
 
 
-def check_rows(attempts: Sequence[Attempt], rows: Sequence[Row]) -> RowsReport:
+def _killed_soon_after(a: Attempt, kills: Sequence[tuple[int, float]]) -> bool:
+    return any(r == a.replica and a.ended <= t <= a.ended + LEFT_GRACE_S for r, t in kills)
+
+
+def check_rows(attempts: Sequence[Attempt], rows: Sequence[Row],
+               kills: Sequence[tuple[int, float]] = ()) -> RowsReport:
+    """`kills`: (replica, time.time()) of each kill, for the streams left just before one."""
     by_id: dict[str | None, list[Row]] = defaultdict(list)
     for r in rows:
         by_id[r.client_request_id].append(r)
@@ -280,11 +295,17 @@ def check_rows(attempts: Sequence[Attempt], rows: Sequence[Row]) -> RowsReport:
         if len(found) > 1:
             report.duplicated += 1
             problem(f"{a.client_id} ({a.outcome}): {len(found)} rows")
+        if a.outcome == "left" and not found:
+            if _killed_soon_after(a, kills):
+                report.left_unwritten += 1
+            else:
+                report.lost += 1
+                problem(f"{a.client_id} (left, {a.route}, replica {a.replica}): no row")
         if a.outcome != "ok":
             continue
         if not found:
             report.lost += 1
-            problem(f"{a.client_id} (ok, replica {a.replica}): no row")
+            problem(f"{a.client_id} (ok, {a.route}, replica {a.replica}): no row")
         elif (found[0].status != "ok"
               or (a.usage is not None and a.usage != (found[0].prompt_tokens, found[0].completion_tokens))):
             report.mismatched += 1
@@ -295,6 +316,39 @@ def check_rows(attempts: Sequence[Attempt], rows: Sequence[Row]) -> RowsReport:
     report.by_outcome = {o: {**c, "row_statuses": dict(c["row_statuses"])}
                          for o, c in outcomes.items() if c["attempts"]}
     return report
+
+
+def rows_by_route(attempts: Sequence[Attempt], rows: Sequence[Row],
+                  kills: Sequence[tuple[int, float]] = ()) -> dict[str, RowsReport]:
+    """`check_rows` of each route's attempts against the rows their ids name (a row no
+    attempt names is the whole run's `invented`)."""
+    route_of = {a.client_id: a.route for a in attempts}
+    out = {}
+    for route in sorted({a.route for a in attempts}):
+        mine = [a for a in attempts if a.route == route]
+        out[route] = check_rows(mine, [r for r in rows if route_of.get(r.client_request_id) == route], kills)
+    return out
+
+
+def killed_streams(mid_stream: dict[str, list[str]], leases: dict[str, int], attempts: Sequence[Attempt],
+                   rows: Sequence[Row], reconciled_at: dict[str, int]) -> dict[str, dict[str, int]]:
+    """Per route, of the streams under way at a kill (client ids): how many, how many the
+    kill cut (the others ended just before it), how many held a lease of the dead process,
+    how many are settled (see the module docstring), and the most rows any of them has."""
+    by_id = {a.client_id: a for a in attempts}
+    num_rows = Counter(r.client_request_id for r in rows)
+    out = {}
+    for route, ids in mid_stream.items():
+        leased = settled = most = 0
+        for cid in ids:
+            sid = by_id[cid].server_id
+            held = sid is not None and sid in leases
+            leased += held
+            settled += (sid in reconciled_at) if held else num_rows[cid] == 1
+            most = max(most, num_rows[cid])
+        out[route] = {"mid_stream": len(ids), "cut": sum(by_id[cid].outcome == "cut" for cid in ids),
+                      "leased": leased, "settled": settled, "max_rows": most}
+    return out
 
 
 # -- budgets ------------------------------------------------------------------------------------

@@ -1,24 +1,28 @@
-"""The chaos run's clients: paced, bounded-concurrency chat completions over httpx, each
+"""The chaos run's clients: paced, bounded-concurrency requests on the three routes
+(`chaos_routes`: chat completions, Responses, Messages, a third each, streamed or not), each
 attempt with an `x-request-id` of its own and recorded (`Attempt`), retried on the other
 replica when a replica is gone and after a pause when the gateway answers 503 or a
 concurrency 429.
 
 Request i is due at t0 + i/rate and runs once a slot of `concurrency` is free; its first
-attempt goes to replica i % 2, each retry to the other one. Past `num_requests`, requests go
-on at that pace while the caller says so (the chaos run: until its faults are over). What ends a request:
+attempt goes to replica i % 2, each retry to the other one; its route is the (i // tenants)-th
+in turn, so every tenant sends each route. Past `num_requests`, requests go on at that pace
+while the caller says so (the chaos run: until its faults are over). What ends a request:
 
-- a 200 JSON body, or a stream that ended with `data: [DONE]`: "ok";
+- a 200 JSON body, or a stream to its route's last event: "ok";
+- a stream the client leaves on purpose (`leave_fraction` of streams, after 2 content
+  events): "left";
 - a 429 `insufficient_quota` (the budget is spent) or any other 4xx: final, not retried;
 - `max_attempts` attempts, none "ok": given up.
 
-An attempt's outcome is one of `OUTCOMES`; only "ok" attempts must have a usage row (the
-checks in `chaos_checks`).
+An attempt's outcome is one of `OUTCOMES`; "ok" attempts must have exactly one usage row,
+and so must "left" ones unless their replica was killed before it could write it (the checks
+in `chaos_checks`). `long_streams` sends the long streams a kill waits for (`chaos_faults`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import time
 from collections.abc import Callable, Sequence
@@ -26,11 +30,15 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from lockgate.loadtests.harness import chaos_routes
+from lockgate.loadtests.harness.chaos_routes import ROUTES
+
 OUTCOMES = (
-    "ok",            # 200 JSON, or a stream ending with [DONE]
+    "ok",            # 200 JSON, or a stream to its route's last event
+    "left",          # a 200 stream the client closed on purpose, part way
     "refused",       # an HTTP error status (its code in `error_code`)
-    "stream_error",  # a 200 stream that ended with a data: {"error": ...} event
-    "cut",           # a response begun and broken off (the replica died), or no [DONE]
+    "stream_error",  # a 200 stream that ended with an error event (`response.failed` on Responses)
+    "cut",           # a response begun and broken off (the replica died), or no last event
     "unreachable",   # no response: connection refused or reset before any answer
     "timeout",       # the client's timeout passed
 )
@@ -52,6 +60,10 @@ class Attempt:
     error_code: str | None = None
     usage: tuple[int, int] | None = None   # (prompt, completion) as the client was told
     max_tokens: int = 0          # asked for
+    route: str = "chat"          # one of chaos_routes.ROUTES
+    server_id: str | None = None  # the server's request id (its lease member, its row's request_id)
+    deltas: int = 0              # a stream's content events read
+    leave_after: int = 0         # a stream: leave after this many content events (0: read it all)
 
 
 @dataclass(slots=True)
@@ -64,6 +76,7 @@ class LoadPlan:
     max_tokens: Sequence[int] = (8, 16, 32, 64)
     stream_fraction: float = 0.5
     max_attempts: int = 6
+    leave_fraction: float = 0.1      # of streams, left by the client part way
     timeout_s: float = 15.0
     run_id: str = "chaos"
     seed: int = 0
@@ -76,75 +89,14 @@ class LoadState:
     attempts: list[Attempt] = field(default_factory=list)
     in_flight: list[int] = field(default_factory=lambda: [0, 0])   # per replica
     last_start: float = 0.0          # time.time() of the latest attempt's start
+    open: dict[str, Attempt] = field(default_factory=dict)   # client id -> attempt under way
+    run_id: str = "chaos"            # the prefix of the run's client ids
     done: bool = False
-
-
-def _body(stream: bool, max_tokens: int, i: int) -> dict:
-    body: dict = {"model": "tiny", "max_tokens": max_tokens, "stream": stream,
-                  "messages": [{"role": "user", "content": f"chaos request {i}: tell me a story"}]}
-    if stream:
-        body["stream_options"] = {"include_usage": True}
-    return body
-
-
-def _error_code(resp: httpx.Response, text: str) -> str | None:
-    try:
-        return json.loads(text)["error"].get("code")
-    except (ValueError, KeyError, TypeError, AttributeError):
-        return None
-
-
-async def _read_stream(resp: httpx.Response, a: Attempt) -> None:
-    """Read an SSE body to its end: "ok" once `[DONE]` came, "stream_error" on an error event,
-    "cut" if it ends without either."""
-    a.outcome = "cut"
-    async for line in resp.aiter_lines():
-        if not line.startswith("data: "):
-            continue
-        data = line[6:]
-        if data == "[DONE]":
-            a.outcome = "ok"
-            return
-        event = json.loads(data)
-        if "error" in event:
-            a.outcome, a.error_code = "stream_error", event["error"].get("code")
-            return
-        if event.get("usage"):
-            a.usage = (event["usage"]["prompt_tokens"], event["usage"]["completion_tokens"])
-
-
-async def _send(client: httpx.AsyncClient, url: str, key: str, body: dict, a: Attempt,
-                timeout: float) -> httpx.Response | None:
-    """One attempt, recorded in `a`; the response of an HTTP error (to read Retry-After)."""
-    headers = {"Authorization": f"Bearer {key}", "x-request-id": a.client_id}
-    try:
-        async with asyncio.timeout(timeout):
-            async with client.stream("POST", url + "/v1/chat/completions", json=body,
-                                     headers=headers) as resp:
-                a.status = resp.status_code
-                if resp.status_code != 200:
-                    text = (await resp.aread()).decode(errors="replace")
-                    a.outcome, a.error_code = "refused", _error_code(resp, text)
-                    return resp
-                if body["stream"]:
-                    await _read_stream(resp, a)
-                else:
-                    data = json.loads(await resp.aread())
-                    a.usage = (data["usage"]["prompt_tokens"], data["usage"]["completion_tokens"])
-                    a.outcome = "ok"
-    except (httpx.ConnectError, httpx.ConnectTimeout):
-        a.outcome = "unreachable"
-    except (TimeoutError, httpx.TimeoutException):
-        a.outcome = "timeout"
-    except (httpx.HTTPError, json.JSONDecodeError, KeyError):
-        # the connection broke: before the status line (unreachable) or after it (cut)
-        a.outcome = "unreachable" if a.status is None else "cut"
-    return None
 
 
 def _pause(a: Attempt, resp: httpx.Response | None, number: int) -> float | None:
     """Seconds to wait before the next attempt, or None: the request is over."""
-    if a.outcome == "ok":
+    if a.outcome in ("ok", "left"):
         return None
     if a.outcome == "refused":
         if a.status == 429 and a.error_code != "insufficient_quota":
@@ -156,25 +108,55 @@ def _pause(a: Attempt, resp: httpx.Response | None, number: int) -> float | None
     return 0.05       # the replica is gone or broke off: at once, on the other one
 
 
+async def _attempt(a: Attempt, body: dict, client: httpx.AsyncClient, url: str, key: str,
+                   timeout: float, state: LoadState) -> httpx.Response | None:
+    state.attempts.append(a)
+    state.last_start = a.started
+    state.in_flight[a.replica] += 1
+    state.open[a.client_id] = a
+    try:
+        return await chaos_routes.send(a.route, client, url, key, body, a, timeout)
+    finally:
+        state.in_flight[a.replica] -= 1
+        del state.open[a.client_id]
+        a.ended = time.time()
+
+
+async def long_streams(route: str, replica: int, url: str, keys: Sequence[tuple[int, str]],
+                       max_tokens: int, run_id: str, state: LoadState, stop: asyncio.Event,
+                       timeout: float) -> None:
+    """Streams of `max_tokens` on `route` to `replica`, one after another (each tenant of
+    `keys`, (tenant, key), in turn; a refusal tried again shortly), until `stop` is set: so
+    that one is under way on that route when a kill comes. Recorded as requests of their own
+    (negative indices)."""
+    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=2.0)) as client:
+        n = 0
+        while not stop.is_set():
+            tenant, key = keys[n % len(keys)]
+            request = -(len(state.attempts) + 1)
+            a = Attempt(request, 0, f"{run_id}-long-{route}-{replica}-{-request:05d}", replica, tenant, True,
+                        time.time(), max_tokens=max_tokens, route=route)
+            body = chaos_routes.body(route, True, max_tokens, request)
+            await _attempt(a, body, client, url, key, timeout, state)
+            n += 1
+            if a.status != 200 and not stop.is_set():
+                await asyncio.sleep(0.1)
+
+
 async def _request(i: int, plan: LoadPlan, clients: Sequence[httpx.AsyncClient],
                    rng: random.Random, state: LoadState) -> None:
     tenant = i % len(plan.keys)
+    route = ROUTES[(i // len(plan.keys)) % len(ROUTES)]
     stream = rng.random() < plan.stream_fraction
     max_tokens = rng.choice(plan.max_tokens)
-    body = _body(stream, max_tokens, i)
+    leave_after = 2 if stream and rng.random() < plan.leave_fraction else 0
+    body = chaos_routes.body(route, stream, max_tokens, i)
     for number in range(plan.max_attempts):
         replica = (i + number) % len(plan.urls)
         a = Attempt(i, number, f"{plan.run_id}-{i:05d}-{number}", replica, tenant, stream,
-                    time.time(), max_tokens=max_tokens)
-        state.attempts.append(a)
-        state.last_start = a.started
-        state.in_flight[replica] += 1
-        try:
-            resp = await _send(clients[replica], plan.urls[replica], plan.keys[tenant][replica],
-                               body, a, plan.timeout_s)
-        finally:
-            state.in_flight[replica] -= 1
-            a.ended = time.time()
+                    time.time(), max_tokens=max_tokens, route=route, leave_after=leave_after)
+        resp = await _attempt(a, body, clients[replica], plan.urls[replica], plan.keys[tenant][replica],
+                              plan.timeout_s, state)
         pause = _pause(a, resp, number)
         if pause is None:
             return

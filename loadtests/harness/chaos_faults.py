@@ -1,7 +1,9 @@
 """The chaos run's faults, and the driver that injects them one at a time under load:
 
-- `kill`: SIGKILL of a replica once it holds a lease with requests in flight, then a restart
-  on its port and data directory (so it replays what its dead process spooled);
+- `kill`: SIGKILL of a replica once it holds a lease with requests in flight and a stream of
+  every route (chat, Responses, Messages) under way on it, content already sent (the driver
+  sends long streams of each route to it meanwhile, `chaos_client.long_streams`), then a
+  restart on its port and data directory (so it replays what its dead process spooled);
 - `redis_hang`: Redis stopped (SIGSTOP) for `redis_hang_s`, connections open;
 - `db_stop`: PostgreSQL shut down (immediate) for `db_stop_s`;
 - `redis_restart`: Redis killed (SIGKILL) and started again on its port, empty: every lease,
@@ -25,7 +27,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from lockgate.loadtests.harness.chaos_checks import LeaseWatch
-from lockgate.loadtests.harness.chaos_client import Attempt, LoadState
+from lockgate.loadtests.harness.chaos_client import Attempt, LoadState, long_streams
+from lockgate.loadtests.harness.chaos_routes import ROUTES
 from lockgate.loadtests.harness.own_redis import OwnRedis
 from lockgate.loadtests.harness.pg import ThrowawayPostgres
 from lockgate.loadtests.harness.replica import Replica
@@ -57,7 +60,10 @@ class Fault:
     ended: float = 0.0              # a kill: the restarted replica ready; else the service(s) back
     ready: float = 0.0              # a kill, an overlap: the restarted replica ready
     in_flight: int = 0              # a kill: the client's attempts in flight on it at the kill
+    killed_at: float = 0.0          # a kill, an overlap: time.time() of the SIGKILL
     leases_at_kill: int = 0         # a kill: the dead process's unsettled admissions
+    # a kill: per route, the client ids of its streams under way on the replica (content read)
+    mid_stream: dict[str, list[str]] = field(default_factory=dict)
 
     def recovery(self, attempts: list[Attempt]) -> float | None:
         """Seconds from the fault's end to the end of the first "ok" attempt that started
@@ -69,15 +75,28 @@ class Fault:
 
 
 async def _loaded(replica: Replica, state: LoadState, watch: LeaseWatch, timeout: float,
-                  long_one: bool = False) -> None:
+                  long_one: bool = False, every_route: bool = False) -> None:
     """Until the replica holds a live lease with 2 attempts in flight, or `timeout` passed;
-    `long_one`: one of them begun in the last 0.3 s and asking for the longest completion."""
+    `long_one`: one of them begun in the last 0.3 s and asking for the longest completion;
+    `every_route`: a stream of each route under way on it, content read."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and not state.done:
         if state.in_flight[replica.index] >= 2 and (not long_one or _long_one(replica, state)) \
+                and (not every_route or len(mid_stream(replica.index, state, early=True)) == len(ROUTES)) \
                 and await watch.holds_lease(replica.index):
             return
         await asyncio.sleep(0.005)
+
+
+def mid_stream(replica: int, state: LoadState, early: bool = False) -> dict[str, list[str]]:
+    """Per route, the streams under way on `replica` that have sent content; `early`: only
+    those of 64 tokens or more not past half of them (not about to end as the kill comes)."""
+    out: dict[str, list[str]] = {}
+    for a in list(state.open.values()):
+        if a.replica == replica and a.stream and a.deltas > 0 and a.status == 200 \
+                and (not early or (a.max_tokens >= 64 and a.deltas <= a.max_tokens // 2)):
+            out.setdefault(a.route, []).append(a.client_id)
+    return out
 
 
 def _long_one(replica: Replica, state: LoadState) -> bool:
@@ -86,16 +105,30 @@ def _long_one(replica: Replica, state: LoadState) -> bool:
                and now - a.started < 0.3 for a in state.attempts[-32:])
 
 
-async def _kill(fault: Fault, replica: Replica, cfg: ChaosConfig, state: LoadState,
+async def _kill(fault: Fault, replica: Replica, cfg: ChaosConfig, cluster: Cluster, state: LoadState,
                 watch: LeaseWatch) -> None:
-    """Kill it under load (once it holds a lease with 2 attempts in flight, or 10 s passed),
-    reap it, read its leases; restart it after `restart_pause_s`."""
-    await _loaded(replica, state, watch, 10.0)
-    fault.in_flight = state.in_flight[replica.index]
-    fault.started = time.time()
-    await asyncio.to_thread(replica.kill)
-    snap = await watch.at_kill(replica.index)
-    fault.leases_at_kill = len(snap.leases)
+    """Kill it under load (once it holds a lease with 2 attempts in flight and a stream of each
+    route under way, or 10 s passed), reap it, read its leases; restart it after
+    `restart_pause_s`. Long streams of each route go to it until the kill, on the tenants
+    with an ample budget (not the last, when it is the tight one)."""
+    stop = asyncio.Event()
+    tenants = range(max(1, len(cluster.keys) - (cfg.tight_budget_fraction > 0)))
+    keys = [(t, cluster.keys[t][replica.index]) for t in tenants]
+    streams = [asyncio.create_task(long_streams(
+        route, replica.index, replica.url, keys[n:] + keys[:n], max(cfg.max_tokens), state.run_id,
+        state, stop, cfg.client_timeout_s)) for n, route in enumerate(ROUTES)]
+    try:
+        await _loaded(replica, state, watch, 10.0, every_route=True)
+        fault.in_flight = state.in_flight[replica.index]
+        fault.mid_stream = mid_stream(replica.index, state)
+        fault.started = fault.killed_at = time.time()
+        stop.set()
+        await asyncio.to_thread(replica.kill)
+        snap = await watch.at_kill(replica.index)
+        fault.leases_at_kill = len(snap.leases)
+    finally:
+        stop.set()
+        await asyncio.gather(*streams, return_exceptions=True)
     await asyncio.sleep(cfg.restart_pause_s)
     await asyncio.to_thread(replica.start)
     fault.ended = fault.ready = time.time()
@@ -119,6 +152,7 @@ async def _overlap(fault: Fault, replica: Replica, cfg: ChaosConfig, cluster: Cl
             await stopping
             await asyncio.sleep(cfg.overlap_s / 2)
             fault.in_flight = state.in_flight[replica.index]
+            fault.killed_at = time.time()
             await asyncio.to_thread(replica.kill)
             await asyncio.sleep(max(0.0, fault.started + cfg.overlap_s - time.time()))
         finally:
@@ -155,7 +189,7 @@ async def _outage(fault: Fault, cfg: ChaosConfig, cluster: Cluster) -> None:
 async def inject(fault: Fault, cfg: ChaosConfig, cluster: Cluster, state: LoadState,
                  watch: LeaseWatch) -> None:
     if fault.kind == "kill":
-        await _kill(fault, cluster.replicas[int(fault.target.split()[1])], cfg, state, watch)
+        await _kill(fault, cluster.replicas[int(fault.target.split()[1])], cfg, cluster, state, watch)
     elif fault.kind == "overlap":
         replica = cluster.replicas[int(fault.target.split()[1])]
         await _overlap(fault, replica, cfg, cluster, state, watch)

@@ -1,18 +1,23 @@
-"""The chaos test, scaled down for CI: the gateway's reliability promises hold through a
-killed replica, a hung Redis, a stopped database, a Redis restarted empty and all of them at
-once. 150 chat completions with client-side ids (more, at the same pace, while a slow
-restart keeps the faults going) over two `lockgate serve` replicas on a PostgreSQL and a
-redis-server of the run's own, while the driver (one fault at a time, see
-`loadtests/harness/chaos_faults.py`) kills a replica with SIGKILL once (under load: once it
-holds a lease), hangs Redis for 1.5 s, stops the database for 2 s, kills Redis and starts it
-again empty, then overlaps: the database down, Redis hung, a replica killed, all cleared
-within 3 s (the replica restarted on its data directory, replaying its spool). Lease ttl 3 s
-(heartbeat 1 s). The full 1,000-request run is `lockgate bench chaos`.
+"""The chaos test, scaled down for CI: the gateway's reliability promises hold through a killed
+replica, a hung Redis, a stopped database, a Redis restarted empty and all of them at once.
+150 requests with client-side ids, a third each on chat completions, the Responses API and
+the Messages API, streamed or not, a fifth of the streams left by the client part way (more
+requests, at the same pace, while a slow restart keeps the faults going) over two `lockgate
+serve` replicas on a PostgreSQL and a redis-server of the run's own, while the driver (one
+fault at a time, see `loadtests/harness/chaos_faults.py`) kills a replica with SIGKILL once
+(under load: once it holds a lease and a stream of every route is under way on it), hangs
+Redis for 1.5 s, stops the database for 2 s, kills Redis and starts it again empty, then
+overlaps: the database down, Redis hung, a replica killed, all cleared within 3 s (the
+replica restarted on its data directory, replaying its spool). Lease ttl 3 s (heartbeat 1
+s). The full 1,000-request run is `lockgate bench chaos`.
 
 The run happens once (module fixture, about 60 s); each test asserts one promise on it:
 
-- every attempt answered 200 (JSON, or a stream to [DONE]) has exactly one usage row, "ok",
-  with the tokens the client was told; every other attempt at most one; no row invented;
+- every attempt answered 200 (JSON, or a stream to its last event) has exactly one usage row,
+  "ok", with the tokens the client was told; every other attempt at most one; no row
+  invented: over the run and on each route alone, a stream the client left with its row too;
+- the kill cut a stream of every route mid-way: each at most one row, its admission settled
+  or refunded;
 - each killed replica's leases are released within lease_ttl + one heartbeat, from the
   limiter's state on Redis's clock (`loadtests/harness/chaos_checks.py` says why that is
   sound), and its reservations are reconciled within that bound too;
@@ -26,13 +31,17 @@ test can fail.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 
+import httpx
 import pytest
 
 from lockgate.loadtests.chaos import ChaosConfig, ChaosResult, format_report, run_chaos
+from lockgate.loadtests.harness import chaos_routes
 from lockgate.loadtests.harness.chaos_checks import Row, check_rows
 from lockgate.loadtests.harness.chaos_client import Attempt
+from lockgate.loadtests.harness.chaos_routes import ROUTES
 from lockgate.loadtests.harness.services import ServiceUnavailable
 
 CONFIG = ChaosConfig(
@@ -40,7 +49,7 @@ CONFIG = ChaosConfig(
     duration_s=30.0,
     concurrency=8, lease_ttl_s=3.0, tenants=3, tenant_concurrency=2,
     max_tokens=(16, 64, 128, 256),      # long enough that a kill finds requests in flight
-    warmup_s=3.0, tail_s=4.0,
+    warmup_s=3.0, tail_s=4.0, leave_fraction=0.2,
 )
 # The reconciler runs once per heartbeat on each replica; the sampler that sees an admission
 # leave the pending index reads every 0.25 s, and a replica under this load may be a beat
@@ -77,6 +86,34 @@ def test_row_checker_finds_lost_duplicated_invented_and_mismatched_rows():
     assert not report.ok
     clean = check_rows(attempts[:1] + attempts[3:5], [row("a"), row("d", "cancelled")])
     assert clean.ok, clean.examples
+    # a stream the client left has its row, unless its replica was killed just after
+    left = attempt("g", "left")
+    assert check_rows([left], []).lost == 1
+    assert check_rows([left], [row("g", "cancelled")]).ok
+    killed = check_rows([left], [], kills=[(0, 1.5)])
+    assert killed.ok and killed.left_unwritten == 1
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_every_route_every_200_has_exactly_one_row(chaos: ChaosResult, route: str):
+    rows = chaos.by_route[route]
+    assert rows.ok_attempts >= CONFIG.num_requests // 10, "too few 200s on the route for the check to mean much"
+    assert (rows.lost, rows.duplicated, rows.mismatched) == (0, 0, 0), rows.examples
+    assert rows.by_outcome["ok"]["with_row"] == rows.ok_attempts
+    mine = [a for a in chaos.attempts if a.route == route]
+    assert any(a.stream and a.outcome == "ok" for a in mine) and any(not a.stream and a.outcome == "ok" for a in mine)
+    assert "left" in rows.by_outcome, "no stream of the route was left by its client"
+
+
+def test_the_kill_cut_a_stream_of_every_route_leaving_one_row_at_most_and_its_reservation_settled(
+        chaos: ChaosResult):
+    assert len(chaos.killed) == CONFIG.kills
+    for cut in chaos.killed:
+        assert sorted(cut) == sorted(ROUTES), cut
+        for route, c in cut.items():
+            assert c["cut"] >= 1 and c["max_rows"] <= 1, (route, c)
+            assert c["settled"] == c["mid_stream"], (route, c)      # settled to its row or refunded
+    assert chaos.killed_ok
 
 
 def test_every_200_has_exactly_one_row_and_no_row_is_invented(chaos: ChaosResult):
@@ -142,3 +179,47 @@ def test_each_fault_injected_under_load_and_recovered(chaos: ChaosResult):
     assert any(a.error_code == "limiter_unavailable" for a in chaos.attempts)   # the hang was
     overlap = chaos.faults[-1]
     assert overlap.started < overlap.ended < overlap.ready      # cleared, then its replica restarted
+
+
+def _sse(*events: dict | str) -> bytes:
+    return b"".join(b"data: " + (e if isinstance(e, str) else json.dumps(e)).encode() + b"\n\n" for e in events)
+
+
+STREAMS = {   # route -> (a stream to its last event, its server id, (prompt, completion))
+    "chat": (_sse({"id": "chatcmpl-s1", "choices": [{"delta": {"content": "a"}}]},
+                  {"id": "chatcmpl-s1", "choices": [{"delta": {"content": "b"}}]},
+                  {"id": "chatcmpl-s1", "choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 2}},
+                  "[DONE]"), "s1", (5, 2)),
+    "responses": (_sse({"type": "response.created", "response": {"id": "resp_s2"}},
+                       {"type": "response.output_text.delta", "delta": "a"},
+                       {"type": "response.output_text.delta", "delta": "b"},
+                       {"type": "response.completed",
+                        "response": {"id": "resp_s2", "usage": {"input_tokens": 5, "output_tokens": 2}}}),
+                  "s2", (5, 2)),
+    "messages": (_sse({"type": "message_start", "message": {"id": "msg_s3"}},
+                      {"type": "content_block_delta", "delta": {"text": "a"}},
+                      {"type": "content_block_delta", "delta": {"text": "b"}},
+                      {"type": "message_delta", "usage": {"input_tokens": 3, "cache_read_input_tokens": 2,
+                                                          "output_tokens": 2}},
+                      {"type": "message_stop"}), "s3", (5, 2)),
+}
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_each_routes_stream_is_read_to_its_last_event(route: str):
+    """The client's reading of each route's stream: "ok" only at its last event, with the
+    tokens and the server's id; "cut" without it; "left" when it leaves on purpose."""
+    body, sid, usage = STREAMS[route]
+
+    async def one(content: bytes, leave_after: int = 0) -> Attempt:
+        transport = httpx.MockTransport(lambda request: httpx.Response(200, content=content))
+        a = Attempt(0, 0, "c", 0, 0, True, 0.0, route=route, leave_after=leave_after)
+        async with httpx.AsyncClient(transport=transport) as client:
+            await chaos_routes.send(route, client, "http://x", "k", chaos_routes.body(route, True, 8, 0), a, 5.0)
+        return a
+
+    whole = asyncio.run(one(body))
+    assert (whole.outcome, whole.server_id, whole.usage, whole.deltas) == ("ok", sid, usage, 2)
+    last = body.rstrip(b"\n").rsplit(b"\n\n", 1)[0] + b"\n\n"
+    assert asyncio.run(one(last)).outcome == "cut"
+    assert asyncio.run(one(body, leave_after=1)).outcome == "left"

@@ -240,12 +240,14 @@ def test_one_rank_spawns_nothing_and_leaves_torch_distributed_alone():
     assert not dist.is_initialized()
 
 
-def test_pipeline_parallel_and_ray_are_refused_by_name():
+def test_pipeline_parallel_and_unknown_backends_are_refused_by_name():
     d = demo_model("llama")
     with pytest.raises(ValueError, match="pipeline_parallel_size"):
         EngineConfig(model=d, pipeline_parallel_size=2)
-    with pytest.raises(ValueError, match="distributed_executor_backend: 'ray'"):
-        EngineConfig(model=d, tensor_parallel_size=2, distributed_executor_backend="ray")
+    with pytest.raises(ValueError, match="distributed_executor_backend must be 'mp' or 'ray'; got 'uni'"):
+        EngineConfig(model=d, tensor_parallel_size=2, distributed_executor_backend="uni")
+    ray_backed = EngineConfig(model=d, tensor_parallel_size=2, distributed_executor_backend="ray")
+    assert ray_backed.distributed_executor_backend == "ray"
     with pytest.raises(ValueError, match="tensor_parallel_size: 3 does not split this model"):
         LLM(d, tensor_parallel_size=3)
     assert EngineConfig(model=d, tensor_parallel_size=2).distributed_executor_backend == "mp"

@@ -5,8 +5,10 @@ engine, a token every 5 ms: a long answer is still running when the test acts), 
 The usage rule for a request that ends early: exactly one row, `cancelled` (client gone,
 shutdown, `request_timeout_s`) or `error`; its prompt tokens count if prefill ran, its
 completion tokens are those sent to the client, and the limiter is settled to exactly what
-the row says (read back from the next request's `x-ratelimit-remaining-tokens`). (A shutdown
-by SIGTERM, on a real process: test_usage_on_shutdown.py.)
+the row says (read back from the next request's `x-ratelimit-remaining-tokens`); the
+client's `x-request-id` is on its row. The same for the Responses and Messages streams. (A
+shutdown by SIGTERM, on a real process: test_usage_on_shutdown.py; a kill -9 of every route's
+streams: tests/e2e/test_chaos.py.)
 """
 
 from __future__ import annotations
@@ -188,3 +190,32 @@ async def test_database_down_usage_is_spooled_then_replayed_once(tmp_path):
             got = rows(pg.url, t["id"])
             assert sorted(r["completion_tokens"] for r in got) == [2, 5, 20]
             assert len({r["request_id"] for r in got}) == 3 and {r["status"] for r in got} == {"ok"}
+
+
+# The Responses and Messages streams (their own event loops over the chat path's run): a client
+# that leaves mid-stream leaves one row, `cancelled`, with the client's x-request-id on it, and
+# the limiter settled to exactly what the row says, as for chat above.
+ROUTES = {"responses": ("/v1/responses", {"model": MODEL, "input": "tell me a story", "stream": True},
+                        "response.output_text.delta"),
+          "messages": ("/v1/messages", {"model": MODEL, "max_tokens": 2000, "stream": True,
+                                        "messages": [{"role": "user", "content": "tell me a story"}]},
+                       "content_block_delta")}
+
+
+@pytest.mark.parametrize("route", sorted(ROUTES))
+async def test_route_stream_client_gone_leaves_one_row_with_its_request_id(shared, route):
+    gw, pg = shared
+    t, key = await tenant(gw)
+    path, body, delta = ROUTES[route]
+    headers = {**gw.auth(key), "x-request-id": f"client-{route}-gone"}
+    deltas = 0
+    async with gw.http.stream("POST", path, json=body, headers=headers) as r:
+        assert r.status_code == 200 and r.headers["x-request-id"] == f"client-{route}-gone"
+        async for line in r.aiter_lines():
+            deltas += line.startswith("data: ") and f'"type":"{delta}"' in line
+            if deltas == 3:
+                break                                   # gone after the third delta
+    [row] = await wait_rows(pg, t["id"], 1)
+    assert (row["status"], row["client_request_id"]) == ("cancelled", f"client-{route}-gone")
+    assert deltas <= row["completion_tokens"] < 64      # the fake engine's answer is 64 tokens
+    assert await settled_tokens(gw, key) == row["prompt_tokens"] + row["completion_tokens"]

@@ -12,7 +12,7 @@ from lockgate.tenancy import db as tdb
 from lockgate.tenancy.models import Base
 
 TABLES = {"tenants", "api_keys", "usage_records", "audit_entries", "adapters", "refusal_counts",
-          "files", "file_chunks", "batches", "batch_lines", "stored_responses"}
+          "files", "file_chunks", "batches", "batch_lines", "stored_responses", "console_sessions"}
 
 
 def diff(url: str, metadata: sa.MetaData) -> list:

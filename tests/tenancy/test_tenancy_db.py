@@ -714,3 +714,24 @@ async def test_list_audit(sessions):
         with pytest.raises(Invalid) as info:
             await audit.list_audit(s, limit=-1)
         assert info.value.field == "limit"
+
+
+async def test_a_viewer_key_is_no_admin_key_and_its_console_sessions_end_with_it(sessions):
+    """A database whose only admin-side key is a viewer key has no admin key (the server makes
+    one at start); revoking a key deletes its console sessions."""
+    from lockgate.tenancy import console_sessions
+
+    async with sessions() as s:
+        viewer, _ = await api_keys.create_key(s, tenant_id=None, name="v", scopes=("viewer",), pepper=PEPPER,
+                                              actor="test")
+        assert not await api_keys.has_admin_key(s)
+        token = await console_sessions.open_session(s, key_id=viewer.id, ttl_s=60, client="127.0.0.1")
+        assert await console_sessions.session_key_id(s, token) == viewer.id
+        await api_keys.revoke_key(s, viewer.id, actor="test")
+        assert await console_sessions.session_key_id(s, token) is None
+        admin, _ = await api_keys.create_key(s, tenant_id=None, name="a", scopes=("admin",), pepper=PEPPER,
+                                             actor="test")
+        assert await api_keys.has_admin_key(s)
+        expired = await console_sessions.open_session(s, key_id=admin.id, ttl_s=0.001, client="127.0.0.1")
+        await asyncio.sleep(0.01)
+        assert await console_sessions.session_key_id(s, expired) is None

@@ -1,0 +1,163 @@
+"""The admin console in a real browser: Debian's chromium, headless, driven by Playwright,
+against a live `lockgate serve --root-path /ops` on PostgreSQL and Redis (one server for the
+module). Signing in (a tenant key refused), a tenant made and given a key (its secret shown
+once: gone on the next visit and absent from the audit log), the key revoked and the next API
+call with it refused, the engine's fragment refreshed by polling, a viewer seeing every page
+and refused every change, and every URL the browser asked for under /ops/, none answered >= 400
+on a walk of every page."""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.support.gateway_server import running_server
+
+playwright = pytest.importorskip("playwright.sync_api")
+CHROMIUM = Path("/usr/bin/chromium")
+ROOT = "/ops"
+PAGES = ("Overview", "Tenants", "Keys", "Usage", "Engine", "Audit log")
+
+if not CHROMIUM.exists():
+    if os.environ.get("CI") == "true":
+        raise RuntimeError("CI: /usr/bin/chromium is missing; scripts/setup.sh installs it (apt: chromium)")
+    pytest.skip("Debian's chromium is not installed (scripts/setup.sh installs it)", allow_module_level=True)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with running_server(tmp_path_factory.mktemp("console-browser"), "services",
+                        extra_args=["--root-path", ROOT]) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def browser():
+    with playwright.sync_playwright() as p:
+        b = p.chromium.launch(executable_path=str(CHROMIUM), headless=True)
+        yield b
+        b.close()
+
+
+class Session:
+    """A browser context of its own, every request and answer it saw recorded."""
+
+    def __init__(self, browser, server) -> None:
+        self.server = server
+        self.context = browser.new_context(base_url=server.url)
+        self.context.set_default_timeout(10_000)
+        self.requests: list[str] = []
+        self.answers: list[tuple[int, str]] = []
+        self.context.on("request", lambda r: self.requests.append(r.url))
+        self.context.on("response", lambda r: self.answers.append((r.status, r.url)))
+        self.page = self.context.new_page()
+
+    def sign_in(self, key: str) -> None:
+        self.page.goto(f"{ROOT}/console/sign-in")
+        self.page.fill("input[name=key]", key)
+        self.page.click("button[type=submit]")
+
+    def nav(self, label: str) -> None:
+        self.page.click(f"header nav >> text={label}")
+        self.page.wait_for_load_state()
+
+    def paths(self) -> list[str]:
+        return [httpx.URL(u).path for u in self.requests]
+
+    def close(self) -> None:
+        self.context.close()
+
+
+@pytest.fixture
+def session(browser, server):
+    s = Session(browser, server)
+    yield s
+    assert all(p.startswith(ROOT + "/") for p in s.paths()), s.paths()
+    s.close()
+
+
+def test_sign_in_with_an_admin_key_a_tenant_key_refused(session, server):
+    _, tenant_key = server.tenant()
+    session.sign_in(tenant_key)
+    assert "tenant's key" in session.page.inner_text("[role=alert]")
+    assert session.page.locator("input[name=key]").count() == 1
+    session.sign_in(server.admin_key)
+    session.page.wait_for_url(f"**{ROOT}/console/")
+    assert session.page.inner_text("h1") == "Overview"
+
+
+def test_a_tenant_gets_a_key_shown_once_then_revoked(session, server):
+    session.sign_in(server.admin_key)
+    session.nav("Tenants")
+    name = "acme-" + secrets.token_hex(3)
+    session.page.fill("input[name=name]", name)
+    session.page.click("text=Create tenant")
+    assert session.page.inner_text("h1") == f"Tenant {name}"
+    tenant_url = session.page.url
+    session.page.fill("input[name=name]", "<script>alert(1)</script>")
+    session.page.click("text=Create key")
+    secret = session.page.inner_text("#new-secret")
+    assert re.fullmatch(r"lg-\S{20,}", secret)
+    assert session.page.locator("button[data-copy=new-secret]").count() == 1
+    assert "<script>alert(1)</script>" in session.page.inner_text("td.key-name >> nth=-1")   # as text
+    call = httpx.get(server.url + "/v1/models", headers={"Authorization": f"Bearer {secret}"}, timeout=10)
+    assert call.status_code == 200, call.text
+    session.page.goto(tenant_url)
+    assert secret not in session.page.content()
+    assert secret not in server.admin.get("/audit", params={"limit": 1000}).text
+    key_id = server.admin.get("/audit", params={"action": "key.create", "limit": 1}).json()["data"][0]["target_id"]
+    session.page.click(f"button[data-revoke={key_id}]")
+    session.page.wait_for_load_state()
+    assert "revoked" in session.page.inner_text(f"tr:has(code:text('{key_id}'))")
+    call = httpx.get(server.url + "/v1/models", headers={"Authorization": f"Bearer {secret}"}, timeout=10)
+    assert call.status_code == 401 and call.json()["error"]["code"] == "revoked", call.text
+
+
+def test_the_engine_fragment_refreshes_without_a_reload(session, server):
+    session.sign_in(server.admin_key)
+    session.nav("Engine")
+    session.page.evaluate("window.__stayed = true")
+    session.page.wait_for_selector("#engine-live[data-refreshed]", timeout=8_000)
+    assert session.page.evaluate("window.__stayed") is True          # the same document, not reloaded
+    assert f"{ROOT}/console/engine/live" in session.paths()
+
+
+def test_a_viewer_sees_every_page_and_every_change_is_refused(session, server):
+    key = server.admin.post("/keys", json={"name": "auditor", "scopes": ["viewer"]}).json()["key"]
+    t, _ = server.tenant()
+    session.sign_in(key)
+    for label in PAGES:
+        session.nav(label)
+        assert session.page.locator("form[method=post]").count() == 1, label     # sign-out alone
+    session.page.goto(f"{ROOT}/console/tenants/{t['id']}")
+    assert session.page.locator("form[method=post]").count() == 1
+    csrf = session.page.get_attribute("input[name=csrf]", "value")
+    for path, form in ((f"/console/tenants/{t['id']}/delete", {}), ("/console/tenants", {"name": "viewer-made"}),
+                       (f"/console/tenants/{t['id']}/keys", {"name": "k"}), ("/console/keys", {"name": "k"})):
+        status = session.page.evaluate(
+            "([url, form]) => fetch(url, {method: 'POST', body: new URLSearchParams(form)}).then(r => r.status)",
+            [ROOT + path, {**form, "csrf": csrf}])
+        assert status == 403, path
+    assert server.admin.get(f"/tenants/{t['id']}").status_code == 200
+
+
+def test_every_page_under_the_root_path_answers(session, server):
+    session.sign_in(server.admin_key)
+    session.page.wait_for_url(f"**{ROOT}/console/")
+    for label in PAGES:
+        session.nav(label)
+    t, _ = server.tenant()
+    session.page.goto(f"{ROOT}/console/tenants/{t['id']}")
+    session.page.fill("input[name=requests_per_minute]", "120")
+    session.page.click("text=Save quota")
+    assert session.page.input_value("input[name=requests_per_minute]") == "120"
+    session.page.click("text=Sign out")
+    session.page.wait_for_url(f"**{ROOT}/console/sign-in")
+    bad = [(s, u) for s, u in session.answers if s >= 400]
+    assert not bad, bad
+    assert len(session.requests) >= 12 and any(p.endswith("/console.js") for p in session.paths())
