@@ -302,3 +302,25 @@ def test_a_pools_totals_sum_each_engines_spec_counters():
     assert (online.num_drafts, online.accepted_per_pos, online.acceptance_rate, online.enabled) == \
            (5, [4, 1], 0.5, True)
     assert summed_stats([EngineStats()]).spec is None
+
+
+def test_keeping_a_draft_that_equals_the_sampled_token_is_rejection_samplings_law():
+    """For a one-hot draft (the n-gram proposer's), keeping draft token x exactly when the
+    token drawn at its position (the sampler's Gumbel-max draw from p) equals x keeps it with
+    probability p(x) and emits a token distributed as p, as `rejection_sample(draft_probs=None)`
+    does: 200,000 draws of each, the same frequencies within 0.01."""
+    from lockgate.engine.spec.verify import rejection_sample
+
+    g = torch.Generator().manual_seed(0)
+    p = torch.tensor([0.05, 0.3, 0.1, 0.25, 0.02, 0.08, 0.15, 0.05])
+    n, x = 200_000, 3
+    drawn = (p / torch.empty(n, len(p)).exponential_(generator=g)).argmax(dim=1)     # the sampler's way
+    target = p.expand(n, 2, len(p)).contiguous()
+    accepted, tokens = rejection_sample(
+        target, None, torch.full((n, 1), x), torch.ones(n, dtype=torch.long), torch.rand(n, 1, generator=g),
+        torch.empty(n, 2, len(p)).exponential_(generator=g))
+    assert abs((drawn == x).float().mean().item() - p[x].item()) < 0.01
+    assert abs(accepted.float().mean().item() - p[x].item()) < 0.01
+    for emitted in (drawn, tokens[:, 0]):
+        freq = torch.bincount(emitted, minlength=len(p)).float() / n
+        assert torch.allclose(freq, p, atol=0.01), freq
