@@ -1,8 +1,11 @@
 """Speculative decoding served: the real engine on the copy demo model (its greedy output
 quotes the prompt) with `speculative_config`, in process. vLLM's `spec_decode` counters on
-/metrics, and /admin/v1/engine's acceptance and switch per class, after a quoting request."""
+/metrics, and /admin/v1/engine's acceptance and switch per class, after a quoting request
+(whole, then streamed: the same text)."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -26,7 +29,15 @@ async def test_spec_counters_on_metrics_and_admin_engine(tmp_path):
         body = {"model": "copy", "prompt": src + src[:6], "max_tokens": 32, "temperature": 0, "ignore_eos": True}
         r = await gw.http.post("/v1/completions", headers=gw.auth(key), json=body)
         assert r.status_code == 200, r.text
-        assert r.json()["choices"][0]["text"]
+        text = r.json()["choices"][0]["text"]
+        assert text
+        # streamed, several tokens a step: the same text in its chunks
+        chunks = []
+        async with gw.http.stream("POST", "/v1/completions", headers=gw.auth(key), json={**body, "stream": True}) as s:
+            async for line in s.aiter_lines():
+                if line.startswith("data: {"):
+                    chunks += [c["text"] for c in json.loads(line[6:])["choices"]]
+        assert "".join(chunks) == text
         engine = (await gw.admin.get("/engine")).json()["models"]["copy"]
         metrics = (await gw.admin.get(gw.url + "/metrics")).text
     spec = engine["speculative"]
