@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 import torch
 
-from lockgate.engine.spec.config import SpeculativeConfig
+from lockgate.engine.spec.config import SpeculativeConfig, check_draft_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
@@ -78,7 +78,8 @@ class EngineConfig:
     distributed_timeout_s: float = 60.0
     rank_start_timeout_s: float = 600.0
     # speculative decoding, vLLM's dict (engine/spec/config.py): {"method": "ngram",
-    # "num_speculative_tokens": k, "prompt_lookup_max": n, "prompt_lookup_min": m}; None: off.
+    # "num_speculative_tokens": k, "prompt_lookup_max": n, "prompt_lookup_min": m}, or a draft
+    # model {"model": DIR, "num_speculative_tokens": k} (engine/spec/draft_model.py); None: off.
     # Kept as the checked SpeculativeConfig
     speculative_config: SpeculativeConfig | dict[str, Any] | None = None
 
@@ -89,9 +90,10 @@ class EngineConfig:
         self._check_memory()
         self._check_classes()
         self._check_parallel()
-        self.speculative_config = SpeculativeConfig.of(self.speculative_config)
+        self.speculative_config = spec = SpeculativeConfig.of(self.speculative_config)
         if not Path(self.model).is_dir():
             raise ValueError(f"model must be a model directory; {self.model!r} is not one")
+        check_draft_model(spec, self.model, self.tensor_parallel_size)
 
     def _check_step_settings(self) -> None:
         if self.dtype not in ("auto", *DTYPES):
