@@ -42,7 +42,6 @@ def resolve_dtype(name: str, model_dtype: str, device: torch.device) -> torch.dt
     return dtype
 
 
-
 class EngineCore:
     """One model: its weights, KV cache, scheduler and requests. Alone (the usual case) it
     sizes its own memory budget and loads at once. In a `ModelPool` (`pooled=True`) the pool
@@ -64,8 +63,10 @@ class EngineCore:
         self.dtype = resolve_dtype(config.dtype, mc.torch_dtype, self.device)
         self.tokenizer = Tokenizer(config.model)
         torch.manual_seed(config.seed)
+        spec = SpeculativeConfig.of(config.speculative_config)
         self.runner = ModelRunner(config.model, mc, self.max_model_len, self.dtype, self.device, config.seed,
-                                  ranks=rank_spec(config, mc, self.device, self.dtype, self.max_model_len))
+                                  ranks=rank_spec(config, mc, self.device, self.dtype, self.max_model_len),
+                                  draft_dir=spec.draft_model if spec else None)
         bs = config.block_size
         self.memory: MemoryBudget | None = None
         self.lora, self.num_kv_blocks = self._start_runner(pooled)
@@ -88,7 +89,6 @@ class EngineCore:
         ]
         self.outputs = OutputProcessor(self.tokenizer, self.scheduler, self.eos_token_ids,
                                        self.max_seq_len_by_rank)
-        spec = SpeculativeConfig.of(config.speculative_config)
         self.spec = SpecDecoder(spec, self.kv, config.service_classes, self.max_seq_len_by_rank) if spec else None
         self.scheduler.spec = self.spec
         self.requests: dict[str, RequestState] = {}

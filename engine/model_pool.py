@@ -39,6 +39,7 @@ from lockgate.engine.lora import Adapter, LoRAManager, LoRARequest
 from lockgate.engine.memory import CUDA_ACTIVATION_HEADROOM, MemoryBudget
 from lockgate.engine.outputs import RequestOutput
 from lockgate.engine.request import EngineRequest, RequestState
+from lockgate.engine.spec.config import SpeculativeConfig
 from lockgate.engine.stats import EngineStats, PooledModelStats, PoolStats, summed_parallel, summed_stats
 from lockgate.engine.step_engine import StepEngine
 from lockgate.engine.tokenizer import Tokenizer
@@ -75,8 +76,13 @@ class ModelPool:
         specs = {first: config.model, **config.models}
         if len(specs) != 1 + len(config.models):
             raise ValueError(f"models: the name {first!r} is given twice")
+        # a draft model is the first model's (speculative_config is written beside `model`);
+        # the n-gram method needs no model and goes with every one
+        spec = config.speculative_config
+        other_spec = None if isinstance(spec, SpeculativeConfig) and spec.draft_model else spec
         self.cores: dict[str, EngineCore] = {
-            name: EngineCore(dataclasses.replace(config, model=str(path), models={}, served_model_name=name),
+            name: EngineCore(dataclasses.replace(config, model=str(path), models={}, served_model_name=name,
+                                                 speculative_config=spec if name == first else other_spec),
                              stream_outputs=stream_outputs, pooled=True, name=name)
             for name, path in specs.items()
         }

@@ -28,6 +28,7 @@ from lockgate.engine.parallel.worker import RankSpec
 from lockgate.engine.request import Sequence
 from lockgate.engine.sampler import Sampler, SamplerOutput, SampleRow
 from lockgate.engine.scheduler import SchedulerOutput
+from lockgate.engine.spec.draft_model import DraftModel
 from lockgate.engine.stats import ParallelStats, RankMemory
 
 
@@ -66,9 +67,12 @@ class ModelRunner:
         device: torch.device,
         seed: int,
         ranks: RankSpec | None = None,
+        draft_dir: str | None = None,
     ) -> None:
         """`ranks`: with tensor parallelism, what ranks 1..N-1 start from (they are spawned
-        here, and read their shards while this process goes on); None: one rank, this one."""
+        here, and read their shards while this process goes on); None: one rank, this one.
+        `draft_dir`: a draft model for speculative decoding, loaded and offloaded with this one
+        (its weights and per-block KV bytes counted in `weight_bytes` and `bytes_per_block`)."""
         self.cfg = model_config
         self.model_dir, self.max_model_len = model_dir, max_model_len
         self.dtype, self.device = dtype, device
@@ -77,6 +81,8 @@ class ModelRunner:
         # (and while not) loading, and what adapters are checked against
         self.skeleton = build_skeleton(model_config, dtype, self.shard)
         self.weight_bytes = tensor_bytes(self.skeleton) + packed_weight_bytes(self.skeleton, device, dtype)
+        self.draft = DraftModel(draft_dir, max_model_len, dtype, device, seed) if draft_dir else None
+        self.weight_bytes += self.draft.weight_bytes if self.draft else 0
         self.model: LlamaForCausalLM | None = None
         self.sampler = Sampler(seed, device)
         self.kv = DeviceKVCache(model_config.num_hidden_layers, self.shard.kv_heads(model_config)[1],
@@ -135,6 +141,8 @@ class ModelRunner:
             model.tp.comm = ranks.group
         if self.lora is not None:
             self.lora.bind(model.projections())
+        if self.draft is not None:
+            self.draft.load()
         if self.num_blocks:
             self.allocate_kv_cache(self.num_blocks, self.block_size)
 
@@ -166,6 +174,8 @@ class ModelRunner:
             self.lora.unbind()
         self.model = None
         self.kv.free()
+        if self.draft is not None:
+            self.draft.offload()
         if self.ranks is not None and self._ranks_hold_weights:
             self.ranks.call("offload")
             self._ranks_hold_weights = False
@@ -228,8 +238,8 @@ class ModelRunner:
             self.ranks.close()
 
     def bytes_per_block(self, block_size: int) -> int:
-        """This rank's bytes per KV block (its own KV heads)."""
-        return self.kv.bytes_per_block(block_size)
+        """This rank's bytes per KV block (its own KV heads; the draft model's beside them)."""
+        return self.kv.bytes_per_block(block_size) + (self.draft.bytes_per_block(block_size) if self.draft else 0)
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
         """The KV cache's size, allocated now on every rank if the model is loaded, else on
@@ -238,6 +248,8 @@ class ModelRunner:
         if not self._all_loaded:
             return   # allocated on load
         self.kv_ops.allocate(num_blocks, block_size)
+        if self.draft is not None:
+            self.draft.allocate(num_blocks, block_size)
 
     def _order_by_adapter(self, scheduled: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int]]:
         """With adapters in the step: sequences grouped by adapter (base model first), each
@@ -379,6 +391,10 @@ class ModelRunner:
         self, sched: SchedulerOutput, kv: KVCacheManager, timings: StepTimings
     ) -> tuple[list[Sequence], SamplerOutput | None]:
         t0 = time.perf_counter()
+        if self.draft is not None:     # the draft's KV beside the target's; its tokens into sched.drafts
+            self.draft.propose(sched, kv, self.sampler)
+        t_draft = time.perf_counter() - t0
+        t0 += t_draft
         inp = self.prepare(sched, kv)
         masks = self._start_masks(inp.sample_rows)
         t1 = time.perf_counter()
@@ -390,9 +406,11 @@ class ModelRunner:
         t2 = time.perf_counter()
         bitmask = masks.result() if masks is not None else None
         out = self.sampler(logits, inp.sample_rows, bitmask) if logits is not None else None
+        if self.draft is not None and logits is not None and out is not None:
+            self.draft.verify_sampled(logits, inp.sample_seqs, inp.sample_rows, out, sched.drafts, self.sampler)
         t3 = time.perf_counter()
         timings.prepare += t1 - t0
-        timings.forward += t2 - t1
+        timings.forward += t2 - t1 + t_draft
         timings.sample += t3 - t2
         return inp.sample_seqs, out
 

@@ -11,7 +11,7 @@ the batch, nor on preemption.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -39,6 +39,9 @@ class SamplerOutput:
     token_ids: list[int]
     # per row: (logprob of the chosen token, its rank, top-k [(token, logprob)]) or None
     logprobs: list[tuple[float, int, list[tuple[int, float]]] | None]
+    # rows whose drafts were verified already (rejection sampling against a draft model's q):
+    # the row's first sampler row -> how many of its drafts it keeps
+    accepted_at: dict[int, int] = field(default_factory=dict)
 
 
 class Sampler:
@@ -82,7 +85,7 @@ class Sampler:
                 chosen[idx] = chosen_g
         if sampled:
             idx = torch.tensor(sampled, device=logits.device)
-            probs = self._filtered_probs(logits[idx], [rows[i] for i in sampled])
+            probs = self.filtered_probs(logits[idx], [rows[i] for i in sampled])
             noise = self._noise(probs, [rows[i] for i in sampled])
             chosen[idx] = argmax_rows(probs / noise)
         token_ids = chosen.tolist()
@@ -91,17 +94,21 @@ class Sampler:
             for i, r in enumerate(rows):
                 if r.params.logprobs is None:
                     continue
-                row = raw_logprobs[i]
-                lp = row[token_ids[i]].item()
-                rank = int((row > lp).sum().item()) + 1
-                top: list[tuple[int, float]] = []
-                if r.params.logprobs > 0:
-                    vals, ids = row.topk(r.params.logprobs)
-                    top = list(zip(ids.tolist(), vals.tolist(), strict=True))
-                out_logprobs[i] = (lp, rank, top)
+                out_logprobs[i] = logprob_entry(raw_logprobs[i], token_ids[i], r.params.logprobs)
         return SamplerOutput(token_ids, out_logprobs)
 
-    def _filtered_probs(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    def target_probs(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+        """What sampled rows (no grammar) draw from: penalties and bias applied, then
+        temperature, top-k, top-p and min-p (a draft model's verifier needs p itself)."""
+        logits = logits.float().clone()
+        for i, r in enumerate(rows):
+            if r.params.needs_penalties:
+                _apply_penalties(logits[i], r)
+            if r.params.logit_bias:
+                _apply_bias(logits[i], r.params.logit_bias)
+        return self.filtered_probs(logits, rows)
+
+    def filtered_probs(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
         dev = logits.device
         temps = torch.tensor([r.params.temperature for r in rows], device=dev)
         logits = logits / temps[:, None]
@@ -140,6 +147,17 @@ class Sampler:
                 g = seeded_generator(r.params.seed, r.sample_index, r.position, probs.device)
                 noise[i].exponential_(generator=g)
         return noise
+
+
+def logprob_entry(row: torch.Tensor, token: int, num_top: int) -> tuple[float, int, list[tuple[int, float]]]:
+    """(logprob of `token`, its rank, the `num_top` best [(token, logprob)]) from a row of logprobs."""
+    lp = row[token].item()
+    rank = int((row > lp).sum().item()) + 1
+    top: list[tuple[int, float]] = []
+    if num_top > 0:
+        vals, ids = row.topk(num_top)
+        top = list(zip(ids.tolist(), vals.tolist(), strict=True))
+    return lp, rank, top
 
 
 def seeded_generator(seed: int, index: int, position: int, device: torch.device) -> torch.Generator:

@@ -1,11 +1,13 @@
 """Speculative decoding in the step: draft tokens for decodes, and what the target keeps.
 
 The scheduler asks `try_drafts` for each running decode: up to k tokens from the proposer
-(engine/spec/ngram.py), fewer where the step's token budget, `max_tokens` or the context its
-class may use leave less room, none for a request that opted out (`speculative=False`), one
-with a grammar (its matcher would have to follow the draft: such rows decode a token a step
-for now), or a class the switch (engine/spec/switch.py) has turned off. A row with a LoRA
-adapter drafts too: its chunk is one more segment of its adapter's tokens. The row then computes its last token and
+(engine/spec/ngram.py; with a draft model, k slots whose tokens the draft writes in the runner
+before the target's forward: engine/spec/draft_model.py), fewer where the step's token
+budget, `max_tokens` or the context its class may use leave less room, none for a request
+that opted out (`speculative=False`), one with a grammar (its matcher would have to follow
+the draft: such rows decode a token a step for now), or a class the switch
+(engine/spec/switch.py) has turned off. A row with a LoRA adapter drafts too: its chunk is
+one more segment of its adapter's tokens. The row then computes its last token and
 the drafts as one short chunk over the paged KV cache; the runner samples a token at each of
 its 1 + d positions, the row at position j seeing the drafts before it as its history (so
 penalties, logit bias and seeds apply exactly as they would had those tokens been emitted).
@@ -18,6 +20,9 @@ is distributed as p without x, renormalized; `verify.rejection_sample(draft_prob
 has the same law. Drawing each position's token with the sampler's own noise for that
 position also means a seeded request gets the very tokens it gets without speculation,
 whatever the batch, k or the switch did (a separate acceptance uniform would not).
+
+A draft model's sampled rows are verified in the runner instead, by rejection sampling against
+the draft's own distribution (`SamplerOutput.accepted_at` says how many each kept).
 
 Emitted tokens then go through the output processor one by one (stops, max_tokens,
 logprobs as without speculation); the KV slots of the rejected ones are released
@@ -55,12 +60,17 @@ class SpecDecoder:
         self.max_seq_len_by_rank = max_seq_len_by_rank
         self.switch = SpecSwitch(len(classes), self.num_spec, auto=config.auto_disable)
         self.counts = [SpecClassStats(accepted_per_pos=[0] * self.num_spec) for _ in classes]
-        self.proposer: Proposer = self.ngram
+        self.proposer: Proposer = self.ngram if config.draft_model is None else self.placeholder
         self.prefill_reserve = 0       # this step's tokens kept from drafts for pending prefill
 
     def ngram(self, seq: Sequence, k: int) -> list[int]:
         cfg = self.config
         return propose(seq.token_ids, k, cfg.prompt_lookup_min or 1, cfg.prompt_lookup_max or 1)
+
+    @staticmethod
+    def placeholder(seq: Sequence, k: int) -> list[int]:
+        """A draft model's proposer here: k slots, the tokens written by the runner's draft."""
+        return [0] * k
 
     def begin(self, running: list[Sequence], waiting: Iterable[Sequence], cost: CostView,
               max_num_batched_tokens: int) -> None:
@@ -142,7 +152,11 @@ class SpecDecoder:
             target[i, :len(d) + 1] = torch.tensor(out.token_ids[first_row[seq]:first_row[seq] + len(d) + 1])
         num_draft = torch.tensor([len(drafts[s]) for s in spec_seqs])
         accepted, _ = accept_greedy(draft, target, num_draft)
-        return dict(zip(spec_seqs, accepted.tolist(), strict=True))
+        kept = dict(zip(spec_seqs, accepted.tolist(), strict=True))
+        for seq in spec_seqs:    # rows the runner verified against a draft model's q
+            if first_row[seq] in out.accepted_at:
+                kept[seq] = out.accepted_at[first_row[seq]]
+        return kept
 
     def _count(self, rank: int, num_draft: int, num_accepted: int) -> None:
         c = self.counts[rank]
@@ -155,7 +169,7 @@ class SpecDecoder:
 
     def stats(self) -> SpecStats:
         cfg = self.config
-        out = SpecStats(cfg.method, self.num_spec, cfg.prompt_lookup_min or 1, cfg.prompt_lookup_max or 1,
+        out = SpecStats(cfg.method or "ngram", self.num_spec, cfg.prompt_lookup_min or 1, cfg.prompt_lookup_max or 1,
                         cfg.auto_disable, accepted_per_pos=[0] * self.num_spec)
         for rank, (name, c) in enumerate(zip(self.classes, self.counts, strict=True)):
             row = SpecClassStats(
