@@ -1,0 +1,191 @@
+"""Speculative decoding with a draft model (engine/spec/draft_model.py) on the copy demo model
+and its draft: greedy output equal to plain decoding at batch 1 and 32 (chunked prefill, prefix
+caching and preemption in the runs) with most drafts kept; a model switch in a pool; the
+draft's memory counted; a mismatched draft refused by name; seeded sampling reproducible; and
+sampled rows keeping the target's law (many seeded requests against the exact distribution)."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import pytest
+import torch
+
+from lockgate.engine import LLM, SamplingParams, write_copy_model
+from lockgate.engine.config import EngineConfig
+from lockgate.engine.model_pool import ModelPool
+from lockgate.engine.request import EngineRequest
+from tests.engine.test_spec_decode import BATCH_32, GREEDY_64, quoting_prompts, run, token_ids
+from tests.support.helpers import copy_model, demo_model, random_prompts
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+@pytest.fixture(scope="module")
+def models() -> tuple[str, str]:
+    return copy_model(), copy_model(draft=True)
+
+
+def draft_spec(draft: str, k: int = 4) -> dict:
+    return {"model": draft, "num_speculative_tokens": k}
+
+
+def test_greedy_batch_1_equals_plain_decoding_and_most_drafts_are_kept(models):
+    """8 prompts one at a time, 64 tokens each, chunks of 48 (the prompts are chunked), a
+    shared opening (prefix-cache hits), a small cache."""
+    target, draft = models
+    prompts = quoting_prompts(target, 8)
+    engine = {"max_num_seqs": 1, "max_num_batched_tokens": 48, "num_kv_blocks": 64}
+    plain, _ = run(target, prompts, GREEDY_64, None, **engine)
+    spec, stats = run(target, prompts, GREEDY_64, draft_spec(draft), **engine)
+    assert token_ids(spec) == token_ids(plain)
+    s = stats.spec
+    assert s is not None and s.method == "draft_model" and s.num_drafts > 0
+    assert s.num_accepted_tokens > s.num_draft_tokens / 2, s
+    assert stats.kv.prefix_cache_hits > 0
+    assert stats.num_steps < 8 * 64 / 2
+    print(f"\nbatch 1: {s.num_accepted_tokens}/{s.num_draft_tokens} kept, {stats.num_steps} steps")
+
+
+def test_greedy_batch_32_with_preemption_equals_plain_decoding(models):
+    target, draft = models
+    prompts = quoting_prompts(target, 32)
+    plain, plain_stats = run(target, prompts, GREEDY_64, None, **BATCH_32)
+    spec, stats = run(target, prompts, GREEDY_64, draft_spec(draft), **BATCH_32)
+    assert token_ids(spec) == token_ids(plain)
+    s = stats.spec
+    assert s is not None and s.num_accepted_tokens > s.num_draft_tokens / 2, s
+    assert stats.num_preemptions > 0, "the cache is small enough to preempt"
+    print(f"\nbatch 32: {s.num_accepted_tokens}/{s.num_draft_tokens} kept, "
+          f"{stats.num_steps} steps (plain {plain_stats.num_steps}), {stats.num_preemptions} preemptions")
+
+
+def test_the_drafts_weights_and_kv_are_in_the_budget(models):
+    target, draft = models
+    plain = LLM(target, kv_cache_memory=1 << 20).engine
+    spec = LLM(target, kv_cache_memory=1 << 20, speculative_config=draft_spec(draft)).engine
+    runner = spec.runner
+    assert runner.draft is not None
+    assert runner.weight_bytes == plain.runner.weight_bytes + runner.draft.weight_bytes
+    per_block = plain.runner.bytes_per_block(16) + runner.draft.bytes_per_block(16)
+    assert runner.bytes_per_block(16) == per_block
+    assert spec.num_kv_blocks == (1 << 20) // per_block < plain.num_kv_blocks
+    assert spec.memory is not None and spec.memory.reserved["weights"] == runner.weight_bytes
+
+
+def test_a_pool_switching_models_keeps_the_output(models):
+    """The copy model with its draft and a random demo model on a budget that holds one at a
+    time: both offloaded and reloaded (the draft with its target), outputs as without drafts."""
+    target, draft = models
+    other = demo_model("qwen2", "tiny", 1)
+    prompts = {"copy": quoting_prompts(target, 4), "b": random_prompts(other, [9, 23, 31, 17], seed=3)}
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    want = {m: token_ids(run(d, prompts[m], params, None, num_kv_blocks=32)[0]) for m, d in
+            (("copy", target), ("b", other))}
+    cfg = {"model": target, "served_model_name": "copy", "models": {"b": other}, "dtype": "float32",
+           "num_kv_blocks": 32, "speculative_config": draft_spec(draft), "max_num_seqs": 2}
+    probe = ModelPool(EngineConfig(**cfg))
+    sizes = {n: s.memory_bytes for n, s in probe.stats().pool.models.items()}
+    assert probe.cores["copy"].runner.draft is not None and probe.cores["b"].runner.draft is None
+    pool = ModelPool(EngineConfig(**cfg, memory_budget=max(sizes.values()) + min(sizes.values()) // 2))
+    done: dict[str, list[int]] = {}
+    for i in range(4):
+        for m in ("copy", "b"):
+            pool.add_request(EngineRequest(f"{m}{i}", prompts[m][i], params, model=m))
+        for _ in range(4):
+            done.update({o.request_id: list(o.outputs[0].token_ids) for o in pool.step() if o.finished})
+    while pool.has_unfinished:
+        done.update({o.request_id: list(o.outputs[0].token_ids) for o in pool.step() if o.finished})
+        assert pool.memory.used_bytes <= pool.memory.total_bytes
+    for m in ("copy", "b"):
+        assert [done[f"{m}{i}"] for i in range(4)] == [w[0] for w in want[m]], m
+    st = pool.stats()
+    assert st.pool.models["copy"].loads >= 2 and st.pool.models["copy"].offloads >= 1, st.pool.models
+    spec = pool.cores["copy"].stats().spec
+    assert spec is not None and spec.num_accepted_tokens > 0
+
+
+def test_bad_draft_models_are_refused_by_name(models, tmp_path):
+    target, _ = models
+    small = write_copy_model(tmp_path / "small-draft", draft=True, size="small")
+    with pytest.raises(ValueError, match=r"speculative_config\.model: .*vocab_size 8192 .*target's 512"):
+        EngineConfig(model=target, speculative_config=draft_spec(str(small)))
+    with pytest.raises(ValueError, match=r"speculative_config\.model: .* is not a directory"):
+        EngineConfig(model=target, speculative_config=draft_spec(str(tmp_path / "nowhere")))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match=r"speculative_config\.model: .* has no config\.json"):
+        EngineConfig(model=target, speculative_config=draft_spec(str(tmp_path / "empty")))
+    with pytest.raises(ValueError, match=r"speculative_config\.model: the ngram method takes no model"):
+        EngineConfig(model=target, speculative_config={"method": "ngram", "model": target,
+                                                       "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match=r"speculative_config\.model: .*tensor_parallel_size 2"):
+        EngineConfig(model=target, tensor_parallel_size=2, speculative_config=draft_spec(str(models[1])))
+
+
+def test_seeded_sampling_is_reproducible(models):
+    target, draft = models
+    prompts = quoting_prompts(target, 6)
+    params = [SamplingParams(temperature=0.7, top_p=0.95, max_tokens=40, ignore_eos=True, seed=s)
+              for s in range(6)]
+    first, stats = run(target, prompts, params, draft_spec(draft), max_num_batched_tokens=64)
+    again, _ = run(target, prompts, params, draft_spec(draft), max_num_batched_tokens=64)
+    assert token_ids(first) == token_ids(again)
+    s = stats.spec
+    assert s is not None and s.num_accepted_tokens > s.num_draft_tokens / 2, s
+
+
+NUM_SEEDS = 800
+TEMPERATURE = 20.0    # the copy models' logits are sharp (a copied token at 30): spread them
+
+
+def _top4(outs, at: int, temperature: float) -> list[dict[int, float]]:
+    """Per request, the distribution of its token `at` under top_k 4 and `temperature`,
+    from the raw logprobs of the top 4."""
+    dists = []
+    for o in outs:
+        lps = o.outputs[0].logprobs[at]
+        z = sum(math.exp(lp.logprob / temperature) for lp in lps.values())
+        dists.append({t: math.exp(lp.logprob / temperature) / z for t, lp in lps.items()})
+    return dists
+
+
+def _tv(a: Counter, b: Counter) -> float:
+    total_a, total_b = sum(a.values()), sum(b.values())
+    return 0.5 * sum(abs(a[t] / total_a - b[t] / total_b) for t in set(a) | set(b))
+
+
+def test_sampled_rows_keep_the_targets_law(models):
+    """A 2-token prompt, NUM_SEEDS seeded requests (top_k 4, a temperature high enough that
+    the copied token does not take all the mass): token 1 is sampled at prefill, token 2 by
+    the verifier against the draft's q. Token 2's histogram
+    matches the target's exact distribution given token 1 (read from its logprobs), and not
+    the draft's (which differs by more than the tolerance: the check has teeth)."""
+    target, draft = models
+    prompt = [100, 200]
+    params = [SamplingParams(temperature=TEMPERATURE, top_k=4, max_tokens=3, ignore_eos=True, seed=s)
+              for s in range(NUM_SEEDS)]
+    spec, stats = run(target, [prompt] * NUM_SEEDS, params, draft_spec(draft, k=1), max_num_seqs=NUM_SEEDS,
+                      max_num_batched_tokens=4096)
+    assert stats.spec is not None and stats.spec.num_drafts >= NUM_SEEDS
+    assert 0 < stats.spec.num_accepted_tokens < stats.spec.num_draft_tokens
+    firsts = [o.outputs[0].token_ids[0] for o in spec]
+    observed = Counter(o.outputs[0].token_ids[1] for o in spec)
+    lp = SamplingParams(temperature=TEMPERATURE, top_k=4, max_tokens=1, logprobs=4, seed=0)
+    exact, drafted = Counter(), Counter()
+    for model, into in ((target, exact), (draft, drafted)):
+        outs, _ = run(model, [prompt + [t] for t in sorted(set(firsts))], lp, None)
+        dist = dict(zip(sorted(set(firsts)), _top4(outs, 0, TEMPERATURE), strict=True))
+        for t in firsts:
+            for tok, pr in dist[t].items():
+                into[tok] += pr
+    tol = 0.06      # about 4 standard deviations of the TV distance at NUM_SEEDS draws over ~16 tokens
+    assert _tv(observed, exact) < tol, (observed, exact)
+    assert _tv(exact, drafted) > 2 * tol
+    print(f"\nTV(observed, target) {_tv(observed, exact):.3f}; TV(target, draft) {_tv(exact, drafted):.3f}")
