@@ -12,9 +12,11 @@ Two workloads:
   next to nothing.
 
 Each at batch 1 (one request at a time, `max_num_seqs` 1) and batch 32: output tokens/s and
-the drafts' acceptance (accepted / proposed), with speculation off and on, each side in a fresh
-process, the sides alternating, the best of `repeats` runs counting. Every side's greedy
-tokens are compared with the other's: speculation is lossless, so they must be equal.
+the drafts' acceptance (accepted / proposed), with speculation off and on (n-gram), and on the
+copy-heavy workload a third side, "draft": the copy model's draft model (`--copy --draft`,
+engine/spec/draft_model.py) proposing. Each side runs in a fresh process, the sides in turn
+(reversed every other round), the best of `repeats` runs counting. Every side's greedy tokens
+are compared with the others': speculation is lossless, so they must be equal.
 
 Then the flood: an online trickle (copy-heavy prompts, one every `probe_interval_s`) beside an
 offline flood kept at `flood_size` requests, driven in real time through `EngineCore` as
@@ -68,6 +70,23 @@ def copy_model_dir() -> Path:
     return out
 
 
+def copy_draft_dir() -> Path:
+    """The copy model's draft model, written once into the bench cache."""
+    from lockgate.engine import write_copy_model
+
+    out = cache_dir() / "demo-models" / "copy-draft-tiny-seed0"
+    if not (out / "config.json").exists():
+        write_copy_model(out, draft=True)
+    return out
+
+
+def spec_config(side: str) -> dict[str, Any] | None:
+    """The speculative_config of a side: "off", "on" (n-gram) or "draft" (the draft model)."""
+    if side == "draft":
+        return {"model": str(copy_draft_dir()), "num_speculative_tokens": NGRAM["num_speculative_tokens"]}
+    return dict(NGRAM) if side == "on" else None
+
+
 def prompts_for(model_dir: str, workload: str, num: int, seed: int) -> list[list[int]]:
     from lockgate.engine import Tokenizer
     from lockgate.engine.demo_tokenizer import _corpus
@@ -95,15 +114,16 @@ def _spec_counts(engine: Any) -> tuple[int, int]:
     return spec.num_draft_tokens, spec.num_accepted_tokens
 
 
-def run_side(copy_dir: str, case: SpecCase, spec_on: bool, seed: int) -> dict[str, Any]:
-    """One side in the process it is called in: the engine started and warmed, then the
-    workload timed."""
+def run_side(copy_dir: str, case: SpecCase, side: str, seed: int) -> dict[str, Any]:
+    """One side ("off", "on" or "draft") in the process it is called in: the engine started
+    and warmed, then the workload timed."""
     from lockgate.engine import LLM, SamplingParams
 
     model_dir = copy_dir if case.workload == "copy" else str(default_model_dir())
     prompts = prompts_for(model_dir, case.workload, case.num_requests, seed)
     llm = LLM(model_dir, dtype="float32", max_num_seqs=case.batch, enable_prefix_caching=False,
-              speculative_config=dict(NGRAM) if spec_on else None)
+              speculative_config=spec_config(side))
+    spec_on = side != "off"
     try:
         llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(max_tokens=8), use_progress_bar=False)
         drafts0, accepted0 = _spec_counts(llm.engine) if spec_on else (0, 0)
@@ -180,26 +200,16 @@ def bench_spec(cases: list[SpecCase] | None = None, *, repeats: int = 3, seed: i
                flood: FloodSizes | None = None, fresh_process: bool = True, echo=print) -> dict[str, Any]:
     model_dir = str(copy_model_dir())
     cases = cases if cases is not None else default_cases()
-    echo(f"speculative decoding ({NGRAM}) off vs on; copy-heavy on {model_dir}, random text on "
-         f"{default_model_dir()}; best of {repeats} alternating runs, each in a fresh process")
-    out: dict[str, Any] = {"speculative_config": NGRAM, "cases": {}}
+    echo(f"speculative decoding off vs on ({NGRAM}) vs draft (the copy model's draft); copy-heavy on "
+         f"{model_dir}, random text on {default_model_dir()}; best of {repeats} alternating runs, each in a "
+         "fresh process")
+    out: dict[str, Any] = {"speculative_config": NGRAM, "draft_config": spec_config("draft"), "cases": {}}
 
     def run(fn, *args) -> dict[str, Any]:
         return _in_fresh_process(fn, *args) if fresh_process else fn(*args)
 
     for case in cases:
-        best: dict[str, dict[str, Any]] = {}
-        digests: set[str] = set()
-        for rep in range(repeats):
-            for side, on in (("off", False), ("on", True)) if rep % 2 == 0 else (("on", True), ("off", False)):
-                r = run(run_side, model_dir, case, on, seed)
-                digests.add(r["tokens_digest"])
-                echo(f"  {case.name:<24} run {rep + 1}/{repeats} spec {side:>3}: {r['tok_s']:8.1f} tok/s"
-                     + (f", accepted {r['accepted_tokens']}/{r['draft_tokens']}" if on else ""))
-                if side not in best or r["elapsed_s"] < best[side]["elapsed_s"]:
-                    best[side] = r
-        out["cases"][case.name] = {"best": best, "ratio": best["on"]["tok_s"] / best["off"]["tok_s"],
-                                   "identical": len(digests) == 1}
+        out["cases"][case.name] = _run_case(run, model_dir, case, repeats, seed, echo)
     fl = flood or FloodSizes()
     flood_best: dict[str, dict[str, Any]] = {}
     for rep in range(repeats):
@@ -215,14 +225,40 @@ def bench_spec(cases: list[SpecCase] | None = None, *, repeats: int = 3, seed: i
     return out
 
 
+def _run_case(run, model_dir: str, case: SpecCase, repeats: int, seed: int, echo) -> dict[str, Any]:
+    """The sides of one case, best of `repeats` each: off, n-gram and (copy-heavy) the draft model."""
+    sides = ["off", "on"] + (["draft"] if case.workload == "copy" else [])
+    best: dict[str, dict[str, Any]] = {}
+    digests: set[str] = set()
+    for rep in range(repeats):
+        for side in sides if rep % 2 == 0 else sides[::-1]:
+            r = run(run_side, model_dir, case, side, seed)
+            digests.add(r["tokens_digest"])
+            echo(f"  {case.name:<24} run {rep + 1}/{repeats} spec {side:>5}: {r['tok_s']:8.1f} tok/s"
+                 + (f", accepted {r['accepted_tokens']}/{r['draft_tokens']}" if side != "off" else ""))
+            if side not in best or r["elapsed_s"] < best[side]["elapsed_s"]:
+                best[side] = r
+    out = {"best": best, "ratio": best["on"]["tok_s"] / best["off"]["tok_s"], "identical": len(digests) == 1}
+    if "draft" in best:
+        out["draft_ratio"] = best["draft"]["tok_s"] / best["off"]["tok_s"]
+    return out
+
+
 def _report(out: dict[str, Any], echo) -> None:
     echo("")
-    echo(f"{'workload':<26}{'off tok/s':>11}{'on tok/s':>10}{'on/off':>8}{'acceptance':>12}  identical")
+    echo(f"{'workload':<26}{'off tok/s':>11}{'on tok/s':>10}{'on/off':>8}{'acceptance':>12}"
+         f"{'draft tok/s':>13}{'draft/off':>11}{'acceptance':>12}  identical")
     for name, c in out["cases"].items():
         on, off = c["best"]["on"], c["best"]["off"]
-        rate = on["accepted_tokens"] / on["draft_tokens"] if on["draft_tokens"] else 0.0
-        echo(f"{name:<26}{off['tok_s']:>11.1f}{on['tok_s']:>10.1f}{c['ratio']:>7.2f}x{100 * rate:>11.1f}%  "
-             f"{'yes' if c['identical'] else 'NO'}")
+        draft = c["best"].get("draft")
+        line = f"{name:<26}{off['tok_s']:>11.1f}{on['tok_s']:>10.1f}{c['ratio']:>7.2f}x{100 * _rate(on):>11.1f}%"
+        line += (f"{draft['tok_s']:>13.1f}{c['draft_ratio']:>10.2f}x{100 * _rate(draft):>11.1f}%" if draft
+                 else f"{'-':>13}{'-':>11}{'-':>12}")
+        echo(f"{line}  {'yes' if c['identical'] else 'NO'}")
     f = out["flood"]
     echo(f"online TTFT p99 beside an offline flood: off {1000 * f['best']['off']['ttft_p99_s']:.1f} ms, "
          f"on {1000 * f['best']['on']['ttft_p99_s']:.1f} ms ({f['ttft_p99_ratio']:.2f}x; target <= 1.10x)")
+
+
+def _rate(side: dict[str, Any]) -> float:
+    return side["accepted_tokens"] / side["draft_tokens"] if side["draft_tokens"] else 0.0

@@ -1,5 +1,6 @@
-"""`lockgate bench spec` at tiny sizes: both sides give the same greedy tokens, the copy-heavy
-workload has drafts accepted, and the flood side measures the online TTFT with and without."""
+"""`lockgate bench spec` at tiny sizes: every side gives the same greedy tokens, the copy-heavy
+workload has drafts accepted (n-gram and draft model, the latter only there), and the flood side
+measures the online TTFT with and without."""
 
 from __future__ import annotations
 
@@ -20,3 +21,8 @@ def test_bench_spec_smoke():
     assert 0 < copy["best"]["on"]["accepted_tokens"] <= copy["best"]["on"]["draft_tokens"]
     assert out["flood"]["best"]["on"]["ttft_p99_s"] > 0 and out["flood"]["ttft_p99_ratio"] > 0
     assert any("online TTFT p99 beside an offline flood" in ln for ln in lines)
+    draft = copy["best"]["draft"]
+    assert draft["output_tokens"] == 48 and 0 < draft["accepted_tokens"] <= draft["draft_tokens"]
+    assert copy["draft_ratio"] > 0 and "draft" not in out["cases"]["random text, batch 2"]["best"]
+    assert out["draft_config"]["model"].endswith("copy-draft-tiny-seed0")
+    assert any("draft tok/s" in ln for ln in lines)

@@ -180,7 +180,7 @@ def test_sampled_rows_keep_the_targets_law(models):
     lp = SamplingParams(temperature=TEMPERATURE, top_k=4, max_tokens=1, logprobs=4, seed=0)
     exact, drafted = Counter(), Counter()
     for model, into in ((target, exact), (draft, drafted)):
-        outs, _ = run(model, [prompt + [t] for t in sorted(set(firsts))], lp, None)
+        outs, _ = run(model, [[*prompt, t] for t in sorted(set(firsts))], lp, None)
         dist = dict(zip(sorted(set(firsts)), _top4(outs, 0, TEMPERATURE), strict=True))
         for t in firsts:
             for tok, pr in dist[t].items():
