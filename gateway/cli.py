@@ -272,7 +272,8 @@ def _device_note(flags: dict[str, object], pool: str | None) -> str | None:
 
 
 _SPEC_HELP = ("speculative decoding, vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": k, "
-              "\"prompt_lookup_max\": n, \"prompt_lookup_min\": m} (default off)")
+              "\"prompt_lookup_max\": n, \"prompt_lookup_min\": m}, or a draft model sharing the "
+              "model's tokenizer: {\"model\": DIR, \"num_speculative_tokens\": k} (default off)")
 
 
 @app.command("serve")

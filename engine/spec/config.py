@@ -28,10 +28,10 @@ class SpeculativeConfig:
 
     method: str | None = None
     num_speculative_tokens: int = 0
-    model: str | None = None
     prompt_lookup_max: int | None = None
     prompt_lookup_min: int | None = None
     auto_disable: bool = True
+    model: str | None = None
 
     def __post_init__(self) -> None:
         if self.method is None:

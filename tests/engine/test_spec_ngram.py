@@ -82,7 +82,8 @@ def test_config_defaults_as_vllm_and_errors_name_the_field():
         ({"num_speculative_tokens": 2, "prompt_lookup_max": "3"}, "speculative_config.prompt_lookup_max"),
         ({"num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
          "speculative_config.prompt_lookup_min"),
-        ({"num_speculative_tokens": 2, "model": "x"}, "unknown field"),
+        ({"num_speculative_tokens": 2, "model": "x"}, "speculative_config.model"),
+        ({"num_speculative_tokens": 2, "draft": "x"}, "unknown field"),
         ([1, 2], "speculative_config: must be a mapping"),
     ]
     for value, needle in bad:

@@ -68,6 +68,7 @@ def test_vllm_engine_flags_reach_the_engine(server):
     ("{not json", "--speculative-config"),
     ('{"method": "eagle", "num_speculative_tokens": 2}', "speculative_config.method"),
     ('{"method": "ngram"}', "speculative_config.num_speculative_tokens"),
+    ('{"model": "/no/such/draft", "num_speculative_tokens": 2}', "speculative_config.model"),
 ])
 def test_a_bad_speculative_config_is_refused_before_anything_starts(value, named):
     from typer.testing import CliRunner
