@@ -141,13 +141,14 @@ def test_seeded_sampling_is_reproducible(models):
     assert s is not None and s.num_accepted_tokens > s.num_draft_tokens / 2, s
 
 
-NUM_SEEDS = 800
-TEMPERATURE = 20.0    # the copy models' logits are sharp (a copied token at 30): spread them
+NUM_SEEDS = 1600
+TEMPERATURE = 2.0     # the copy models' logits are sharp (a copied token at 30): spread them
+TOP_K = 8
 
 
-def _top4(outs, at: int, temperature: float) -> list[dict[int, float]]:
-    """Per request, the distribution of its token `at` under top_k 4 and `temperature`,
-    from the raw logprobs of the top 4."""
+def _top_k(outs, at: int, temperature: float) -> list[dict[int, float]]:
+    """Per request, the distribution of its token `at` under top_k TOP_K and `temperature`,
+    from the raw logprobs of the top TOP_K."""
     dists = []
     for o in outs:
         lps = o.outputs[0].logprobs[at]
@@ -161,31 +162,43 @@ def _tv(a: Counter, b: Counter) -> float:
     return 0.5 * sum(abs(a[t] / total_a - b[t] / total_b) for t in set(a) | set(b))
 
 
-def test_sampled_rows_keep_the_targets_law(models):
-    """A 2-token prompt, NUM_SEEDS seeded requests (top_k 4, a temperature high enough that
-    the copied token does not take all the mass): token 1 is sampled at prefill, token 2 by
-    the verifier against the draft's q. Token 2's histogram
-    matches the target's exact distribution given token 1 (read from its logprobs), and not
-    the draft's (which differs by more than the tolerance: the check has teeth)."""
-    target, draft = models
+@pytest.mark.parametrize("roles", ["copy target, its draft", "swapped"])
+def test_sampled_rows_keep_the_targets_law(models, roles):
+    """A 2-token prompt, NUM_SEEDS seeded requests (top_k TOP_K, a temperature high enough
+    that the copied token does not take all the mass): token 1 is sampled at prefill, token 2 by
+    the verifier against the draft's q (one draft token). Given token 1, the exact p (target)
+    and q (draft) are read from each model's logprobs. Token 2's histogram matches p's mixture
+    and not q's, and the share of drafts kept matches rejection sampling's sum_x min(p, q).
+    Swapped (the draft model verifies the copy model's drafts: any two models over one
+    vocabulary), q exceeds p on the token both copy, so keeping every draft the target could
+    emit would keep more: the check has teeth."""
+    target, draft = models if roles != "swapped" else models[::-1]
     prompt = [100, 200]
-    params = [SamplingParams(temperature=TEMPERATURE, top_k=4, max_tokens=3, ignore_eos=True, seed=s)
+    params = [SamplingParams(temperature=TEMPERATURE, top_k=TOP_K, max_tokens=3, ignore_eos=True, seed=s)
               for s in range(NUM_SEEDS)]
     spec, stats = run(target, [prompt] * NUM_SEEDS, params, draft_spec(draft, k=1), max_num_seqs=NUM_SEEDS,
                       max_num_batched_tokens=4096)
-    assert stats.spec is not None and stats.spec.num_drafts >= NUM_SEEDS
-    assert 0 < stats.spec.num_accepted_tokens < stats.spec.num_draft_tokens
+    s = stats.spec
+    assert s is not None and s.num_drafts == s.num_draft_tokens == NUM_SEEDS
     firsts = [o.outputs[0].token_ids[0] for o in spec]
     observed = Counter(o.outputs[0].token_ids[1] for o in spec)
-    lp = SamplingParams(temperature=TEMPERATURE, top_k=4, max_tokens=1, logprobs=4, seed=0)
+    lp = SamplingParams(temperature=TEMPERATURE, top_k=TOP_K, max_tokens=1, logprobs=TOP_K, seed=0)
+    p, q = ({t: dist for t, dist in zip(sorted(set(firsts)), _top_k(run(m, [[*prompt, t] for t in sorted(set(firsts))],
+                                                                      lp, None)[0], 0, TEMPERATURE), strict=True)}
+            for m in (target, draft))
     exact, drafted = Counter(), Counter()
-    for model, into in ((target, exact), (draft, drafted)):
-        outs, _ = run(model, [[*prompt, t] for t in sorted(set(firsts))], lp, None)
-        dist = dict(zip(sorted(set(firsts)), _top4(outs, 0, TEMPERATURE), strict=True))
-        for t in firsts:
-            for tok, pr in dist[t].items():
-                into[tok] += pr
-    tol = 0.06      # about 4 standard deviations of the TV distance at NUM_SEEDS draws over ~16 tokens
+    for t in firsts:
+        exact.update(p[t])
+        drafted.update(q[t])
+    keep = sum(sum(min(pr, q[t].get(tok, 0.0)) for tok, pr in p[t].items()) for t in firsts) / NUM_SEEDS
+    keep_if_possible = sum(sum(pr for tok, pr in q[t].items() if tok in p[t]) for t in firsts) / NUM_SEEDS
+    tol = 0.05      # several times the TV distance's noise at NUM_SEEDS draws over a few dozen tokens
     assert _tv(observed, exact) < tol, (observed, exact)
     assert _tv(exact, drafted) > 2 * tol
-    print(f"\nTV(observed, target) {_tv(observed, exact):.3f}; TV(target, draft) {_tv(exact, drafted):.3f}")
+    kept = s.num_accepted_tokens / NUM_SEEDS
+    sd = math.sqrt(keep * (1 - keep) / NUM_SEEDS)
+    assert abs(kept - keep) < 4 * sd, (kept, keep)
+    if roles == "swapped":
+        assert keep_if_possible - keep > 8 * sd
+    print(f"\nTV(observed, target) {_tv(observed, exact):.3f}; TV(target, draft) {_tv(exact, drafted):.3f}; "
+          f"kept {kept:.3f}, expected {keep:.3f} (every possible draft: {keep_if_possible:.3f})")
