@@ -174,7 +174,8 @@ def test_sampled_rows_keep_the_targets_law(models, roles):
     emit would keep more: the check has teeth."""
     target, draft = models if roles != "swapped" else models[::-1]
     prompt = [100, 200]
-    params = [SamplingParams(temperature=TEMPERATURE, top_k=TOP_K, max_tokens=3, ignore_eos=True, seed=s)
+    params = [SamplingParams(temperature=TEMPERATURE, top_k=TOP_K, max_tokens=3, ignore_eos=True, seed=s,
+                             logprobs=0)
               for s in range(NUM_SEEDS)]
     spec, stats = run(target, [prompt] * NUM_SEEDS, params, draft_spec(draft, k=1), max_num_seqs=NUM_SEEDS,
                       max_num_batched_tokens=4096)
@@ -183,9 +184,14 @@ def test_sampled_rows_keep_the_targets_law(models, roles):
     firsts = [o.outputs[0].token_ids[0] for o in spec]
     observed = Counter(o.outputs[0].token_ids[1] for o in spec)
     lp = SamplingParams(temperature=TEMPERATURE, top_k=TOP_K, max_tokens=1, logprobs=TOP_K, seed=0)
-    p, q = ({t: dist for t, dist in zip(sorted(set(firsts)), _top_k(run(m, [[*prompt, t] for t in sorted(set(firsts))],
-                                                                      lp, None)[0], 0, TEMPERATURE), strict=True)}
-            for m in (target, draft))
+    ts = sorted(set(firsts))
+    p_outs, q_outs = (run(m, [[*prompt, t] for t in ts], lp, None)[0] for m in (target, draft))
+    p, q = (dict(zip(ts, _top_k(outs, 0, TEMPERATURE), strict=True)) for outs in (p_outs, q_outs))
+    # each emitted token's logprob is the target's own, also where the verifier replaced the sampler's draw
+    raw = {t: {tok: v.logprob for tok, v in o.outputs[0].logprobs[0].items()} for t, o in zip(ts, p_outs, strict=True)}
+    for o in spec:
+        t1, t2 = o.outputs[0].token_ids[:2]
+        assert o.outputs[0].logprobs[1][t2].logprob == pytest.approx(raw[t1][t2], abs=1e-4)
     exact, drafted = Counter(), Counter()
     for t in firsts:
         exact.update(p[t])
