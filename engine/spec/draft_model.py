@@ -12,8 +12,14 @@ to run, so that its KV is valid wherever the target's is (a prefix-cache hit reu
 
 - forward 0: every scheduled row as the target computes it (prompt chunks, plain decodes), but
   a decode that carries drafts only its last token; the draft's logits there give draft 1;
-- forward j = 1..d: each row with d >= j drafts feeds draft j at the next position (its logits,
-  for j < d, give draft j + 1; the last one only writes its KV).
+- forward j = 1..d - 1: each row with d > j drafts feeds draft j at the next position, its
+  logits giving draft j + 1.
+
+Draft d itself is never fed in its step: where the target keeps all d, the row's next step
+feeds it (forward 0 then starts a token earlier, `fed`); where it keeps fewer, that position is
+rejected anyway. One forward fewer a step than feeding it at once; meanwhile that one slot's
+draft KV is unwritten (a prefix-cache hit on its block in between would give the hitting row's
+draft a wrong entry there: worse proposals, never a wrong token).
 
 The scheduler has already allocated the slots of a drafting row's 1 + d tokens (SpecDecoder's
 `placeholder` proposes d slots); `propose` writes the tokens into `SchedulerOutput.drafts` in
@@ -41,7 +47,7 @@ from lockgate.engine.kv_cache import KVCacheManager
 from lockgate.engine.kv_cache.device_cache import DeviceKVCache
 from lockgate.engine.models import AttentionMetadata, LlamaForCausalLM, build_skeleton, load_model, tensor_bytes
 from lockgate.engine.models.loader import packed_weight_bytes
-from lockgate.engine.request import Sequence
+from lockgate.engine.request import SeqStatus, Sequence
 from lockgate.engine.sampler import Sampler, SamplerOutput, SampleRow, logprob_entry, seeded_generator
 from lockgate.engine.scheduler import SchedulerOutput
 from lockgate.engine.spec.verify import draw_randomness, rejection_sample
@@ -74,6 +80,9 @@ class DraftModel:
         self.generator.manual_seed(seed + 1)
         # the step's sampled drafting rows: q [d, V] of each (what its draft tokens were drawn from)
         self.draft_probs: dict[Sequence, torch.Tensor] = {}
+        # running rows whose draft KV ends before the target's: how many positions it holds
+        # (a row drafted d tokens feeds the last one at its next step, should all be kept)
+        self.fed: dict[Sequence, int] = {}
 
     def bytes_per_block(self, block_size: int) -> int:
         return self.kv.bytes_per_block(block_size)
@@ -97,30 +106,32 @@ class DraftModel:
         model = self._loaded()
         drafts = sched.drafts
         self.draft_probs = {}
+        fed, self.fed = self.fed, {}
         rows: list[_Row] = []
         drafting: list[Sequence] = []
         for seq, num_new in sched.scheduled:
             start = seq.num_computed_tokens
+            begin = min(start, fed.pop(seq, start))     # a fully kept draft: its last token first
             n = 1 if seq in drafts else num_new
-            rows.append((kv.block_ids(seq), seq.token_ids[start:start + n], start))
+            rows.append((kv.block_ids(seq), seq.token_ids[begin:start + n], begin))
             if seq in drafts:
                 drafting.append(seq)
+        self.fed.update({s: e for s, e in fed.items() if s.status is SeqStatus.RUNNING})
+        self.fed.update({s: s.num_computed_tokens + len(drafts[s]) for s in drafting})
         logit_rows = [i for i, (seq, _) in enumerate(sched.scheduled) if seq in drafts]
         probs: dict[Sequence, list[torch.Tensor]] = {seq: [] for seq in drafting}
-        for j in range(1 + max((len(drafts[s]) for s in drafting), default=0)):
+        for j in range(max([1] + [len(drafts[s]) for s in drafting])):
             if j > 0:
-                drafting = [s for s in drafting if len(drafts[s]) >= j]
+                drafting = [s for s in drafting if len(drafts[s]) > j]
                 rows = [(kv.block_ids(s), [drafts[s][j - 1]], s.num_computed_tokens + j) for s in drafting]
                 logit_rows = list(range(len(drafting)))
-            want = [(i, s) for i, s in zip(logit_rows, drafting, strict=True) if len(drafts[s]) > j]
             hidden = self._forward(model, rows)
-            if not want:
+            if not drafting:
                 continue
-            logits = model.compute_logits(hidden[_last_positions(rows, [i for i, _ in want], hidden.device)])
+            logits = model.compute_logits(hidden[_last_positions(rows, logit_rows, hidden.device)])
             if logits is None:
                 raise RuntimeError("the draft model is never sharded: it has every logit")
-            tokens = self._choose(logits, [s for _, s in want], j, sampler, probs)
-            for (_, seq), token in zip(want, tokens, strict=True):
+            for seq, token in zip(drafting, self._choose(logits, drafting, j, sampler, probs), strict=True):
                 drafts[seq][j] = token
         self.draft_probs = {s: torch.stack(p) for s, p in probs.items() if p}
 
