@@ -25,7 +25,7 @@ from lockgate.engine.parallel.executor import rank_spec
 from lockgate.engine.platform import tune_cpu_allocator
 from lockgate.engine.request import EngineRequest, RequestState, SeqStatus, Sequence, check_request
 from lockgate.engine.scheduler import Scheduler
-from lockgate.engine.stats import EngineStats, KVStats, QueueStats, TenantClassStats
+from lockgate.engine.stats import CostModelStats, EngineStats, KVStats, QueueStats, TenantClassStats
 from lockgate.engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -408,10 +408,20 @@ class EngineCore:
                        free=self.kv.num_free_blocks, prefix_cache_queries=self.kv.num_cache_queries,
                        prefix_cache_hits=self.kv.num_cache_hits),
             memory=self.memory.summary() if self.memory is not None else self.footprint(),
-            cost_model=sched.cost.summary(str(self.device)),
+            cost_model=self._cost_summary(),
             lora=self.lora.stats() if self.lora is not None else None,
             parallel=self.runner.parallel_stats(self.timings.forward),
         )
+
+    def _cost_summary(self) -> CostModelStats:
+        """The step-cost model's fit, with the step-time targets it sizes steps to."""
+        classes, sizer = self.config.service_classes, self.scheduler.sizer
+        out = self.scheduler.cost.summary(str(self.device))
+        out.step_targets = {c: self.config.step_target_s(c) for c in classes}
+        rank = sizer.urgent_rank
+        out.last_urgent_class = classes[rank] if rank < len(classes) else None
+        out.last_step_target_s = sizer.target
+        return out
 
     def _tenant_stats(self, per_class: dict[str, QueueStats]) -> dict[str, dict[str, TenantClassStats]]:
         """Per tenant and class: its sequences, service and fairness counter; each class's
