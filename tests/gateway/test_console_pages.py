@@ -123,16 +123,16 @@ async def test_the_quota_page_is_the_apis_report(gw):
 def _busy(worker: str | None = None) -> EngineStats:
     flex = TenantClassStats(waiting=7, running=2, decode_tokens=40)
     return EngineStats(
-        classes={"default": QueueStats(running=1), "flex": QueueStats(waiting=7, running=2, preemptions=3)},
-        tenants={"ten_flood": {"flex": flex}}, running={"default": 1, "flex": 2},
-        waiting={"default": 0, "flex": 7}, waiting_requests={"default": 0, "flex": 7},
+        classes={"online": QueueStats(running=1), "offline": QueueStats(waiting=7, running=2, preemptions=3)},
+        tenants={"ten_flood": {"offline": flex}}, running={"online": 1, "offline": 2},
+        waiting={"online": 0, "offline": 7}, waiting_requests={"online": 0, "offline": 7},
         num_preemptions=3, kv=KVStats(total=100, used=61, free=39),
         cost_model=CostModelStats(samples=50, ready=True, coefficients={"decode": 1e-4},
                                   prediction_error_median=0.08, predictions=40,
-                                  step_targets={"default": 0.05, "flex": None}, last_urgent_class="default",
+                                  step_targets={"online": 0.05, "offline": None}, last_urgent_class="online",
                                   last_step_target_s=0.05),
-        overload=OverloadStats(queued={"flex": 7}, queued_tokens=900, bounds=QueueBounds(64, 4096, None),
-                               refused={"flex": {"ten_flood": 4}}, shed={"flex": {"ten_flood": 5}}),
+        overload=OverloadStats(queued={"offline": 7}, queued_tokens=900, bounds=QueueBounds(64, 4096, None),
+                               refused={"offline": {"ten_flood": 4}}, shed={"offline": {"ten_flood": 5}}),
         by_worker={} if worker else {"w0": _busy("w0"), "w1": _busy("w1")})
 
 
@@ -142,11 +142,11 @@ async def test_the_live_engine_fragment_shows_classes_tenants_and_workers(gw, mo
     r = await c.get("/console/engine/live")
     assert r.status_code == 200 and "<html" not in r.text      # the fragment alone
     html = r.text
-    assert cells(html, 'data-class="flex"')[1:] == ["7", "2", "7", "3", "4", "5"]
-    assert cells(html, 'data-tenant="ten_flood" data-class="flex"')[2:4] == ["7", "2"]
+    assert cells(html, 'data-class="offline" data-tier="flex"') == ["offline (flex)", "7", "2", "7", "3", "4", "5"]
+    assert cells(html, 'data-tenant="ten_flood" data-class="offline" data-tier="flex"')[2:4] == ["7", "2"]
     assert html.count('data-tenant="ten_flood"') == 3            # the model and each pool worker
     assert 'data-engine="tiny · worker w0"' in html and 'data-engine="tiny · worker w1"' in html
-    assert "61 used of 100" in html and "default\n      50.0 ms" in html and "flex\n      from the decodes" in html
-    assert "latest step (default): 50.0 ms" in html and "median error 8.0 %" in html
+    assert "61 used of 100" in html and "online\n      50.0 ms" in html and "offline\n      from the decodes" in html
+    assert "latest step (online): 50.0 ms" in html and "median error 8.0 %" in html
     page = await c.get("/console/engine")
     assert 'data-poll="/console/engine/live"' in page.text and "<html" in page.text
