@@ -8,6 +8,7 @@ on a walk of every page."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -77,7 +78,12 @@ class Session:
         """The page as a PNG in docs/console/ when LOCKGATE_SCREENSHOTS=1 (the viewport only)."""
         if SHOTS is not None:
             SHOTS.mkdir(parents=True, exist_ok=True)
-            self.page.screenshot(path=str(SHOTS / f"{name}.png"))
+            path = SHOTS / f"{name}.png"
+            self.page.screenshot(path=str(path))
+            with contextlib.suppress(ImportError):        # a palette keeps the committed PNGs small
+                from PIL import Image
+
+                Image.open(path).quantize(colors=64).save(path, optimize=True)
 
     def paths(self) -> list[str]:
         return [httpx.URL(u).path for u in self.requests]
