@@ -128,6 +128,10 @@ def _totals() -> list[Any]:
     ]
 
 
+def _float(v: Any) -> float | None:
+    return None if v is None else float(v)
+
+
 def _norm(g: Any) -> Any:
     return g.isoformat() if isinstance(g, date) else g
 
@@ -221,8 +225,9 @@ async def usage_page(
     data = []
     for r in rows:
         key = tuple(_norm(v) for v in r[:len(keys)])
+        pcts: tuple[float | None, float | None]
         if in_sql:
-            pcts = tuple(None if v is None else float(v) for v in (r.ttft_p50, r.ttft_p95))
+            pcts = (_float(r.ttft_p50), _float(r.ttft_p95))
         else:
             ranked = sorted(ttfts.get(key, []))
             pcts = (_nearest_rank(ranked, 50), _nearest_rank(ranked, 95))
