@@ -51,6 +51,7 @@ from lockgate.engine.outputs import CompletionOutput, Logprob, RequestMetrics, R
 from lockgate.engine.pool import Pool, PoolConfig
 from lockgate.engine.quant.quantize import QuantizeSpec, default_group_size, quantize_model
 from lockgate.engine.sampling_params import SamplingParams, StructuredOutputsParams
+from lockgate.engine.spec.config import SpeculativeConfig
 from lockgate.engine.spec.copy_model import write_copy_model
 from lockgate.engine.stats import (
     CostModelStats,
@@ -62,6 +63,8 @@ from lockgate.engine.stats import (
     PoolStats,
     QueueBounds,
     QueueStats,
+    SpecClassStats,
+    SpecStats,
     TenantClassStats,
     WorkerPoolStats,
 )
@@ -75,7 +78,8 @@ __all__ = [
     "Logprob", "ModelBinding", "ModelConfig", "ModelEngine", "OverloadStats", "Pool", "PoolConfig", "PoolStats",
     "PooledModelStats", "Prompt", "PromptTooLong", "QuantizeSpec", "QueueBounds", "QueueStats", "RankFailure",
     "RankStartupError", "RequestMetrics",
-    "RequestOutput", "RequestStream", "SamplingParams", "ServedEngine", "StructuredOutputsParams", "SubmitOptions",
+    "RequestOutput", "RequestStream", "SamplingParams", "ServedEngine", "SpecClassStats", "SpecStats",
+    "SpeculativeConfig", "StructuredOutputsParams", "SubmitOptions",
     "TenantClassStats", "Tokenizer", "UnknownModel", "WorkerPoolStats", "default_group_size", "grammar_compiler",
     "parse_targets", "quantize_model", "write_copy_model", "write_demo_adapter", "write_demo_model",
 ]

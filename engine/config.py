@@ -10,6 +10,8 @@ from typing import Any, Literal
 
 import torch
 
+from lockgate.engine.spec.config import SpeculativeConfig
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
@@ -75,6 +77,10 @@ class EngineConfig:
     distributed_executor_backend: str | None = None    # None: 'mp' where tensor_parallel_size > 1
     distributed_timeout_s: float = 60.0
     rank_start_timeout_s: float = 600.0
+    # speculative decoding, vLLM's dict (engine/spec/config.py): {"method": "ngram",
+    # "num_speculative_tokens": k, "prompt_lookup_max": n, "prompt_lookup_min": m}; None: off.
+    # Kept as the checked SpeculativeConfig
+    speculative_config: SpeculativeConfig | dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         """Every setting checked (ValueError naming it), in this order."""
@@ -83,6 +89,7 @@ class EngineConfig:
         self._check_memory()
         self._check_classes()
         self._check_parallel()
+        self.speculative_config = SpeculativeConfig.of(self.speculative_config)
         if not Path(self.model).is_dir():
             raise ValueError(f"model must be a model directory; {self.model!r} is not one")
 

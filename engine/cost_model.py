@@ -50,6 +50,12 @@ class StepShape:
         self.prefill_attention += sign * chunk * (computed + chunk)
         self.sampled += sign * int(samples)
 
+    def add_verify(self, num_tokens: int, computed: int, sign: int = 1) -> None:
+        """A decode with draft tokens (speculative decoding): its last token and the drafts,
+        computed as a prefill chunk is, every position sampled."""
+        self.add_prefill(num_tokens, computed, False, sign)
+        self.sampled += sign * num_tokens
+
     def features(self) -> tuple[float, ...]:
         raw = (1.0, self.prefill_tokens, self.num_seqs, self.decode_kv_tokens,
                self.prefill_attention, self.sampled)

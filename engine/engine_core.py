@@ -25,7 +25,9 @@ from lockgate.engine.parallel.executor import rank_spec
 from lockgate.engine.platform import tune_cpu_allocator
 from lockgate.engine.request import EngineRequest, RequestState, SeqStatus, Sequence, check_request
 from lockgate.engine.scheduler import Scheduler
-from lockgate.engine.stats import CostModelStats, EngineStats, KVStats, QueueStats, TenantClassStats
+from lockgate.engine.spec.config import SpeculativeConfig
+from lockgate.engine.spec.decode import SpecDecoder
+from lockgate.engine.stats import EngineStats, KVStats, QueueStats, TenantClassStats
 from lockgate.engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -86,6 +88,9 @@ class EngineCore:
         ]
         self.outputs = OutputProcessor(self.tokenizer, self.scheduler, self.eos_token_ids,
                                        self.max_seq_len_by_rank)
+        spec = SpeculativeConfig.of(config.speculative_config)
+        self.spec = SpecDecoder(spec, self.kv, config.service_classes, self.max_seq_len_by_rank) if spec else None
+        self.scheduler.spec = self.spec
         self.requests: dict[str, RequestState] = {}
         self.timings = StepTimings()
         # tests turn this on: block accounting is checked after every schedule
@@ -341,10 +346,16 @@ class EngineCore:
         predicted = cost.predict(sched.shape)   # before the step runs: what sizing relied on
         sampled_seqs, out = self.runner.execute(sched, self.kv, self.timings)
         t2 = time.perf_counter()
-        self.scheduler.update(sched)
+        accepted = None      # decodes with drafts: how many each kept
+        if out is not None and sched.drafts and self.spec is not None:
+            sampled_seqs, out, accepted = self.spec.verify(sampled_seqs, out, sched.drafts)
+        self.scheduler.update(sched, accepted)
         touched: dict[str, RequestState] = {}
         if out is not None:
             self.outputs.append_tokens(sampled_seqs, out, time.time(), touched)
+        for seq in accepted or ():   # its kept drafts are tokens now: their full blocks cached
+            if seq.status is SeqStatus.RUNNING:
+                self.kv.cache_full_blocks(seq)
         outputs = []
         for state in touched.values():
             if state.finished:
@@ -408,20 +419,11 @@ class EngineCore:
                        free=self.kv.num_free_blocks, prefix_cache_queries=self.kv.num_cache_queries,
                        prefix_cache_hits=self.kv.num_cache_hits),
             memory=self.memory.summary() if self.memory is not None else self.footprint(),
-            cost_model=self._cost_summary(),
+            cost_model=sched.sizer.cost_summary(str(self.device)),
             lora=self.lora.stats() if self.lora is not None else None,
             parallel=self.runner.parallel_stats(self.timings.forward),
+            spec=self.spec.stats() if self.spec is not None else None,
         )
-
-    def _cost_summary(self) -> CostModelStats:
-        """The step-cost model's fit, with the step-time targets it sizes steps to."""
-        classes, sizer = self.config.service_classes, self.scheduler.sizer
-        out = self.scheduler.cost.summary(str(self.device))
-        out.step_targets = {c: self.config.step_target_s(c) for c in classes}
-        rank = sizer.urgent_rank
-        out.last_urgent_class = classes[rank] if rank < len(classes) else None
-        out.last_step_target_s = sizer.target
-        return out
 
     def _tenant_stats(self, per_class: dict[str, QueueStats]) -> dict[str, dict[str, TenantClassStats]]:
         """Per tenant and class: its sequences, service and fairness counter; each class's

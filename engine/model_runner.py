@@ -1,5 +1,6 @@
 """Runs one scheduled step on the device: inputs from the scheduler's choice, one forward
-over the flattened batch, logits of the last position of each sequence that samples."""
+over the flattened batch, logits of the last position of each sequence that samples (of
+every position of a decode with draft tokens: one sampler row each, in order)."""
 
 from __future__ import annotations
 
@@ -274,11 +275,13 @@ class ModelRunner:
         logits_indices: list[int] = []
         sample_seqs: list[Sequence] = []
         rows: list[SampleRow] = []
+        drafts_of = sched.drafts
         for seq, num_new in self._order_by_adapter(sched.scheduled):
             start = seq.num_computed_tokens
             end = start + num_new
             table = kv.block_ids(seq)
-            input_ids.extend(seq.token_ids[start:end])
+            drafts = drafts_of.get(seq) if drafts_of else None
+            input_ids.extend(seq.token_ids[start:end] if drafts is None else seq.token_ids[start:] + drafts)
             if num_new == 1:
                 positions.append(start)
                 slots.append(table[start // bs] * bs + start % bs)
@@ -289,19 +292,14 @@ class ModelRunner:
             tables.append(table)
             seq_lens.append(end)
             starts.append(starts[-1] + num_new)
-            if end == len(seq.token_ids):    # the chunk reaches the end: sample a token
+            if drafts is not None:           # a decode with drafts: a token at every position
+                logits_indices.extend(range(starts[-2], starts[-1]))
+                sample_seqs.append(seq)
+                rows += [_sample_row(seq, end - len(drafts) + j, drafts[:j]) for j in range(len(drafts) + 1)]
+            elif end == len(seq.token_ids):  # the chunk reaches the end: sample a token
                 logits_indices.append(starts[-1] - 1)
                 sample_seqs.append(seq)
-                p = seq.state.req.sampling
-                hist = p.needs_penalties
-                rows.append(SampleRow(
-                    p,
-                    seq.token_ids[: seq.num_prompt_tokens] if hist else [],
-                    seq.output_token_ids if hist else [],
-                    seq.index,
-                    end,
-                    seq.grammar,
-                ))
+                rows.append(_sample_row(seq, end))
         width = max(len(t) for t in tables)
         flat: list[int] = []            # the block tables, each padded to the widest
         pad = [0] * width
@@ -397,6 +395,16 @@ class ModelRunner:
         timings.forward += t2 - t1
         timings.sample += t3 - t2
         return inp.sample_seqs, out
+
+
+def _sample_row(seq: Sequence, position: int, drafts: list[int] | None = None) -> SampleRow:
+    """The sampler's row for `seq`'s token at `position`; `drafts`: draft tokens before it
+    (speculative decoding), in its output history as if accepted (what penalties read)."""
+    p = seq.state.req.sampling
+    hist = p.needs_penalties
+    output = (seq.output_token_ids + (drafts or [])) if hist else []
+    return SampleRow(p, seq.token_ids[: seq.num_prompt_tokens] if hist else [], output, seq.index, position,
+                     seq.grammar)
 
 
 def _i64(values: list[int], device: torch.device) -> torch.Tensor:

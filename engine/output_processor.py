@@ -47,8 +47,11 @@ class OutputProcessor:
     def append_tokens(self, seqs: list[Sequence], out: SamplerOutput, now: float,
                       touched: dict[str, RequestState]) -> None:
         """Append each sequence's sampled token and finish those that stop; every request
-        touched lands in `touched`."""
+        touched lands in `touched`. A sequence may come several times in a row (speculative
+        decoding: the drafts it kept, then its own token): tokens after its stop are dropped."""
         for seq, token, lp in zip(seqs, out.token_ids, out.logprobs, strict=True):
+            if seq.status is SeqStatus.FINISHED:
+                continue
             state = seq.state
             touched[state.request_id] = state
             if state.first_token_time is None:

@@ -98,6 +98,9 @@ class SamplingParams:
     # token id -> a number added to its logit before sampling (OpenAI's and vLLM's; -100..100):
     # -100 all but bans a token, +100 all but forces it
     logit_bias: dict[int, float] | None = None
+    # speculative decoding (where the engine has a `speculative_config`): False keeps this
+    # request's decodes to one token a step (its output is the same either way)
+    speculative: bool = True
     stop_strings: list[str] = field(init=False, default_factory=list)
 
     def __post_init__(self) -> None:
@@ -153,6 +156,8 @@ class SamplingParams:
         self.stop_token_ids = ids
         if self.logit_bias is not None:
             self.logit_bias = _checked_bias(self.logit_bias)
+        if not isinstance(self.speculative, bool):
+            raise InvalidRequest(f"speculative must be a boolean, got {self.speculative!r}", field="speculative")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise InvalidRequest("structured_outputs: expected StructuredOutputsParams, got "
                                  f"{type(self.structured_outputs).__name__}", field="structured_outputs")

@@ -28,6 +28,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from lockgate.engine.config import EngineConfig
 from lockgate.engine.cost_model import StepCostModel, StepShape
@@ -36,6 +37,9 @@ from lockgate.engine.kv_cache import KVBlock, KVCacheManager
 from lockgate.engine.preemption import room_victim
 from lockgate.engine.request import RequestState, SeqStatus, Sequence
 from lockgate.engine.step_sizing import StepSizer
+
+if TYPE_CHECKING:
+    from lockgate.engine.spec.decode import SpecDecoder
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +69,9 @@ class SchedulerOutput:
     shape: StepShape = field(default_factory=StepShape)   # what the cost model predicts from
     urgent_class: int | None = None      # rank of the class the step was sized for
     step_target_s: float | None = None   # its step-time target, when less urgent prefill was sized
+    # speculative decoding: the draft tokens of each decode that carries some (it computes
+    # its last token and these: 1 + len(drafts) tokens in `scheduled`)
+    drafts: dict[Sequence, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -107,6 +114,8 @@ class Scheduler:
         # set by a model pool when this model's turn is over: running work finishes, nothing
         # new starts (so switching away preempts, and later recomputes, nothing)
         self.admission_paused = False
+        self.spec: SpecDecoder | None = None      # speculative decoding, set by the engine
+        self._drafts: dict[Sequence, list[int]] = {}
 
     @property
     def cost(self) -> StepCostModel:
@@ -187,8 +196,11 @@ class Scheduler:
         scheduled: dict[Sequence, int] = {}
         preempted: list[Sequence] = []
         self._step_charges = {}
+        self._drafts = {}
         self._admitting = True
         self.sizer.begin(self)
+        if self.spec is not None:
+            self.spec.begin(self.running, self.waiting, self.cost, self.max_num_batched_tokens)
         self._running_loras = {s.state.req.lora_id for s in self.running} - {0}
         self._lora_gate = None
         self.running.sort(key=self.key)
@@ -202,31 +214,40 @@ class Scheduler:
         items = list(scheduled.items())  # insertion order: decodes, then prefill chunks
         sizer = self.sizer
         return SchedulerOutput(items, preempted, budget.num_tokens, sizer.shape, sizer.urgent_class,
-                               sizer.target)
+                               sizer.target, self._drafts)
 
-    def update(self, out: SchedulerOutput) -> None:
-        """After the step ran: each scheduled sequence computed its tokens, and its newly
-        full blocks go into the prefix cache."""
+    def update(self, out: SchedulerOutput, accepted: dict[Sequence, int] | None = None) -> None:
+        """After the step ran: each scheduled sequence computed its tokens (a decode with drafts its
+        last and the `accepted[seq]` drafts: the rest's slots released); full blocks to the prefix cache."""
         for seq, num_new in out.scheduled:
-            seq.num_computed_tokens += num_new
+            if accepted is not None and seq in accepted:
+                seq.num_computed_tokens += 1 + accepted[seq]
+                self.kv.truncate(seq, seq.num_computed_tokens)
+            else:
+                seq.num_computed_tokens += num_new
             self.kv.cache_full_blocks(seq)
 
-    def _schedule_decodes(
-        self, budget: StepBudget, scheduled: dict[Sequence, int], preempted: list[Sequence]
-    ) -> None:
+    def _schedule_decodes(self, budget: StepBudget, scheduled: dict[Sequence, int],
+                          preempted: list[Sequence]) -> None:
+        after = sum(1 for s in self.running if s.is_decode and s not in scheduled)   # decodes to come
         for seq in list(self.running):
             if seq.status is not SeqStatus.RUNNING or not seq.is_decode or seq in scheduled:
                 continue
+            after -= 1
             if self.sizer.skips_decode(seq):
                 continue
             if budget.tokens_left < 1:
                 return
-            if self._allocate_or_preempt(seq, 1, budget, scheduled, preempted):
+            # drafts with their blocks, never preempting, a token left for each decode to come
+            drafts = self.spec.try_drafts(seq, budget.tokens_left - after, self.reserve_for(seq)) if self.spec else []
+            if drafts:
+                self._drafts[seq] = drafts
+                self._take(seq, 1 + len(drafts), budget, scheduled, decode=True)
+            elif self._allocate_or_preempt(seq, 1, budget, scheduled, preempted):
                 self._take(seq, 1, budget, scheduled, decode=True)
 
-    def _schedule_prefills(
-        self, budget: StepBudget, scheduled: dict[Sequence, int], preempted: list[Sequence]
-    ) -> None:
+    def _schedule_prefills(self, budget: StepBudget, scheduled: dict[Sequence, int],
+                           preempted: list[Sequence]) -> None:
         candidates = [s for s in self.running if s not in scheduled] + self.waiting
         if self.policy != "priority":
             for seq in sorted(candidates, key=self.key):
@@ -252,10 +273,8 @@ class Scheduler:
                     del queues[tenant]
                 self._prefill_one(seq, budget, scheduled, preempted)
 
-    def _prefill_one(
-        self, seq: Sequence, budget: StepBudget, scheduled: dict[Sequence, int],
-        preempted: list[Sequence],
-    ) -> None:
+    def _prefill_one(self, seq: Sequence, budget: StepBudget, scheduled: dict[Sequence, int],
+                     preempted: list[Sequence]) -> None:
         if seq.status is SeqStatus.RUNNING:
             # running prefills go on even once admission has stopped: they hold blocks
             # that an earlier waiting sequence may be waiting for
@@ -296,14 +315,8 @@ class Scheduler:
         self._lora_gate = aid
         return False
 
-    def _allocate_or_preempt(
-        self,
-        seq: Sequence,
-        num_new: int,
-        budget: StepBudget,
-        scheduled: dict[Sequence, int],
-        preempted: list[Sequence],
-    ) -> bool:
+    def _allocate_or_preempt(self, seq: Sequence, num_new: int, budget: StepBudget,
+                             scheduled: dict[Sequence, int], preempted: list[Sequence]) -> bool:
         """Blocks for a running sequence, preempting the least urgent running ones (possibly
         itself) until they fit. False when `seq` itself was preempted."""
         reserve = self.reserve_for(seq)
@@ -314,13 +327,8 @@ class Scheduler:
                 return False
         return True
 
-    def _try_admit(
-        self,
-        seq: Sequence,
-        budget: StepBudget,
-        scheduled: dict[Sequence, int],
-        preempted: list[Sequence],
-    ) -> int | None:
+    def _try_admit(self, seq: Sequence, budget: StepBudget, scheduled: dict[Sequence, int],
+                   preempted: list[Sequence]) -> int | None:
         """Move a waiting sequence to running with a first chunk. Returns the chunk's token
         count, 0 to skip it this step (a sibling waiting for its leader), None to stop
         admitting anything further this step."""
@@ -383,15 +391,11 @@ class Scheduler:
         self._preempt(victim, budget, scheduled, preempted)
         return True
 
-    def _preempt(
-        self,
-        victim: Sequence,
-        budget: StepBudget,
-        scheduled: dict[Sequence, int],
-        preempted: list[Sequence],
-    ) -> None:
+    def _preempt(self, victim: Sequence, budget: StepBudget, scheduled: dict[Sequence, int],
+                 preempted: list[Sequence]) -> None:
         self.running.remove(victim)
         self.kv.free(victim)
+        self._drafts.pop(victim, None)
         if victim in scheduled:
             self.sizer.add(victim, scheduled[victim], -1)
             budget.give_back(scheduled.pop(victim))

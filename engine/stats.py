@@ -160,6 +160,39 @@ class ParallelStats:
 
 
 @dataclass(slots=True)
+class SpecClassStats:
+    """Speculative decoding in one service class: drafts verified (rows that carried draft
+    tokens), their tokens, the tokens kept, kept tokens by draft position (position 0: the
+    first draft token; each count the rows that kept at least that many), and the switch:
+    whether this class drafts now, its running acceptance (kept per draft token)."""
+
+    enabled: bool = True
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+    acceptance_rate: float | None = None      # num_accepted_tokens / num_draft_tokens
+    running_acceptance: float | None = None   # what the switch decides on (recent rows weigh most)
+
+
+@dataclass(slots=True)
+class SpecStats:
+    """Speculative decoding (`EngineConfig.speculative_config`): the settings, the counters
+    summed over classes (vLLM's `spec_decode_*` metrics), and each class's."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int
+    prompt_lookup_max: int
+    auto_disable: bool
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+    classes: dict[str, SpecClassStats] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
 class EngineStats:
     """One model's engine (or, for a pool, the totals over its models)."""
 
@@ -185,6 +218,7 @@ class EngineStats:
     workers: WorkerPoolStats | None = None       # served by a Ray pool: its workers and placement
     parallel: ParallelStats | None = None        # tensor parallelism (None: one rank)
     by_worker: dict[str, EngineStats] = field(default_factory=dict)  # a Ray pool's: each worker's own
+    spec: SpecStats | None = None                # speculative decoding (None: off)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -214,7 +248,34 @@ def summed_stats(parts: Iterable[EngineStats]) -> EngineStats:
         out.num_generated_tokens += s.num_generated_tokens
         out.num_steps += s.num_steps
         _add_counts(out.kv, s.kv)
+        if s.spec is not None:
+            out.spec = _add_spec(out.spec, s.spec)
     return out
+
+
+def _add_spec(into: SpecStats | None, other: SpecStats) -> SpecStats:
+    """Speculation counters summed (per class too); a class drafts if it does anywhere, its
+    rates recomputed from the sums (the running one is an engine's own: the first's)."""
+    if into is None:
+        return dataclasses.replace(other, accepted_per_pos=list(other.accepted_per_pos),
+                                   classes={c: dataclasses.replace(r, accepted_per_pos=list(r.accepted_per_pos))
+                                            for c, r in other.classes.items()})
+    pairs: list[tuple[SpecStats | SpecClassStats, SpecStats | SpecClassStats]] = [(into, other)]
+    for cls, row in other.classes.items():
+        mine = into.classes.setdefault(cls, SpecClassStats(accepted_per_pos=[0] * len(row.accepted_per_pos)))
+        mine.enabled = mine.enabled or row.enabled
+        pairs.append((mine, row))
+    for a, b in pairs:
+        a.num_drafts += b.num_drafts
+        a.num_draft_tokens += b.num_draft_tokens
+        a.num_accepted_tokens += b.num_accepted_tokens
+        width = max(len(a.accepted_per_pos), len(b.accepted_per_pos))
+        a.accepted_per_pos = [x + y for x, y in zip(a.accepted_per_pos + [0] * (width - len(a.accepted_per_pos)),
+                                                    b.accepted_per_pos + [0] * (width - len(b.accepted_per_pos)),
+                                                    strict=True)]
+    for row in into.classes.values():
+        row.acceptance_rate = row.num_accepted_tokens / row.num_draft_tokens if row.num_draft_tokens else None
+    return into
 
 
 def summed_parallel(parts: Iterable[ParallelStats | None]) -> ParallelStats | None:

@@ -175,6 +175,9 @@ def engine_json(s: EngineStats) -> dict:
         "cost_model": _json(s.cost_model),
         # a model split over ranks: its size, communication, each rank's memory, rebuilds
         "tensor_parallel": _json(s.parallel),
+        # speculative decoding: its settings, drafts verified and tokens kept (in all, by draft
+        # position, per class), and per class whether it drafts now (engine/spec/switch.py)
+        "speculative": _json(s.spec),
         # served by a Ray pool: each worker's own, in this same shape (the fields above are
         # their sum); one engine in this process: none
         "workers": {w: engine_json(part) for w, part in s.by_worker.items()},

@@ -130,6 +130,7 @@ class MessagesRequest(CountTokensRequest):
     top_k: Int | None = Field(default=None, ge=1)
     metadata: Metadata | None = None
     service_tier: Literal["auto", "standard_only"] | None = None
+    speculative: Bool | None = None      # Lockgate's, as chat's: false decodes without drafts
 
 
 def refuse_unsupported(data: dict[str, Any]) -> None:
@@ -212,7 +213,7 @@ def chat_body(req: MessagesRequest, model: str) -> dict[str, Any]:
     """The chat completion body `req` asks for, on the served `model`."""
     body: dict[str, Any] = {"model": model, "messages": chat_messages(req), "max_tokens": req.max_tokens,
                             **chat_tools(req)}
-    for name in ("temperature", "top_p", "top_k"):
+    for name in ("temperature", "top_p", "top_k", "speculative"):
         if getattr(req, name) is not None:
             body[name] = getattr(req, name)
     if req.stop_sequences:

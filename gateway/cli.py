@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from pathlib import Path
 from typing import Annotated
@@ -217,7 +218,7 @@ DTYPES = {"auto": "auto", "float32": "float32", "float": "float32", "float16": "
           "half": "float16", "bfloat16": "bfloat16"}
 ENGINE_FLAGS = ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "gpu_memory_utilization",
                 "block_size", "enable_prefix_caching", "enable_lora", "dtype", "tensor_parallel_size",
-                "pipeline_parallel_size")
+                "pipeline_parallel_size", "speculative_config")
 
 
 def engine_flags(**flags: object) -> dict[str, object]:
@@ -232,12 +233,28 @@ def engine_flags(**flags: object) -> dict[str, object]:
     size = out.get("block_size")
     if isinstance(size, int) and size & (size - 1):
         raise typer.BadParameter(f"must be a power of two; got {size}", param_hint="--block-size")
+    spec = out.get("speculative_config")
+    if isinstance(spec, str):
+        out["speculative_config"] = _speculative_config(spec)
     stages = out.get("pipeline_parallel_size")
     if isinstance(stages, int) and stages > 1:
         raise typer.BadParameter(f"pipeline parallelism is not supported; got {stages} (only 1): split a model "
                                  "over devices with --tensor-parallel-size instead",
                                  param_hint="--pipeline-parallel-size")
     return out
+
+
+def _speculative_config(text: str) -> dict[str, object]:
+    """--speculative-config's JSON, checked as the engine will check it."""
+    from lockgate.engine import SpeculativeConfig
+
+    try:
+        value = json.loads(text)
+        SpeculativeConfig.of(value)
+    except (ValueError, TypeError) as exc:
+        raise typer.BadParameter(f"vLLM's JSON, e.g. '{{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+                                 f"\"prompt_lookup_max\": 3}}': {exc}", param_hint="--speculative-config") from None
+    return value
 
 
 def _device_note(flags: dict[str, object], pool: str | None) -> str | None:
@@ -252,6 +269,10 @@ def _device_note(flags: dict[str, object], pool: str | None) -> str | None:
     return ("lockgate: --gpu-memory-utilization applies to CUDA devices; this machine has none, so "
             "it has no effect: on the CPU the KV cache takes kv_cache_memory bytes (512 MiB unless "
             "LOCKGATE_ENGINE_KWARGS='{\"kv_cache_memory\": BYTES}' says otherwise)")
+
+
+_SPEC_HELP = ("speculative decoding, vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": k, "
+              "\"prompt_lookup_max\": n, \"prompt_lookup_min\": m} (default off)")
 
 
 @app.command("serve")
@@ -298,16 +319,16 @@ def serve(
         "split each model over this many devices, a rank process each (default 1)"))] = None,
     pipeline_parallel_size: Annotated[int | None, typer.Option("--pipeline-parallel-size", "-pp", min=1, help=(
         "only 1 (vLLM's flag, accepted for its scripts)"))] = None,
+    speculative_config: Annotated[str | None, typer.Option("--speculative-config", help=_SPEC_HELP)] = None,
     root_path: Annotated[str | None, typer.Option(help="the path prefix a proxy serves it under: /ops")] = None,
     console: Annotated[bool | None, typer.Option("--console/--no-console", help="/console (default on)")] = None,
 ) -> None:
     """Run the gateway and its engine(s) (no configuration: SQLite, the in-process limiter, the demo
     model under the data directory). The engine flags are vLLM's; they win over LOCKGATE_ENGINE_KWARGS."""
     from lockgate.gateway.server import run_server
-    flags = engine_flags(max_num_seqs=max_num_seqs, max_model_len=max_model_len, block_size=block_size,
-                         max_num_batched_tokens=max_num_batched_tokens, gpu_memory_utilization=gpu_memory_utilization,
-                         enable_prefix_caching=enable_prefix_caching, enable_lora=enable_lora, dtype=dtype,
-                         tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size)
+
+    args = locals()       # ENGINE_FLAGS are this command's parameters, by the engine's names
+    flags = engine_flags(**{name: args[name] for name in ENGINE_FLAGS})
     settings = _settings(models=model or None, host=host, port=port, data_dir=data_dir, migrate=migrate or None,
                          shutdown_timeout_s=shutdown_timeout, private_models=private_model or None, pool=pool,
                          max_loras=max_loras, max_lora_rank=max_lora_rank, root_path=root_path, console=console)

@@ -10,6 +10,9 @@ worker (label `worker`) where the engines run in a pool (`lockgate serve --pool`
     vllm:prefix_cache_queries, vllm:prefix_cache_hits        counters, in tokens
     vllm:num_preemptions                                      counter
     vllm:lora_requests_info                                   gauge (labels as vLLM's)
+    vllm:spec_decode_num_drafts, vllm:spec_decode_num_draft_tokens,
+    vllm:spec_decode_num_accepted_tokens                      counters (speculative decoding)
+    vllm:spec_decode_num_accepted_tokens_per_pos              counter, label `position`
     lockgate_tp_*   a model split over ranks: seconds in collectives (and the latest step's),
                     the forward's seconds, each rank's memory, rank failures
     vllm:time_to_first_token_seconds, vllm:inter_token_latency_seconds,
@@ -65,6 +68,27 @@ class _EngineCollector(Collector):
         yield from self._lockgate(stats)
         yield from self._parallel(stats)
         yield from self._vllm(stats)
+        yield from self._spec(stats)
+
+    @staticmethod
+    def _spec(stats: list[tuple[str, EngineStats]]):
+        """vLLM's speculative-decoding counters, for the models that speculate."""
+        drafts = CounterMetricFamily("vllm:spec_decode_num_drafts", "Decodes that carried draft tokens")
+        draft_tokens = CounterMetricFamily("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed")
+        accepted = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted")
+        per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                      "Draft tokens accepted, by their position in the draft")
+        for model, s in stats:
+            spec = s.spec
+            if spec is None:
+                continue
+            labels = {"model_name": model}
+            drafts.add_sample(drafts.name + "_total", labels, spec.num_drafts)
+            draft_tokens.add_sample(draft_tokens.name + "_total", labels, spec.num_draft_tokens)
+            accepted.add_sample(accepted.name + "_total", labels, spec.num_accepted_tokens)
+            for pos, n in enumerate(spec.accepted_per_pos):
+                per_pos.add_sample(per_pos.name + "_total", {**labels, "position": str(pos)}, n)
+        return drafts, draft_tokens, accepted, per_pos
 
     @staticmethod
     def _lockgate(stats: list[tuple[str, EngineStats]]):

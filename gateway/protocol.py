@@ -200,6 +200,9 @@ class SamplingBody(_Strict):
     # smaller runs sooner, among this tenant's own requests of its class (never past another
     # tenant's: the engine orders by class, then tenant fairness, then this)
     priority: Int | None = Field(default=None, ge=-(2**31), lt=2**31)
+    # Lockgate's: false keeps this request's decodes to one token a step where the engine
+    # speculates (the output is the same either way; drafts cost compute)
+    speculative: Bool | None = None
     # token id (as a string, as OpenAI's clients send it) -> a bias added to its logit
     logit_bias: dict[str, Float] | None = Field(default=None, max_length=MAX_LOGIT_BIAS)
     # OpenAI's fields that ask nothing of the model: accepted, checked as OpenAI does, kept

@@ -169,6 +169,7 @@ class ResponsesRequest(_Strict):
     safety_identifier: str | None = Field(default=None, max_length=256)
     prompt_cache_key: str | None = Field(default=None, max_length=256)
     prompt_cache_retention: Literal["in-memory", "24h"] | None = None
+    speculative: Bool | None = None      # Lockgate's, as chat's: false decodes without drafts
     # refused unless neutral (`UNSUPPORTED`), declared so that the schema shows them
     background: Bool | None = None
     conversation: Any = None

@@ -498,6 +498,20 @@ def bench_tp(
     _dump(json_out, out)
 
 
+@bench_app.command("spec")
+def bench_spec(
+    repeats: Annotated[int, typer.Option(min=1, help="runs of each side, alternating; the best counts")] = 3,
+    json_out: Annotated[Path | None, typer.Option("--json", help="also write the results here")] = None,
+) -> None:
+    """Speculative decoding (n-gram) off vs on, side by side on the copy demo model: tokens/s and
+    acceptance at batch 1 and 32 on copy-heavy and random prompts, and the online TTFT p99
+    beside an offline flood."""
+    from lockgate.loadtests.bench_spec import bench_spec as run
+
+    out = run(repeats=repeats, echo=typer.echo)
+    _dump(json_out, out)
+
+
 @bench_app.command("serve")
 def bench_serve(
     url: Annotated[str, typer.Option(help="the server's base URL, any OpenAI-compatible one")],

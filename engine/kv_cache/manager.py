@@ -161,7 +161,8 @@ class KVCacheManager:
         """Register every block of `seq` that is full of computed tokens in the prefix cache."""
         if not self.enable_caching:
             return
-        num_full = seq.num_computed_tokens // self.block_size
+        # computed tokens not yet appended (a draft's accepted ones) wait for the next call
+        num_full = min(seq.num_computed_tokens, seq.num_tokens) // self.block_size
         done = self.num_registered.get(id(seq), 0)
         if num_full <= done:
             return
@@ -171,6 +172,25 @@ class KVCacheManager:
             if table[i].block_hash is None:
                 self.pool.cache_block(table[i], seq.block_hashes[i])
         self.num_registered[id(seq)] = num_full
+
+    def truncate(self, seq: Sequence, num_tokens: int) -> None:
+        """Keep only the blocks `seq`'s first `num_tokens` tokens need; the slots past them
+        (the rejected tokens of a draft) are released, and blocks left empty go back to the
+        pool (uncached, reused first; a block of `seq`'s reservation stays reserved for it).
+        A kept block that is only partly filled is never in the prefix cache: only blocks
+        full of computed tokens are registered (`cache_full_blocks`)."""
+        keep = cdiv(num_tokens, self.block_size)
+        table = self.tables.get(id(seq))
+        if table is None or len(table) <= keep:
+            return
+        if self.num_registered.get(id(seq), 0) > keep:
+            raise RuntimeError(f"{seq}: truncating to {num_tokens} tokens would drop cached blocks")
+        dropped = table[keep:]
+        if any(b.ref_cnt != 1 or b.block_hash is not None for b in dropped):
+            raise RuntimeError(f"{seq}: a block past {num_tokens} tokens is shared or cached")
+        del table[keep:]
+        del self.ids[id(seq)][keep:]
+        self.pool.free(reversed(dropped))
 
     def free(self, seq: Sequence) -> None:
         """Release `seq`'s blocks; cached ones keep their contents in the eviction tier of

@@ -19,7 +19,7 @@ R = TypeVar("R", bound=SamplingBody)
 # the sampling fields passed to the engine as they are, when the request sets them
 _PASSED = ("temperature", "top_p", "presence_penalty", "frequency_penalty", "top_k", "min_p",
            "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "skip_special_tokens",
-           "include_stop_str_in_output")
+           "include_stop_str_in_output", "speculative")
 
 
 async def resolve_model(models: ModelDirectory, principal: Principal, name: str) -> ModelEntry:

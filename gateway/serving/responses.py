@@ -11,7 +11,7 @@ are not carried over, as OpenAI's are not); `message` items -> messages; consecu
 a `tool` message (its `call_id` must answer a call before it); `tools` and `tool_choice`;
 `text.format` -> `response_format` (a json_schema through the grammar path);
 `max_output_tokens` -> `max_completion_tokens`; `temperature`, `top_p`, `service_tier`,
-`user`. An error the chat path raises names the Responses field (`responses_fields`).
+`user`, Lockgate's `speculative`. An error the chat path raises names the Responses field (`responses_fields`).
 
 `store` (the default): once the usage row is committed, the Response object and the
 request's input items are kept in the database (`tenancy.stored_responses`), before the
@@ -143,7 +143,8 @@ def chat_body(req: ResponsesRequest, messages: list[dict[str, Any]]) -> dict[str
     body: dict[str, Any] = {"model": req.model, "messages": messages, "stream": bool(req.stream)}
     optional = {"max_completion_tokens": req.max_output_tokens, "temperature": req.temperature,
                 "top_p": req.top_p, "service_tier": req.service_tier, "user": req.user,
-                "parallel_tool_calls": req.parallel_tool_calls, "prompt_cache_key": req.prompt_cache_key}
+                "parallel_tool_calls": req.parallel_tool_calls, "prompt_cache_key": req.prompt_cache_key,
+                "speculative": req.speculative}
     body.update({k: v for k, v in optional.items() if v is not None})
     tools = req.function_tools()
     if tools:

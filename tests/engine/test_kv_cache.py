@@ -203,3 +203,38 @@ def test_a_token_within_the_last_block_takes_no_block_yet_honours_the_reserve():
     kv.free(a)
     kv.check_integrity()
     assert kv.num_free_blocks == 4
+
+
+def test_truncate_releases_the_slots_past_the_kept_tokens():
+    """Blocks of 4. A 6-token prompt computed, its first token sampled (7 tokens); a decode
+    with 5 draft tokens computes positions 6..11: 12 slots, 3 blocks. It keeps 2 drafts: 9
+    tokens computed, still 3 blocks; the 2 drafts and the token after them make 10 tokens,
+    blocks 0 and 1 full and cached. The next decode carries 6 drafts (16 slots, a 4th block)
+    and keeps none: truncated to 10 tokens, the 4th block goes back to the pool uncached and
+    the partly filled 3rd stays out of the prefix cache."""
+    kv = KVCacheManager(8, 4)
+    seq = seq_of(range(10, 16), max_tokens=100)
+    assert kv.try_allocate(seq, 6)
+    seq.num_computed_tokens = 6
+    seq.token_ids.append(1)
+    assert kv.try_allocate(seq, 1 + 5) and len(kv.blocks_of(seq)) == 3
+    seq.num_computed_tokens += 1 + 2
+    kv.truncate(seq, seq.num_computed_tokens)
+    assert len(kv.blocks_of(seq)) == 3
+    seq.token_ids += [2, 3, 4]
+    kv.cache_full_blocks(seq)
+    assert kv.try_allocate(seq, 1 + 6) and len(kv.blocks_of(seq)) == 4
+    fourth = kv.blocks_of(seq)[3]
+    seq.num_computed_tokens += 1
+    kv.truncate(seq, seq.num_computed_tokens)
+    kv.cache_full_blocks(seq)
+    assert kv.block_ids(seq) == [b.block_id for b in kv.blocks_of(seq)] and len(kv.blocks_of(seq)) == 3
+    assert fourth.ref_cnt == 0 and fourth.block_hash is None
+    assert [b.block_hash is not None for b in kv.blocks_of(seq)] == [True, True, False]
+    assert kv.num_free_blocks == 5
+    kv.check_integrity()
+    with pytest.raises(RuntimeError, match="cached"):
+        kv.truncate(seq, 4)               # would drop block 1, which is in the prefix cache
+    kv.free(seq)
+    assert kv.num_free_blocks == 8
+    kv.check_integrity()

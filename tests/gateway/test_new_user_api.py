@@ -92,6 +92,27 @@ async def test_harmless_openai_fields_are_accepted(gateway, tenant):
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
+SPECULATIVE_ROUTES = [
+    ("/v1/chat/completions", CHAT), ("/v1/completions", COMPLETION),
+    ("/v1/responses", {"model": MODEL, "input": "hi", "max_output_tokens": 3}),
+    ("/v1/messages", {"model": MODEL, "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]}),
+]
+
+
+async def test_speculative_false_reaches_the_engine_from_every_api(gateway, tenant):
+    """Lockgate's `speculative` (default true) becomes the engine's SamplingParams.speculative
+    on chat, completions, Responses and Messages; a non-boolean is a 400 naming it."""
+    _, key = tenant
+    for route, body in SPECULATIVE_ROUTES:
+        for value in (False, True, None):
+            sent = body if value is None else {**body, "speculative": value}
+            r = await gateway.http.post(route, headers=gateway.auth(key), json=sent)
+            assert r.status_code == 200, (route, r.text)
+            assert gateway.engine.submitted[-1][1].speculative is (value is not False), (route, value)
+        r = await gateway.http.post(route, headers=gateway.auth(key), json={**body, "speculative": "no"})
+        assert r.status_code == 400 and "speculative" in r.text, (route, r.text)
+
+
 @pytest.mark.parametrize("route, body", [("/v1/chat/completions", CHAT), ("/v1/completions", COMPLETION)])
 @pytest.mark.parametrize("field, value", [
     ("logit_bias", {"5": 101}), ("logit_bias", {"five": 1}), ("logit_bias", {"-3": 1}),

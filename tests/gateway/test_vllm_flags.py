@@ -1,5 +1,6 @@
 """`lockgate serve` started with vLLM's engine flags (the command line is what is tested): each
-flag reaches the engine, seen from outside, and --gpu-memory-utilization says on a machine
+flag reaches the engine, seen from outside (a bad --speculative-config is refused naming its
+field), and --gpu-memory-utilization says on a machine
 without CUDA that it does nothing there. (vLLM's other conventions, in process:
 test_vllm_compat.py.)"""
 
@@ -17,7 +18,8 @@ from tests.support.helpers import demo_model
 MODEL = "tiny"
 FLAGS = ["--max-num-seqs", "1", "--max-model-len", "512", "--max-loras", "2", "--max-lora-rank", "8",
          "--gpu-memory-utilization", "0.5", "--dtype", "float", "--block-size", "16",
-         "--enable-prefix-caching"]
+         "--enable-prefix-caching",
+         "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}']
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +41,9 @@ def test_vllm_engine_flags_reach_the_engine(server):
     assert client(server, key).models.retrieve(MODEL).model_extra["max_model_len"] == 512
     engine = server.admin.get("/engine").json()["models"][MODEL]
     assert (engine["lora"]["max_loras"], engine["lora"]["max_lora_rank"]) == (2, 8)
+    spec = engine["speculative"]
+    assert (spec["method"], spec["num_speculative_tokens"], spec["prompt_lookup_min"], spec["prompt_lookup_max"]) \
+        == ("ngram", 3, 2, 2)
     # one slot: while a long stream runs, a second one waits (with two slots both would run)
     c = client(server, key)
     long = dict(model=MODEL, max_tokens=480, stream=True, extra_body={"ignore_eos": True})
@@ -57,3 +62,17 @@ def test_vllm_engine_flags_reach_the_engine(server):
     assert seen[-1] == (1, 1) and all(r <= 1 for r, _ in seen), seen
     if not torch.cuda.is_available():
         assert "--gpu-memory-utilization applies to CUDA devices" in server.log()
+
+
+@pytest.mark.parametrize("value, named", [
+    ("{not json", "--speculative-config"),
+    ('{"method": "eagle", "num_speculative_tokens": 2}', "speculative_config.method"),
+    ('{"method": "ngram"}', "speculative_config.num_speculative_tokens"),
+])
+def test_a_bad_speculative_config_is_refused_before_anything_starts(value, named):
+    from typer.testing import CliRunner
+
+    from lockgate.gateway.cli import app
+
+    out = CliRunner().invoke(app, ["serve", "--speculative-config", value])
+    assert out.exit_code == 2 and named in out.output, out.output

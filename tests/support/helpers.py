@@ -31,6 +31,17 @@ def demo_model(family: str = "llama", size: str = "tiny", seed: int = 0) -> str:
     return str(path)
 
 
+@cache
+def copy_model(draft: bool = False) -> str:
+    """The copy demo model (engine/spec/copy_model.py: greedy output quotes the prompt), or
+    its draft, written once per test session."""
+    from lockgate.engine import write_copy_model
+
+    path = _model_root() / ("copy-draft" if draft else "copy")
+    write_copy_model(path, draft=draft)
+    return str(path)
+
+
 def special_ids(model_dir: str) -> set[int]:
     from lockgate.engine.config import ModelConfig
     from lockgate.engine.tokenizer import Tokenizer
