@@ -419,7 +419,7 @@ class EngineCore:
                        free=self.kv.num_free_blocks, prefix_cache_queries=self.kv.num_cache_queries,
                        prefix_cache_hits=self.kv.num_cache_hits),
             memory=self.memory.summary() if self.memory is not None else self.footprint(),
-            cost_model=sched.cost.summary(str(self.device)),
+            cost_model=sched.sizer.cost_summary(str(self.device)),
             lora=self.lora.stats() if self.lora is not None else None,
             parallel=self.runner.parallel_stats(self.timings.forward),
             spec=self.spec.stats() if self.spec is not None else None,

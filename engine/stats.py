@@ -49,6 +49,11 @@ class CostModelStats:
     prediction_error_median: float | None
     predictions: int
     device: str = ""
+    # each class's step-time target from its `slo` (None: sized from the step's decodes), and
+    # the latest step's: its urgent class and the target its less urgent prefill was sized to
+    step_targets: dict[str, float | None] = field(default_factory=dict)
+    last_urgent_class: str | None = None
+    last_step_target_s: float | None = None
 
 
 @dataclass(slots=True)

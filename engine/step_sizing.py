@@ -28,6 +28,7 @@ from typing import Protocol
 from lockgate.engine.config import EngineConfig
 from lockgate.engine.cost_model import StepCostModel, StepShape
 from lockgate.engine.request import Sequence
+from lockgate.engine.stats import CostModelStats
 
 # less urgent prefill per step while the cost model has not yet seen enough steps to predict
 FALLBACK_BACKGROUND_PREFILL = 256
@@ -64,6 +65,7 @@ class StepSizer:
         self.min_background_chunk = max(block_size, config.max_num_batched_tokens // 16)
         self.urgent_window_s = config.urgent_window_s
         self.step_target_by_rank = [config.step_target_s(c) for c in classes]
+        self.class_names = list(classes)
         self.last_arrival = [-float("inf")] * len(classes)   # time.monotonic()
         # per-step cap on each class's prefill tokens (chunked prefill only): keeps steps short
         # while background prefill runs, so an online arrival never waits behind a long one
@@ -87,6 +89,16 @@ class StepSizer:
 
     def arrival(self, rank: int) -> None:
         self.last_arrival[rank] = time.monotonic()
+
+    def cost_summary(self, device: str) -> CostModelStats:
+        """The step-cost model's fit, with the step-time targets steps are sized to: each
+        class's own, and the latest step's (its urgent class and target)."""
+        out = self.cost.summary(device)
+        out.step_targets = dict(zip(self.class_names, self.step_target_by_rank, strict=True))
+        rank = self.urgent_rank
+        out.last_urgent_class = self.class_names[rank] if rank < self.num_classes else None
+        out.last_step_target_s = self.target
+        return out
 
     def begin(self, sched: QueueView) -> None:
         """Reset for a new step of `sched`: find the urgent class, and whether this step is

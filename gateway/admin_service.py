@@ -1,5 +1,6 @@
 """What the admin side does, once: tenants (create, change, delete, quota, a page of them),
-keys (a tenant's, admin and viewer keys, revoking one), the engines' state and the audit log.
+keys (a tenant's, admin and viewer keys, revoking one), the engines' state, the served models
+with their adapters (registering and unloading one) and the audit log.
 The /admin/v1 routes (gateway/admin/) and the console's pages (gateway/console/) both call
 these, after the same authorization (`caller.may`), so neither can do what the other refuses.
 
@@ -13,9 +14,19 @@ from collections.abc import Mapping
 from dataclasses import asdict
 from typing import Any
 
-from lockgate.engine import EngineStats
+from lockgate.engine import AdapterInUse, EngineStats, LoRAError
+from lockgate.gateway.adapter_catalog import AdapterRefused
 from lockgate.gateway.errors import APIError
-from lockgate.gateway.schemas import AdminKeyCreate, KeyCreate, QuotaBody, TenantCreate, TenantPatch
+from lockgate.gateway.schemas import (
+    AdapterCreate,
+    AdapterPublic,
+    AdapterUnloadedPublic,
+    AdminKeyCreate,
+    KeyCreate,
+    QuotaBody,
+    TenantCreate,
+    TenantPatch,
+)
 from lockgate.gateway.state import AppState
 from lockgate.gateway.usage_api import parse_limit, parse_time
 from lockgate.tenancy import adapters, api_keys, tenants
@@ -178,6 +189,108 @@ def engine_snapshot(state: AppState) -> dict:
     models = {name: engine_json(stats) for name, stats in state.models.engine_stats()}
     return {"object": "engine", "models": models, "inflight_requests": len(state.inflight),
             "draining": state.draining}
+
+
+def _model_row(m: Any, stats: EngineStats) -> dict:
+    """A base model as /admin/v1/models lists it: residency, memory, queue and switches."""
+    if not m.engine.is_ready:
+        stats = EngineStats()
+    own = stats.residency
+    return {
+        "id": m.name, "object": "model", "path": str(m.path), "private": m.private,
+        "max_model_len": m.info.max_model_len,
+        "resident": own.resident if own else m.engine.is_ready,
+        "memory_bytes": own.memory_bytes if own else sum(v for k, v in stats.memory.items() if k != "total_bytes"),
+        "waiting": sum(stats.waiting_requests.values()),
+        "running": sum(stats.running.values()),
+        "loads": own.loads if own else 1, "offloads": own.offloads if own else 0,
+        "turns": own.turns if own else 0,
+        "pool": {"memory": stats.pool.memory, "switches": stats.pool.switches,
+                 "switch_s": stats.pool.switch_s, "current_model": stats.pool.current_model}
+        if stats.pool else None,
+    }
+
+
+def models_listing(state: AppState) -> dict:
+    """What /admin/v1/models answers: every served variant, base models with their residency
+    (on the device or offloaded), memory, queue and switch counts, and the adapters each
+    engine holds (in a device slot, in host memory, or registered and on disk); under a Ray
+    pool, its workers and the placement's decisions with their reasons (`pool`)."""
+    data = []
+    pool = None
+    for m in state.models.values():
+        stats = m.engine.stats()
+        if stats.workers is not None:     # a Ray pool's workers, placement and its reasons, ready or not
+            pool = asdict(stats.workers)
+        data.append(_model_row(m, stats))
+        lora = stats.lora if m.engine.is_ready else None
+        for name, req in m.engine.loras.items():
+            if (req.base_model_name or m.name) != m.name and req.base_model_name is not None:
+                continue
+            where = ("slot" if lora and name in lora.in_slots else
+                     "host" if lora and name in lora.in_cpu else "disk")
+            data.append({"id": name, "object": "model", "parent": m.name, "residency": where,
+                         "requests": lora.requests.get(name, 0) if lora else 0})
+    return {"object": "list", "data": data, "pool": pool}
+
+
+# -- adapters -----------------------------------------------------------------------------------------
+def adapter_registered(a: Any, state: AppState) -> bool:
+    """Whether this replica's engine serves the adapter row `a` now."""
+    entry = state.models.get(a.base_model)
+    return entry is not None and state.models.adapters.is_current(entry.engine, a.name, a.id)
+
+
+def adapter_public(a: Any, state: AppState) -> AdapterPublic:
+    return AdapterPublic.from_row(a, registered=adapter_registered(a, state))
+
+
+def _lora_error(exc: LoRAError, body: AdapterCreate) -> APIError:
+    """The engine's refusal as a 400 naming the request's field it is about."""
+    msg = str(exc)
+    if exc.field == "lora_name":
+        return APIError(400, f"name: {msg}", param="name")
+    if exc.field == "base_model_name":
+        return APIError(400, f"base_model: the adapter in {body.path!r} does not fit "
+                        f"{body.base_model!r}: {msg}", param="base_model")
+    return APIError(400, f"path: the adapter in {body.path!r} cannot be served: {msg}", param="path")
+
+
+def in_use_error(exc: LoRAError, name: str) -> APIError:
+    return APIError(409, f"adapter {name!r} is in use by requests on this replica; retry when "
+                    f"they have finished ({exc})", code="adapter_in_use")
+
+
+async def register_adapter(state: AppState, session: Any, body: AdapterCreate, *, actor: str) -> AdapterPublic:
+    """Check the names here, then let the catalog register it (engine first, then the row)."""
+    if body.name in state.models:
+        raise APIError(400, f"name: {body.name!r} is a served model's name", param="name")
+    base = state.models.get(body.base_model)
+    if base is None:
+        raise APIError(400, f"base_model: {body.base_model!r} is not served here (served: "
+                       f"{', '.join(sorted(state.models))})", param="base_model")
+    try:
+        row = await state.models.adapters.create(session, base, name=body.name, path=body.path,
+                                                 owner_tenant_id=body.owner_tenant_id, actor=actor)
+    except AdapterInUse as exc:
+        raise in_use_error(exc, body.name) from None
+    except AdapterRefused as exc:
+        raise _lora_error(exc.cause, body) from None
+    return adapter_public(row, state)
+
+
+async def unload_adapter(state: AppState, session: Any, adapter_id: str) -> AdapterUnloadedPublic:
+    """Drop the adapter's weights from this replica's memory; it stays registered and is
+    read again on its next use (409 while requests use it)."""
+    a = await adapters.get_adapter(session, adapter_id)
+    entry = state.models.get(a.base_model)
+    unloaded = False
+    if entry is not None and state.models.adapters.is_current(entry.engine, a.name, a.id):
+        try:
+            unloaded = entry.engine.unload_lora(a.name)
+        except LoRAError as exc:
+            raise in_use_error(exc, a.name) from None
+    return AdapterUnloadedPublic.from_row(a, registered=adapter_registered(a, state), unloaded=unloaded)
 
 
 # -- the audit log ------------------------------------------------------------------------------------

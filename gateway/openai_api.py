@@ -58,4 +58,4 @@ async def tenant_usage(request: Request, tenant_id: OwnTenantDep, state: StateDe
 @router.get("/v1/usage/quota", responses=error_responses(400, 401, 403))
 async def tenant_quota(request: Request, tenant_id: OwnTenantDep, state: StateDep) -> QuotaReportPublic:
     """The caller's tenant and its keys: each limit, its live use, and its refusals."""
-    return await quota_response(state, request, tenant_id, allowed=TENANT_QUERY)
+    return await quota_response(state, request.query_params, tenant_id, allowed=TENANT_QUERY)

@@ -578,3 +578,25 @@ def bench_structured(
     sizes = StructuredSizes(num_requests=num_requests, output_len=output_len, repeats=repeats,
                             num_threads=num_threads or None, seed=seed)
     run(str(model) if model else None, sizes=sizes, json_out=str(json_out) if json_out else None, echo=typer.echo)
+
+
+@bench_app.command("console")
+def bench_console(
+    rows: Annotated[int, typer.Option(min=0, help="usage rows inserted before timing")] = 100_000,
+    repeats: Annotated[int, typer.Option(min=1, help="times each page is asked (after one warm-up)")] = 30,
+    database_url: Annotated[str, typer.Option(
+        help="PostgreSQL server: a scratch database is made there and dropped")] = "postgresql://postgres@127.0.0.1:5432/test",
+) -> None:
+    """Each admin console page's render time p50/p95 and its SQL statements at ROWS usage
+    rows, in a table (target: p95 under 300 ms)."""
+    from lockgate.loadtests.bench_console import bench_console as run
+    from lockgate.loadtests.harness.services import ServiceUnavailable, pg_dsn, pg_execute
+
+    try:
+        pg_execute(pg_dsn(database_url), "SELECT 1")
+    except ServiceUnavailable as exc:
+        raise typer.BadParameter(str(exc)) from None
+    except Exception as exc:  # noqa: BLE001 - any failure means "not reachable"
+        typer.echo(f"lockgate bench console: PostgreSQL at {database_url} is not reachable ({exc!r})", err=True)
+        raise typer.Exit(2) from None
+    raise typer.Exit(0 if run(database_url, rows, repeats, echo=typer.echo) else 1)

@@ -31,7 +31,7 @@ async def usage(request: Request, state: StateDep, session: SessionDep) -> Respo
 async def quota_report(request: Request, state: StateDep) -> QuotaReportPublic:
     """Every live tenant a page at a time (`limit`, `after`), or `tenant_id`'s alone; the
     refusals over [`start`, `end`) (default: the last 24 h)."""
-    return await quota_response(state, request, request.query_params.get("tenant_id") or None,
+    return await quota_response(state, request.query_params, request.query_params.get("tenant_id") or None,
                                 allowed=ADMIN_QUERY)
 
 

@@ -11,13 +11,13 @@ from __future__ import annotations
 from fastapi import FastAPI
 from starlette.staticfiles import StaticFiles
 
-from lockgate.gateway.console import report_pages, signin, tenant_pages
+from lockgate.gateway.console import model_pages, report_pages, signin, tenant_pages
 from lockgate.gateway.console.web import HERE
 
 
 def install(app: FastAPI) -> None:
     """The console's routes and its static files (the security headers and the root path
     are middleware, added by `create_app`)."""
-    for pages in (signin, tenant_pages, report_pages):
+    for pages in (signin, tenant_pages, report_pages, model_pages):
         app.include_router(pages.router)
     app.mount("/console/static", StaticFiles(directory=HERE / "static"), name="console_static")

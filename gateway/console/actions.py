@@ -39,6 +39,11 @@ ACTIONS: tuple[Action, ...] = (
     Action("usage", "download", "GET", "/admin/v1/usage", "GET", "/console/usage.csv"),
     Action("engine", "view", "GET", "/admin/v1/engine", "GET", "/console/engine"),
     Action("engine", "refresh", "GET", "/admin/v1/engine", "GET", "/console/engine/live"),
+    Action("models", "view", "GET", "/admin/v1/models", "GET", "/console/models"),
+    Action("models", "register_adapter", "POST", "/admin/v1/adapters", "POST", "/console/adapters"),
+    Action("models", "unload_adapter", "POST", "/admin/v1/adapters/{adapter_id}/unload",
+           "POST", "/console/adapters/{adapter_id}/unload"),
+    Action("quotas", "view", "GET", "/admin/v1/quotas/report", "GET", "/console/quotas"),
     Action("audit", "view", "GET", "/admin/v1/audit", "GET", "/console/audit"),
 )
 ACTION_BY_NAME = {(a.page, a.action): a for a in ACTIONS}

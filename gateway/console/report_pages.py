@@ -12,6 +12,7 @@ from fastapi.responses import RedirectResponse
 
 from lockgate.gateway import admin_service as service
 from lockgate.gateway.console.web import ConsoleRoute, authorize, render, signed_in, url_for
+from lockgate.gateway.serving.tiers import TIERS
 from lockgate.gateway.state import app_state
 from lockgate.gateway.usage_api import CSV_FIELDS, usage_report, usage_response
 from lockgate.tenancy.usage.report import GROUPS
@@ -19,6 +20,7 @@ from lockgate.tenancy.usage.report import GROUPS
 router = APIRouter(route_class=ConsoleRoute, include_in_schema=False)
 USAGE_QUERY = ("group_by", "start", "end", "after", "tenant_id")
 AUDIT_PAGE = "50"
+TIER_OF = {cls: tier for tier, (cls, _) in TIERS.items()}     # the engine's class -> the API's service tier
 
 
 @router.get("/console", name="console_root")
@@ -71,7 +73,7 @@ async def usage_csv(request: Request) -> Response:
 async def engine(request: Request) -> Response:
     user = await signed_in(request)
     authorize(user, "engine", "view")
-    return render(request, "engine.html", user, engine=service.engine_snapshot(app_state(request)))
+    return render(request, "engine.html", user, engine=service.engine_snapshot(app_state(request)), tiers=TIER_OF)
 
 
 @router.get("/console/engine/live", name="console_engine_live")
@@ -79,7 +81,8 @@ async def engine_live(request: Request) -> Response:
     """The engine's fragment alone, for the page's poll."""
     user = await signed_in(request)
     authorize(user, "engine", "refresh")
-    return render(request, "engine_live.html", user, engine=service.engine_snapshot(app_state(request)))
+    return render(request, "engine_live.html", user, engine=service.engine_snapshot(app_state(request)),
+                  tiers=TIER_OF)
 
 
 @router.get("/console/audit", name="console_audit")

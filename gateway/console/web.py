@@ -10,6 +10,7 @@ import hashlib
 import hmac
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,7 @@ HEADERS = [(b"content-security-policy", CSP.encode()), (b"x-content-type-options
 
 templates = Jinja2Templates(env=Environment(loader=FileSystemLoader(HERE / "templates"),
                                             autoescape=select_autoescape(default=True, default_for_string=True)))
+templates.env.filters["datetime"] = lambda ts: datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%d %H:%M:%S")
 
 
 def url_for(request: Request, name: str, **params: Any) -> str:

@@ -128,6 +128,10 @@ def _totals() -> list[Any]:
     ]
 
 
+def _float(v: Any) -> float | None:
+    return None if v is None else float(v)
+
+
 def _norm(g: Any) -> Any:
     return g.isoformat() if isinstance(g, date) else g
 
@@ -141,8 +145,8 @@ def _group_value(groups: tuple[str, ...], key: tuple[Any, ...]) -> Any:
     return dict(zip(groups, key, strict=True))
 
 
-def _entry(g: Any, r: Any, ttfts: list[float]) -> dict[str, Any]:
-    """One report entry from a group's totals row and its TTFTs (ascending)."""
+def _entry(g: Any, r: Any, ttfts: tuple[float | None, float | None]) -> dict[str, Any]:
+    """One report entry from a group's totals row and its TTFT p50 and p95."""
     prompt, cached, completion = int(r.prompt_tokens), int(r.cached_tokens), \
         int(r.completion_tokens)
     return {
@@ -156,8 +160,8 @@ def _entry(g: Any, r: Any, ttfts: list[float]) -> dict[str, Any]:
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
         "budget_tokens": int(r.budget_tokens),     # what the day and month budgets counted
-        "ttft_ms_p50": _nearest_rank(ttfts, 50),
-        "ttft_ms_p95": _nearest_rank(ttfts, 95),
+        "ttft_ms_p50": ttfts[0],
+        "ttft_ms_p95": ttfts[1],
     }
 
 
@@ -193,8 +197,13 @@ async def usage_page(
     if after is not None and groups:
         conds.append(_after(exprs, _cursor(session, groups, after)))
     keys = [e.label(f"g{i}") for i, e in enumerate(exprs)]
+    # PostgreSQL takes the percentiles in the same statement (percentile_disc is the nearest
+    # rank); elsewhere the TTFTs are read and ranked here
+    in_sql = session.bind.dialect.name == "postgresql"
+    ranks = [func.percentile_disc(p / 100).within_group(UsageRecord.ttft_ms.asc()).label(f"ttft_p{p}")
+             for p in (50, 95)] if in_sql else []
 
-    stmt = select(*keys, *_totals())
+    stmt = select(*keys, *_totals(), *ranks)
     if conds:
         stmt = stmt.where(*conds)
     if keys:
@@ -205,17 +214,24 @@ async def usage_page(
     has_more = limit is not None and bool(keys) and len(rows) > limit
     rows = rows[:limit] if has_more else rows
 
-    ttft_stmt = select(*keys, UsageRecord.ttft_ms).where(UsageRecord.ttft_ms.is_not(None), *conds)
-    if has_more:     # only this page's groups: up to its last one
-        ttft_stmt = ttft_stmt.where(not_(_after(exprs, [getattr(rows[-1], k.name) for k in keys])))
     ttfts: dict[tuple[Any, ...], list[float]] = {}
-    for r in (await session.execute(ttft_stmt)).all():
-        ttfts.setdefault(tuple(_norm(v) for v in r[:len(keys)]), []).append(float(r.ttft_ms))
+    if not in_sql:
+        ttft_stmt = select(*keys, UsageRecord.ttft_ms).where(UsageRecord.ttft_ms.is_not(None), *conds)
+        if has_more:     # only this page's groups: up to its last one
+            ttft_stmt = ttft_stmt.where(not_(_after(exprs, [getattr(rows[-1], k.name) for k in keys])))
+        for r in (await session.execute(ttft_stmt)).all():
+            ttfts.setdefault(tuple(_norm(v) for v in r[:len(keys)]), []).append(float(r.ttft_ms))
 
     data = []
     for r in rows:
         key = tuple(_norm(v) for v in r[:len(keys)])
-        data.append(_entry(_group_value(groups, key), r, sorted(ttfts.get(key, []))))
+        pcts: tuple[float | None, float | None]
+        if in_sql:
+            pcts = (_float(r.ttft_p50), _float(r.ttft_p95))
+        else:
+            ranked = sorted(ttfts.get(key, []))
+            pcts = (_nearest_rank(ranked, 50), _nearest_rank(ranked, 95))
+        data.append(_entry(_group_value(groups, key), r, pcts))
     last = [str(_norm(v)) for v in rows[-1][:len(keys)]] if keys and rows else None
     return UsagePage(data, has_more, last)
 

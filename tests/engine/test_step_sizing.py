@@ -245,6 +245,10 @@ def test_explicit_slo_and_prefill_budget_override_the_default(tmp_path, monkeypa
     out = eng.step()
     assert out.step_target_s == pytest.approx(0.040)
     assert 0.035 < cost.predict(out.shape) <= 0.040
+    # the engine's stats (the console's live page) show each class's target and the step's
+    summary = eng.sched.sizer.cost_summary("cpu")
+    assert summary.step_targets["online"] == pytest.approx(0.040) and summary.step_targets["offline"] is None
+    assert summary.last_urgent_class == "online" and summary.last_step_target_s == pytest.approx(0.040)
     eng2 = SchedulerHarness(tmp_path, num_blocks=2048, block_size=16, max_num_batched_tokens=2048,
                             prefill_token_budget={"offline": 100})
     eng2.sched.cost = trained()

@@ -288,3 +288,25 @@ async def test_deleting_a_tenant_deletes_its_adapters(server):
                                                    "owner_tenant_id": a["id"], "path": "gone"})
     assert r.status_code == 201, r.text
     assert (await server.admin.delete(f"/adapters/{r.json()['id']}")).status_code == 200
+
+
+async def test_the_console_registers_and_unloads_as_the_api_does(server, tenants):
+    """The console's forms call the API's own service functions: the adapter registered there
+    serves its tenant as one registered through the API, and the console's unload drops it."""
+    from tests.gateway.test_console import csrf, sign_in
+
+    _, key_a, _, _ = tenants
+    c = await sign_in(server, server.admin_key)
+    page = await c.get("/console/models")
+    r = await c.post("/console/adapters", data={"name": "ada-console", "base_model": "tiny", "csrf": csrf(page),
+                                                "path": install(server.adapter_root, "pub", as_="console")})
+    assert r.status_code == 201 and "ada-console" in r.text, r.text
+    row = next(a for a in (await server.admin.get("/adapters")).json()["data"] if a["name"] == "ada-console")
+    assert row["registered"] is True and row["public"] is True
+    assert await chat(server, key_a, "ada-console") == expected_text("pub")
+    page = await c.get("/console/models")
+    assert f'data-unload="{row["id"]}"' in page.text
+    r = await c.post(f"/console/adapters/{row['id']}/unload", data={"csrf": csrf(page)})
+    assert r.status_code == 303, r.text
+    await wait_for(lambda: not_in_cpu(server, "ada-console"), what="the weights to go")
+    assert f'data-unload="{row["id"]}"' not in (await c.get("/console/models")).text

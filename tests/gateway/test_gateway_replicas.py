@@ -1,7 +1,8 @@
 """Two `lockgate serve` replicas sharing one PostgreSQL database and one Redis: the limits hold
 exactly under concurrent load spread over both (no replica lets an extra request in); a key
 revoked or a tenant suspended on one is refused by the other; an adapter registered on one
-is served by the other, which stops within the cache TTL once it is deleted.
+is served by the other, which stops within the cache TTL once it is deleted; a console session
+made on one is good on the other, and signing out or revoking its key on one ends it on both.
 
 The replicas have the same pepper, admin key and Redis prefix; the first migrates the
 database (`--migrate`), the second finds it at head. Requests alternate between the two.
@@ -12,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import secrets
 import time
 from collections import Counter
@@ -464,3 +466,42 @@ def test_a_responses_chain_continues_on_the_other_replica(pair):
     for c in (ca, cb):
         with pytest.raises(openai.NotFoundError):
             c.responses.retrieve(unstored.id)
+
+
+def _console_sign_in(srv: GatewayServer, key: str) -> str:
+    """A console session on `srv` for `key`: its cookie's token."""
+    with httpx.Client(base_url=srv.url, timeout=30) as c:
+        form = c.get("/console/sign-in")
+        csrf = re.search(r'name="csrf" value="([0-9a-f]{64})"', form.text).group(1)
+        r = c.post("/console/sign-in", data={"key": key, "csrf": csrf})
+        assert r.status_code == 303, r.text
+        return c.cookies["lockgate_console"]
+
+
+def _console_get(srv: GatewayServer, token: str, path: str = "/console/keys") -> httpx.Response:
+    return httpx.get(srv.url + path, cookies={"lockgate_console": token}, timeout=30)
+
+
+def test_a_console_session_holds_on_both_replicas_and_ends_on_both(pair):
+    """A session made on one replica is good on the other (sessions live in the database);
+    signing out on one, or revoking the session's admin key on one, ends it on both."""
+    r = pair.a.admin.post("/keys", json={"name": "console-replicas"})
+    assert r.status_code == 201, r.text
+    key_id, key = r.json()["id"], r.json()["key"]
+    token = _console_sign_in(pair.a, key)
+    for srv in pair.servers:
+        page = _console_get(srv, token)
+        assert page.status_code == 200 and "console-replicas" in page.text, page.text[:500]
+    # signed out on b: refused on a and b
+    csrf = re.search(r'name="csrf" value="([0-9a-f]{64})"', _console_get(pair.b, token).text).group(1)
+    r = httpx.post(pair.b.url + "/console/sign-out", data={"csrf": csrf}, cookies={"lockgate_console": token},
+                   timeout=30)
+    assert r.status_code == 303, r.text
+    assert [_console_get(srv, token).status_code for srv in pair.servers] == [401, 401]
+    # a fresh session on b, the key revoked through a's API: refused on both at once
+    token = _console_sign_in(pair.b, key)
+    assert [_console_get(srv, token).status_code for srv in pair.servers] == [200, 200]
+    assert pair.a.admin.delete(f"/keys/{key_id}").status_code == 200
+    for srv in pair.servers:
+        r = _console_get(srv, token)
+        assert r.status_code == 401 and 'name="key"' in r.text, (srv.url, r.status_code)

@@ -22,6 +22,7 @@ document.addEventListener("DOMContentLoaded", () => {
         if (r.ok) {
           box.innerHTML = await r.text();   // the server's own, autoescaped fragment
           box.dataset.refreshed = String(Date.now());
+          box.dataset.count = String((Number(box.dataset.count) || 0) + 1);
         }
       } finally {
         setTimeout(refresh, every);
