@@ -25,12 +25,7 @@ QUOTE_FROM = 6        # the prompt repeats the source's first 6 tokens, then the
 NEW_TOKENS = 24
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -43,13 +43,7 @@ NEW_TOKENS = 32
 ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # The models are tiny: one thread is several times faster than two on a shared 2-core box.
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,6 @@ import math
 from collections import Counter
 
 import pytest
-import torch
 
 from lockgate.engine import LLM, SamplingParams, write_copy_model
 from lockgate.engine.config import EngineConfig
@@ -19,13 +18,7 @@ from lockgate.engine.request import EngineRequest
 from tests.engine.test_spec_decode import BATCH_32, GREEDY_64, quoting_prompts, run, token_ids
 from tests.support.helpers import copy_model, demo_model, random_prompts
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
