@@ -28,6 +28,7 @@ from lockgate.engine.scheduler import Scheduler
 from lockgate.engine.spec.config import SpeculativeConfig
 from lockgate.engine.spec.decode import SpecDecoder
 from lockgate.engine.stats import EngineStats, KVStats, QueueStats, TenantClassStats
+from lockgate.engine.threads import governor_for
 from lockgate.engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -52,9 +53,8 @@ class EngineCore:
         self.config = config
         self.stream_outputs = stream_outputs
         self.name = name or config.served_model_name or Path(config.model).name
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
         self.device = config.resolve_device()
+        self.threads = governor_for(config.num_threads, config.tensor_parallel_size, self.device)
         if self.device.type == "cpu":
             tune_cpu_allocator()
         self.model_config = ModelConfig.from_dir(config.model)
@@ -283,31 +283,28 @@ class EngineCore:
     def _fail_adapter_requests(self, lora: LoRAManager) -> None:
         for aid, exc in lora.take_failures().items():
             for state in [s for s in self.requests.values() if s.req.lora_id == aid]:
-                for seq in state.seqs:
-                    if seq.status is not SeqStatus.FINISHED:
-                        self.scheduler.finish(seq, "abort")
-                self._retire(state)
+                self._abort_all(state)
                 self.failed.append((state.request_id, exc))
 
     def _fail_grammar_requests(self) -> None:
         for state, exc in self.grammars.take_failures():
             if state.request_id not in self.requests:
                 continue    # aborted meanwhile
-            for seq in state.seqs:
-                if seq.status is not SeqStatus.FINISHED:
-                    self.scheduler.finish(seq, "abort")
-            self._retire(state)
+            self._abort_all(state)
             self.failed.append((state.request_id, exc))
+
+    def _abort_all(self, state: RequestState) -> None:
+        for seq in state.seqs:
+            if seq.status is not SeqStatus.FINISHED:
+                self.scheduler.finish(seq, "abort")
+        self._retire(state)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Free the request's blocks at once; returns its last output, finish_reason 'abort'."""
         state = self.requests.get(request_id)
         if state is None:
             return None
-        for seq in state.seqs:
-            if seq.status is not SeqStatus.FINISHED:
-                self.scheduler.finish(seq, "abort")
-        self._retire(state)
+        self._abort_all(state)
         state.finished_time = time.time()
         return self.outputs.output(state)
 
@@ -318,6 +315,7 @@ class EngineCore:
     # -- one step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
+        self.threads.tick()
         if self.lora is not None:
             self._fail_adapter_requests(self.lora)
         self._fail_grammar_requests()
@@ -423,6 +421,7 @@ class EngineCore:
             lora=self.lora.stats() if self.lora is not None else None,
             parallel=self.runner.parallel_stats(self.timings.forward),
             spec=self.spec.stats() if self.spec is not None else None,
+            threads=self.threads.stats(),
         )
 
     def _tenant_stats(self, per_class: dict[str, QueueStats]) -> dict[str, dict[str, TenantClassStats]]:

@@ -176,6 +176,17 @@ class SpecClassStats:
 
 
 @dataclass(slots=True)
+class ThreadStats:
+    """The intra-op threads (engine/threads.py): now, the width it returns to, the cores the
+    rest of the machine used over the last window, and how often the width changed."""
+
+    threads: int
+    max_threads: int
+    others_cores: float
+    changes: int
+
+
+@dataclass(slots=True)
 class SpecStats:
     """Speculative decoding (`EngineConfig.speculative_config`): the settings, the counters
     summed over classes (vLLM's `spec_decode_*` metrics), and each class's."""
@@ -219,6 +230,7 @@ class EngineStats:
     parallel: ParallelStats | None = None        # tensor parallelism (None: one rank)
     by_worker: dict[str, EngineStats] = field(default_factory=dict)  # a Ray pool's: each worker's own
     spec: SpecStats | None = None                # speculative decoding (None: off)
+    threads: ThreadStats | None = None           # adaptive intra-op threads (None: fixed)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -5,6 +5,10 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ["LOCKGATE_CHECK_INVARIANTS"] = "1"
+# the engine adapts its thread count to the cores other processes leave (engine/threads.py):
+# off in tests, whose outputs are compared across runs (a width change midway changes float
+# sums); tests/engine/test_threads.py turns it on
+os.environ.setdefault("LOCKGATE_ADAPTIVE_THREADS", "0")
 # The Triton kernels' tests run them on CPU tensors in Triton's interpreter, which triton
 # reads once, when first imported, and anything collected may import it first (peft and
 # transformers look for it): so it is set here, for the whole session, unless set already
