@@ -31,6 +31,7 @@ import torch
 
 from lockgate.loadtests.bench_throughput import _in_fresh_process, _workload, default_model_dir, run_engine
 from lockgate.loadtests.cache import cache_dir
+from lockgate.loadtests.neighbour import Neighbours
 from lockgate.loadtests.workload import OfflineRequest
 
 REPO = Path(__file__).resolve().parent.parent
@@ -262,8 +263,11 @@ def bench_peer(
     repeats: int = 3,
     scaling: bool = False,
     json_out: str | None = None,
+    neighbour: int = 0,
     echo=print,
 ) -> dict[str, Any]:
+    """`neighbour`: both sides run beside that many processes each burning a core, and the
+    engine also runs alone (`lockgate-quiet`), alternating with them."""
     python = peer_python(peer)
     model_dir = str(model_dir or default_model_dir())
     work = _workload(model_dir, num_requests, seed)
@@ -272,18 +276,12 @@ def bench_peer(
     peaks = _in_fresh_process(measure_peaks)
     echo(f"machine: sgemm {peaks['sgemm_flops'] / 1e9:.1f} GFLOP/s, copy bandwidth "
          f"{peaks['bandwidth_bytes'] / 1e9:.1f} GB/s ({peaks['threads']} threads)")
-    results: dict[str, dict[str, Any]] = {}
-    for rep in range(repeats):
-        order = ("lockgate", "vllm") if rep % 2 == 0 else ("vllm", "lockgate")
-        for side in order:
-            run = (_in_fresh_process(run_engine, model_dir, num_requests, seed, {}) if side == "lockgate"
-                   else run_vllm(python, model_dir, work))
-            echo(f"  run {rep + 1}/{repeats} {side:<9} {run['output_tokens'] / run['elapsed_s']:8.1f} tok/s")
-            if side not in results or run["elapsed_s"] < results[side]["elapsed_s"]:
-                results[side] = run
+    results = _alternate(python, model_dir, work, num_requests, seed, repeats, neighbour, echo)
     oracle = _in_fresh_process(run_hf_oracle, model_dir, num_requests, seed)
     cost = workload_cost(model_dir, work)
     report = _report(results, oracle, peaks, cost, echo)
+    if neighbour:
+        report["neighbour"] = _neighbour_report(results, neighbour, echo)
     if not report["both_equal_hf"]:
         ties = _in_fresh_process(near_ties, model_dir, num_requests, seed,
                                  {s: results[s]["tokens"] for s in results}, oracle)
@@ -300,6 +298,35 @@ def bench_peer(
         slim = {k: {kk: vv for kk, vv in v.items() if kk != "tokens"} for k, v in results.items()}
         Path(json_out).write_text(json.dumps({"results": slim, **report}, indent=2))
     return report
+
+
+def _alternate(python: Path, model_dir: str, work: list[OfflineRequest], num_requests: int, seed: int,
+               repeats: int, neighbour: int, echo) -> dict[str, dict[str, Any]]:
+    """Each side `repeats` times, the order turned round every repeat, each run in a fresh
+    process (beside `neighbour` burning processes but for `lockgate-quiet`); the fastest
+    run of each side."""
+    sides = ("lockgate", "vllm") + (("lockgate-quiet",) if neighbour else ())
+    results: dict[str, dict[str, Any]] = {}
+    for rep in range(repeats):
+        for side in (sides if rep % 2 == 0 else sides[::-1]):
+            with Neighbours(neighbour if side != "lockgate-quiet" else 0):
+                run = (_in_fresh_process(run_engine, model_dir, num_requests, seed, {})
+                       if side.startswith("lockgate") else run_vllm(python, model_dir, work))
+            echo(f"  run {rep + 1}/{repeats} {side:<15} {run['output_tokens'] / run['elapsed_s']:8.1f} tok/s")
+            if side not in results or run["elapsed_s"] < results[side]["elapsed_s"]:
+                results[side] = run
+    return results
+
+
+def _neighbour_report(results: dict[str, dict[str, Any]], neighbour: int, echo) -> dict[str, float]:
+    tps = {s: r["output_tokens"] / r["elapsed_s"] for s, r in results.items()}
+    out = {"quiet_tokens_per_s": tps["lockgate-quiet"], "of_quiet": tps["lockgate"] / tps["lockgate-quiet"],
+           "vs_vllm": tps["lockgate"] / tps["vllm"], "threads": results["lockgate"].get("threads")}
+    echo(f"beside {neighbour} process(es) burning a core each: lockgate {tps['lockgate']:.1f} tok/s, "
+         f"{out['of_quiet']:.2f}x of its quiet {tps['lockgate-quiet']:.1f} (target >= 0.45), "
+         f"{out['vs_vllm']:.2f}x vLLM's {tps['vllm']:.1f} beside the same (target >= 1.0, goal 1.2); "
+         f"the engine's threads at the end: {out['threads']}")
+    return out
 
 
 def _report(results, oracle, peaks, cost, echo) -> dict[str, Any]:

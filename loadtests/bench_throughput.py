@@ -93,6 +93,7 @@ def run_engine(model_dir: str, num_requests: int, seed: int, engine_kwargs: dict
         "num_preemptions": core.scheduler.num_preemptions,
         "num_kv_blocks": core.num_kv_blocks,
         "step_split_s": core.timings.as_dict(),
+        "threads": torch.get_num_threads(),     # at the end (engine/threads.py may narrow it)
     }
 
 

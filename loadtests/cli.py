@@ -36,6 +36,9 @@ def bench_throughput(
              "scripts/peer-vllm.sh makes); 64 requests unless --num-requests is given")] = None,
     scaling: Annotated[bool, typer.Option(
         help="with --peer: also 16/64/256 concurrent sequences and a 7B-shaped layer")] = False,
+    neighbour: Annotated[int, typer.Option(
+        min=0, help="with --peer: both sides beside this many processes burning a core each, "
+                    "and the engine alone too")] = 0,
     baseline: Annotated[str | None, typer.Option(
         help="also run the engine of this git revision (e.g. main~3), alternating with this one")] = None,
     skip_ideal: Annotated[bool, typer.Option(help="skip the ideal-batching side")] = False,
@@ -49,7 +52,7 @@ def bench_throughput(
             bench_peer(str(model) if model else None, peer=peer,
                        num_requests=64 if num_requests == 128 else num_requests, seed=seed,
                        repeats=repeats, scaling=scaling, json_out=str(json_out) if json_out else None,
-                       echo=typer.echo)
+                       neighbour=neighbour, echo=typer.echo)
         except PeerUnavailable as exc:
             typer.echo(f"error: {exc}", err=True)
             raise typer.Exit(2) from None

@@ -80,3 +80,50 @@ def test_the_report_judges_the_ratio_and_equality_with_hf():
     assert report["lockgate"]["roofline_share"] == pytest.approx(0.5)    # bound 0.5 s of 1 s
     assert any("2.00x (target >= 1.2)" in line for line in lines)
     assert any(line.endswith("NO") for line in lines)
+
+
+def test_neighbours_burn_a_core_each_inside_the_block_and_are_gone_after():
+    import psutil
+
+    from lockgate.loadtests.neighbour import Neighbours
+
+    with pytest.raises(ValueError, match="neighbour"):
+        Neighbours(-1)
+    with Neighbours(1) as n:
+        (proc,) = [psutil.Process(p.pid) for p in n.procs]
+        proc.cpu_percent(None)
+        __import__("time").sleep(0.5)
+        assert proc.cpu_percent(None) > 20          # it spins, it does not sleep (a shared machine shares)
+    assert not psutil.pid_exists(proc.pid) or proc.status() == psutil.STATUS_ZOMBIE
+    with Neighbours(0) as none:
+        assert none.procs == []
+
+
+def test_with_a_neighbour_both_sides_run_beside_it_and_the_engine_also_alone(monkeypatch):
+    import lockgate.loadtests.bench_peer as bp
+
+    seen: list[tuple[str, int]] = []
+    current = [0]       # burners around the run now
+
+    class Recording(bp.Neighbours):
+        def __enter__(self):
+            current[0] = self.count
+            return self
+
+        def __exit__(self, *exc):
+            current[0] = 0
+
+    def engine(fn, *args):
+        seen.append(("lockgate", current[0]))
+        return {"elapsed_s": 2.0 if current[0] else 1.0, "output_tokens": 100, "threads": 1}
+
+    monkeypatch.setattr(bp, "Neighbours", Recording)
+    monkeypatch.setattr(bp, "_in_fresh_process", engine)
+    monkeypatch.setattr(bp, "run_vllm", lambda *a: seen.append(("vllm", current[0])) or
+                        {"elapsed_s": 2.5, "output_tokens": 100})
+    lines: list[str] = []
+    results = bp._alternate(Path("/py"), "/m", [], 4, 0, 2, 1, lines.append)
+    assert seen == [("lockgate", 1), ("vllm", 1), ("lockgate", 0), ("lockgate", 0), ("vllm", 1), ("lockgate", 1)]
+    report = bp._neighbour_report(results, 1, lines.append)
+    assert report["of_quiet"] == pytest.approx(0.5) and report["vs_vllm"] == pytest.approx(1.25)
+    assert "0.50x of its quiet" in lines[-1] and "1.25x vLLM's" in lines[-1]
