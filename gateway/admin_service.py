@@ -178,6 +178,8 @@ def engine_json(s: EngineStats) -> dict:
         # speculative decoding: its settings, drafts verified and tokens kept (in all, by draft
         # position, per class), and per class whether it drafts now (engine/spec/switch.py)
         "speculative": _json(s.spec),
+        # intra-op threads: now, the full width, the cores other processes took (engine/threads.py)
+        "threads": _json(s.threads),
         # served by a Ray pool: each worker's own, in this same shape (the fields above are
         # their sum); one engine in this process: none
         "workers": {w: engine_json(part) for w, part in s.by_worker.items()},

@@ -13,6 +13,7 @@ worker (label `worker`) where the engines run in a pool (`lockgate serve --pool`
     vllm:spec_decode_num_drafts, vllm:spec_decode_num_draft_tokens,
     vllm:spec_decode_num_accepted_tokens                      counters (speculative decoding)
     vllm:spec_decode_num_accepted_tokens_per_pos              counter, label `position`
+    lockgate_engine_threads{width=now|full}, lockgate_engine_neighbour_cores   adaptive threads
     lockgate_tp_*   a model split over ranks: seconds in collectives (and the latest step's),
                     the forward's seconds, each rank's memory, rank failures
     vllm:time_to_first_token_seconds, vllm:inter_token_latency_seconds,
@@ -101,7 +102,16 @@ class _EngineCollector(Collector):
         kv_usage = GaugeMetricFamily("lockgate_kv_usage_ratio", "Fraction of KV blocks in use",
                                      labels=["model"])
         pre = CounterMetricFamily("lockgate_preemptions", "Sequences preempted", labels=["model"])
+        threads = GaugeMetricFamily("lockgate_engine_threads", "Intra-op threads: now, and the full width",
+                                    labels=["model", "width"])
+        others = GaugeMetricFamily("lockgate_engine_neighbour_cores",
+                                   "Cores other processes took from the engine's, over the latest window",
+                                   labels=["model"])
         for model, s in stats:
+            if s.threads is not None:
+                threads.add_metric([model, "now"], s.threads.threads)
+                threads.add_metric([model, "full"], s.threads.max_threads)
+                others.add_metric([model], s.threads.others_cores)
             for cls, n in s.waiting_requests.items():
                 waiting.add_metric([model, cls], n)
             for cls, n in s.running.items():
@@ -110,7 +120,7 @@ class _EngineCollector(Collector):
             kv.add_metric([model, "free"], s.kv.free)
             kv_usage.add_metric([model], s.kv.used / s.kv.total if s.kv.total else 0.0)
             pre.add_metric([model], s.num_preemptions)
-        return waiting, running, kv, kv_usage, pre
+        return waiting, running, kv, kv_usage, pre, threads, others
 
     @staticmethod
     def _parallel(stats: list[tuple[str, EngineStats]]):
