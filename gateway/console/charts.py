@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 WIDTH, HEIGHT = 560, 150
-LEFT, RIGHT, TOP, BOTTOM = 48, 8, 8, 22
+LEFT, RIGHT, TOP, BOTTOM = 48, 20, 8, 22
 # one colour a tier, the same in every chart (and its legend)
 COLOURS = {"priority": "#b3261e", "default": "#2453a6", "flex": "#2e7d32"}
 OTHER = ("#8e44ad", "#e67e22", "#607d8b")
