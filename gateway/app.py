@@ -171,7 +171,7 @@ async def bootstrap_keys(state: AppState) -> None:
                 model = next(iter(state.models))
 
                 def curl(key: str) -> str:
-                    return (f"lockgate: try it:\n  curl http://{s.host}:{s.port}/v1/chat/completions "
+                    return (f"lockgate: try it:\n  curl http://{s.host}:{s.port}{s.root_path}/v1/chat/completions "
                             f"-H \"Authorization: Bearer {key}\" -H 'Content-Type: application/json' "
                             f"-d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", "
                             f"\"content\": \"Hello\"}}], \"max_tokens\": 16}}'")
@@ -357,12 +357,11 @@ async def lifespan(app: FastAPI, settings: Settings, engine_factory: EngineFacto
 
 
 def _add_middleware(app: FastAPI, settings: Settings) -> None:
-    # innermost first: the drain's 503 has a request id, and every answer is counted
+    # innermost first: the drain's 503 has a request id, and every answer is counted; the root
+    # path outermost, so that every layer reads the route's path (`root_path.route_path`)
     max_upload = settings.max_file_bytes + (64 << 10)      # a file and its multipart framing
     if settings.console:
         app.add_middleware(SecurityHeaders)         # the CSP of every answer under /console
-    if settings.root_path:
-        app.add_middleware(RootPath, root_path=settings.root_path)
     app.add_middleware(DrainGate)
     app.add_middleware(BodyLimits, max_body_bytes=settings.max_body_bytes, max_upload_bytes=max_upload,
                        upload_paths=RequestContext.UPLOAD_PATHS, timeout_s=settings.body_read_timeout_s,
@@ -370,6 +369,8 @@ def _add_middleware(app: FastAPI, settings: Settings) -> None:
     app.add_middleware(RequestContext, max_body_bytes=settings.max_body_bytes,
                        max_upload_bytes=max_upload)
     app.add_middleware(CountResponses)
+    if settings.root_path:
+        app.add_middleware(RootPath, root_path=settings.root_path)
 
 
 def create_app(settings: Settings | None = None, engine_factory: EngineFactory = AsyncEngine) -> FastAPI:

@@ -340,13 +340,16 @@ def serve(
 
 
 keys_app = typer.Typer(no_args_is_help=True, help="API keys, written straight to the database "
-                       "(a lost admin key: `lockgate keys create --admin`).")
+                       "(a lost admin key: `lockgate keys create --admin`; a read-only console key: "
+                       "`--viewer`).")
 app.add_typer(keys_app, name="keys")
 
 
 @keys_app.command("create")
 def keys_create(
     admin: Annotated[bool, typer.Option("--admin", help="an admin key")] = False,
+    viewer: Annotated[bool, typer.Option(
+        "--viewer", help="a viewer admin key: reads the admin API and the console, changes nothing")] = False,
     tenant: Annotated[str | None, typer.Option(help="a tenant's inference key: the tenant's id")] = None,
     name: Annotated[str, typer.Option(help="the key's name")] = "cli",
     data_dir: Annotated[Path | None, typer.Option(help="default LOCKGATE_DATA_DIR or ~/.local/share/lockgate")] = None,
@@ -356,18 +359,19 @@ def keys_create(
 ) -> None:
     """Create a key in the server's database (its pepper: LOCKGATE_PEPPER or the data
     directory's) and print it, bare, on stdout. Works while the server runs."""
-    if admin == (tenant is not None):
-        raise typer.BadParameter("give exactly one of --admin and --tenant TENANT_ID")
+    if admin + viewer + (tenant is not None) != 1:
+        raise typer.BadParameter("give exactly one of --admin, --viewer and --tenant TENANT_ID")
+    scope = "admin" if admin else "viewer" if viewer else "inference"
     settings = _settings(data_dir=data_dir, database_url=database_url)
     try:
-        plaintext = asyncio.run(_create_key(settings, tenant_id=tenant, name=name))
+        plaintext = asyncio.run(_create_key(settings, tenant_id=tenant, name=name, scope=scope))
     except (ValueError, LookupError) as exc:
         typer.echo(f"lockgate keys create: {exc}", err=True)
         raise typer.Exit(1) from None
     typer.echo(plaintext)
 
 
-async def _create_key(settings, *, tenant_id: str | None, name: str) -> str:
+async def _create_key(settings, *, tenant_id: str | None, name: str, scope: str) -> str:
     """The key, created by actor "cli" in one audited transaction."""
     from lockgate.tenancy import api_keys, db, keys
     from lockgate.tenancy.errors import TenancyError
@@ -388,7 +392,7 @@ async def _create_key(settings, *, tenant_id: str | None, name: str) -> str:
         async with db.make_sessionmaker(engine)() as session:
             _, plaintext = await api_keys.create_key(
                 session, tenant_id=tenant_id, name=name, pepper=pepper, actor="cli",
-                scopes=("admin",) if tenant_id is None else ("inference",))
+                scopes=(scope,))
     except TenancyError as exc:
         raise ValueError(str(exc)) from None
     finally:

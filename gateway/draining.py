@@ -8,6 +8,7 @@ from __future__ import annotations
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from lockgate.gateway.errors import APIError
+from lockgate.gateway.root_path import route_path
 
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
 
@@ -24,7 +25,7 @@ class DrainGate:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+        if scope["type"] == "http" and route_path(scope) not in OPEN_PATHS:
             lifecycle = getattr(scope["app"].state, "lifecycle", None)
             if lifecycle is not None and lifecycle.draining:
                 response = draining_error().response()

@@ -34,6 +34,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from lockgate.gateway.errors import APIError
+from lockgate.gateway.root_path import route_path
 from lockgate.gateway.settings import Settings
 
 logger = logging.getLogger(__name__)
@@ -169,7 +170,7 @@ class BodyLimits:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        limit = self.max_upload if scope.get("path") in self.upload_paths else self.max_body
+        limit = self.max_upload if route_path(scope) in self.upload_paths else self.max_body
         body = _Body(self, receive, send, limit)
         try:
             await self.app(scope, body.receive, body.send)

@@ -39,6 +39,7 @@ from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from lockgate.engine import EngineStats
+from lockgate.gateway.root_path import route_path
 
 logger = logging.getLogger(__name__)
 
@@ -353,7 +354,7 @@ def _route_template(scope: Scope) -> str:
     template, regex = getattr(route, "path", None), getattr(route, "path_regex", None)
     if not template or regex is None:
         return "unmatched"
-    path: str = scope["path"]
+    path = route_path(scope)
     cut = 0
     while not regex.match(path[cut:]):
         cut = path.find("/", cut + 1)

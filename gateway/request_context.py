@@ -9,6 +9,7 @@ import secrets
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from lockgate.gateway.http_limits import refuse_too_large
+from lockgate.gateway.root_path import route_path
 
 _REQUEST_ID = re.compile(r"^[\x21-\x7e]{1,128}$")
 
@@ -46,7 +47,7 @@ class RequestContext:
             await send(message)
 
         length = headers.get(b"content-length")
-        limit = self.max_upload if scope.get("path") in self.UPLOAD_PATHS else self.max_body
+        limit = self.max_upload if route_path(scope) in self.UPLOAD_PATHS else self.max_body
         too_big = False
         if length is not None:
             try:

@@ -1,4 +1,7 @@
-"""`--root-path`: Lockgate served under a path prefix by a proxy."""
+"""`--root-path`: Lockgate served under a path prefix by a proxy. `RootPath` is the outermost
+middleware, so every other one sees the same scope whichever way the request came (prefixed
+or stripped by the proxy), and reads the route's own path with `route_path`: an upload limit,
+the drain's open paths and the metrics' route labels are the same with and without a prefix."""
 
 from __future__ import annotations
 
@@ -21,3 +24,12 @@ class RootPath:
                 path = self.root + path
             scope = {**scope, "path": path, "root_path": self.root}
         await self.app(scope, receive, send)
+
+
+def route_path(scope: Scope) -> str:
+    """The path a route matches: the request's path without the scope's `root_path`."""
+    path: str = scope["path"]
+    root: str = scope.get("root_path", "")
+    if root and (path == root or path.startswith(root + "/")):
+        return path[len(root):] or "/"
+    return path

@@ -364,7 +364,7 @@ class BatchLine(Base):
 
 
 class RefusalCount(Base):
-    """Requests a limit refused (429s), per tenant, key, limit and UTC minute: added to by
+    """Requests a limit refused (429s), per tenant, key, limit, service tier and UTC minute: added to by
     each replica's `RefusalCounter` flush (an upsert adding its deltas), read by the quota
     report. No foreign key: a flush must never fail on a row, and rows outlive their key."""
 
@@ -375,6 +375,8 @@ class RefusalCount(Base):
     api_key_id: Mapped[str] = mapped_column(String(20), primary_key=True)
     scope: Mapped[str] = mapped_column(String(8), primary_key=True)     # whose limit: "tenant" | "key"
     reason: Mapped[str] = mapped_column(String(32), primary_key=True)   # a Quota field name
+    # the tier the request asked for; its tenant's default tier when refused before its body was read
+    service_tier: Mapped[str] = mapped_column(String(16), primary_key=True)
     minute: Mapped[datetime] = mapped_column(UTCDateTime, primary_key=True)   # UTC, seconds 0
     count: Mapped[int] = mapped_column(BigInteger)
 

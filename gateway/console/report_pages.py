@@ -1,5 +1,6 @@
-"""The console's read-only pages: the overview (requests and tokens per tier over the last
-24 h, summed in SQL), usage (grouped, a page at a time, and its CSV: the very answer of
+"""The console's read-only pages: the overview (requests, tokens, errors, refusals and TTFT
+p50/p99 per service tier and hour over the last 24 h, one SQL statement, drawn as SVG on the
+server), usage (grouped, a page at a time, and its CSV: the very answer of
 `GET /admin/v1/usage?format=csv` for the same query), the live engine (what /admin/v1/engine
 reads, its fragment refreshed by polling) and the audit log (keyset pages)."""
 
@@ -11,16 +12,23 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import RedirectResponse
 
 from lockgate.gateway import admin_service as service
+from lockgate.gateway.console.charts import colour, line_chart
 from lockgate.gateway.console.web import ConsoleRoute, authorize, render, signed_in, url_for
 from lockgate.gateway.serving.tiers import TIERS
 from lockgate.gateway.state import app_state
 from lockgate.gateway.usage_api import CSV_FIELDS, usage_report, usage_response
 from lockgate.tenancy.usage.report import GROUPS
+from lockgate.tenancy.usage.timeline import timeline
 
 router = APIRouter(route_class=ConsoleRoute, include_in_schema=False)
 USAGE_QUERY = ("group_by", "start", "end", "after", "tenant_id")
 AUDIT_PAGE = "50"
 TIER_OF = {cls: tier for tier, (cls, _) in TIERS.items()}     # the engine's class -> the API's service tier
+HOURS = 24
+# the overview's charts: (title, Timeline series, unit), one line a service tier
+CHARTS = (("Requests", "requests", ""), ("Tokens (prompt + completion)", "tokens", ""),
+          ("Errors", "errors", ""), ("Refusals (429s of a limit)", "refusals", ""),
+          ("TTFT p50", "ttft_p50", " ms"), ("TTFT p99", "ttft_p99", " ms"))
 
 
 @router.get("/console", name="console_root")
@@ -32,11 +40,17 @@ async def root(request: Request) -> Response:
 async def overview(request: Request) -> Response:
     user = await signed_in(request)
     authorize(user, "overview", "view")
-    since = datetime.now(UTC) - timedelta(hours=24)
-    report = await usage_report(app_state(request), {"group_by": "service_tier", "start": since.isoformat()}, None)
-    totals = {k: sum(r[k] or 0 for r in report.page.data) for k in ("requests", "prompt_tokens",
-                                                                      "completion_tokens", "total_tokens")}
-    return render(request, "overview.html", user, rows=report.page.data, totals=totals, since=since)
+    end = datetime.now(UTC).replace(minute=0, second=0, microsecond=0) + timedelta(hours=1)
+    start = end - timedelta(hours=HOURS)
+    async with app_state(request).sessions() as session:
+        t = await timeline(session, start=start, end=end)
+    labels = [h[-2:] + ":00" for h in t.hours]
+    charts = [line_chart(title, labels, {tier: t.series(tier, what) for tier in t.tiers}, unit)
+              for title, what, unit in CHARTS]
+    rows = [{"tier": tier, **{what: t.total(tier, what) for what in ("requests", "tokens", "errors", "refusals")},
+             "ttft": t.ttft_ms.get(tier, {})} for tier in t.tiers]
+    colours = {tier: colour(tier, i) for i, tier in enumerate(t.tiers)}
+    return render(request, "overview.html", user, charts=charts, rows=rows, since=start, colours=colours)
 
 
 def _usage_query(request: Request) -> dict[str, str]:

@@ -24,6 +24,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from lockgate.gateway.caller import admin_role
 from lockgate.gateway.console.actions import ACTION_BY_NAME, allowed
 from lockgate.gateway.errors import APIError, is_database_down
+from lockgate.gateway.root_path import route_path
 from lockgate.gateway.state import app_state
 from lockgate.tenancy import auth, console_sessions
 from lockgate.tenancy.auth import Principal
@@ -199,8 +200,5 @@ class SecurityHeaders:
 
 
 def _under_console(scope: Scope) -> bool:
-    path: str = scope["path"]
-    root = scope.get("root_path", "")
-    if root and path.startswith(root + "/"):
-        path = path[len(root):]
+    path = route_path(scope)
     return path == "/console" or path.startswith("/console/")

@@ -80,6 +80,7 @@ class RequestRun:
         self.tenant_name: str = principal.tenant_name
         self.entry = entry
         self.tier = tier
+        ticket.tier = tier          # a refusal of its tokens is counted in this tier
         self.service_class, tier_priority = TIERS[tier]
         # vLLM's `priority` (smaller sooner): the engine orders by class, then tenant
         # fairness, and only then by it, so it orders this tenant's own requests alone

@@ -114,16 +114,20 @@ def ratelimit_headers(d: Decision) -> dict[str, str]:
     return h
 
 
-def refusal(state: AppState, principal: Principal, d: Decision, *, counted: bool = True) -> APIError:
+def refusal(state: AppState, principal: Principal, d: Decision, *, counted: bool = True,
+            tier: str | None = None) -> APIError:
     """The 429 of a limit that refused (OpenAI's codes and headers), counted in the metrics
-    and, for the quota report, by tenant, key and limit (in memory, flushed in batches);
-    not counted when `counted` is False (a batch's line: the batch pauses, nobody got a 429)."""
+    and, for the quota report and the console, by tenant, key, limit and service tier (in
+    memory, flushed in batches); not counted when `counted` is False (a batch's line: the batch
+    pauses, nobody got a 429). `tier`: the request's, once its body was read; before, the
+    tenant's default tier is the one it would most likely have run in."""
     reason = d.limit or "unknown"
     if counted:
         state.metrics.rejections.labels(principal.tenant_name or "", reason).inc()
     if counted and principal.tenant_id is not None:
         scope = "key" if (d.scope or "").startswith("key:") else "tenant"
-        state.refusals.record(principal.tenant_id, principal.key_id, scope, reason)
+        state.refusals.record(principal.tenant_id, principal.key_id, scope, reason,
+                              tier=tier or principal.default_tier)
     headers = ratelimit_headers(d)
     if d.retry_after is not None:
         headers["retry-after"] = str(max(1, int(-(-d.retry_after // 1))))
@@ -157,6 +161,7 @@ class Ticket:
         self.lease: Lease | None = decision.lease if decision is not None else None
         self.taken = False
         self.under_way = False      # counted among this replica's admissions under way
+        self.tier: str | None = None    # the request's service tier, once its body was read
         if self.lease is not None:
             state.inflight[request_id] = self.lease     # heart-beaten from now on
 
@@ -189,7 +194,7 @@ class Ticket:
         return d
 
     def _refusal(self, d: Decision) -> APIError:
-        return refusal(self.state, self.principal, d, counted=self.count_refusals)
+        return refusal(self.state, self.principal, d, counted=self.count_refusals, tier=self.tier)
 
     async def count(self) -> None:
         """A deferred request that ends before its tokens are reserved (a 400, a 404, a token

@@ -1,5 +1,6 @@
 """Refusal counts: how many requests each limit refused (the 429s), per tenant, key, whose
-limit it was (the tenant's or the key's), limit and UTC minute, for the quota report.
+limit it was (the tenant's or the key's), limit, service tier and UTC minute, for the quota
+report and the console's overview (refusals per tier over time).
 
 A flooding tenant must not turn its 429s into database writes, so `RefusalCounter.record`
 only adds 1 to a counter in memory. `flush`, every `interval_s` and once more at shutdown,
@@ -35,8 +36,8 @@ from lockgate.tenancy.validation import as_utc
 logger = logging.getLogger(__name__)
 
 SCOPES = ("tenant", "key")
-Bucket = tuple[str, str, str, str, int]     # tenant id, key id, scope, reason, minute (epoch s)
-CHUNK = 1000                                # rows per INSERT: 6 values a row, under both limits
+Bucket = tuple[str, str, str, str, str, int]   # tenant id, key id, scope, reason, tier, minute (epoch s)
+CHUNK = 1000                                   # rows per INSERT: 7 values a row, under both limits
 
 
 def _positive(name: str, v: object, most: float) -> float:
@@ -74,11 +75,11 @@ class RefusalCounter:
         """Refusals counted here and not yet in the table (a flush's under way included)."""
         return sum(self._pending.values()) + self._in_flight
 
-    def record(self, tenant_id: str, key_id: str, scope: str, reason: str) -> None:
+    def record(self, tenant_id: str, key_id: str, scope: str, reason: str, *, tier: str) -> None:
         """Count one refusal of `reason` (a Quota field) by `scope`'s limit ("tenant" or "key")
-        in the current UTC minute. No I/O."""
+        of a request of service tier `tier` in the current UTC minute. No I/O."""
         minute = int(self._clock() // 60) * 60
-        self._add((tenant_id, key_id, scope, reason, minute), 1)
+        self._add((tenant_id, key_id, scope, reason, tier, minute), 1)
 
     def _add(self, bucket: Bucket, n: int) -> None:
         held = self._pending.get(bucket)
@@ -143,15 +144,15 @@ class RefusalCounter:
             return True
 
     async def _upsert(self, batch: dict[Bucket, int]) -> None:
-        rows = [{"tenant_id": t, "api_key_id": k, "scope": s, "reason": r,
+        rows = [{"tenant_id": t, "api_key_id": k, "scope": s, "reason": r, "service_tier": tier,
                  "minute": datetime.fromtimestamp(m, UTC), "count": n}
-                for (t, k, s, r, m), n in sorted(batch.items())]
+                for (t, k, s, r, tier, m), n in sorted(batch.items())]
         async with self._sessionmaker() as session:
             dialect = session.get_bind().dialect.name
             make = postgresql.insert if dialect == "postgresql" else sqlite.insert
             stmt = make(RefusalCount)
             stmt = stmt.on_conflict_do_update(
-                index_elements=["tenant_id", "api_key_id", "scope", "reason", "minute"],
+                index_elements=["tenant_id", "api_key_id", "scope", "reason", "service_tier", "minute"],
                 set_={"count": RefusalCount.count + stmt.excluded["count"]})
             for start in range(0, len(rows), CHUNK):
                 await session.execute(stmt, rows[start:start + CHUNK])
@@ -159,7 +160,7 @@ class RefusalCounter:
 
 
 RefusalTotals = dict[tuple[str, str], dict[tuple[str, str], int]]
-"""(tenant id, key id) -> (scope, reason) -> refusals."""
+"""(tenant id, key id) -> (scope, reason) -> refusals (of every tier)."""
 
 
 async def refusal_totals(session: AsyncSession, *, tenant_ids: Sequence[str] | None,

@@ -129,8 +129,20 @@ def test_first_start_writes_keys_once(tmp_path):
         r = httpx.get(again.url + "/admin/v1/tenants", timeout=30,
                       headers={"Authorization": f"Bearer {new_key}"})
         assert r.status_code == 200, r.text
+        # a read-only key for the console, without curl: it reads the admin routes, changes nothing
+        done = run_cli(["keys", "create", "--viewer", "--name", "ops-viewer"], base_env(data_dir))
+        assert done.returncode == 0, done.stdout + done.stderr
+        viewer_key = done.stdout.strip()
+        viewer = {"Authorization": f"Bearer {viewer_key}"}
+        r = httpx.get(again.url + "/admin/v1/keys", timeout=30, headers=viewer)
+        assert r.status_code == 200, r.text
+        assert [k["scopes"] for k in r.json()["data"] if k["name"] == "ops-viewer"] == [["viewer"]]
+        r = httpx.post(again.url + "/admin/v1/tenants", timeout=30, headers=viewer, json={"name": "nope"})
+        assert r.status_code == 403 and "viewer" in r.text, r.text
         done = run_cli(["keys", "create"], base_env(data_dir))
         assert done.returncode != 0 and "--admin" in done.stdout + done.stderr
+        done = run_cli(["keys", "create", "--admin", "--viewer"], base_env(data_dir))
+        assert done.returncode != 0 and "--viewer" in done.stdout + done.stderr
     finally:
         assert again.stop() == 0
 

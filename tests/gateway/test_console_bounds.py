@@ -59,6 +59,8 @@ async def test_every_page_issues_as_many_statements_at_100000_rows_as_at_10(gw):
     assert {n for n, (status, _) in small.items() if status != 200} == set(), small
     assert large == small, {n: (small[n], large[n]) for n in small if small[n] != large[n]}
     assert all(0 < count <= 12 for _, count in small.values()), small
+    # the session, its key, and the timeline: usage and refusals per hour and tier in one statement
+    assert small["overview"] == (200, 3), small
     # more tenants than a page holds (each tenant's keys read in the same statement)
     await make_tenants(gw.admin, 25)
     assert await _counts(gw, tenants[0]) == small

@@ -120,6 +120,46 @@ async def test_the_quota_page_is_the_apis_report(gw):
     assert (await c.get("/console/quotas", params={"start": "yesterday"})).status_code == 400
 
 
+def overview_rows(html: str) -> dict[str, list[str]]:
+    return {tier: cells(html, f'data-tier="{tier}"') for tier in re.findall(r'<tr data-tier="([^"]+)"', html)}
+
+
+async def test_the_overview_charts_requests_and_refusals_per_tier(gw):
+    """The overview's per-tier totals and charts move with the requests: a 429 is counted in
+    the tier the request asked for, or, refused before its body was read (a large body), in
+    its tenant's default tier."""
+    c = await sign_in(gw, gw.admin_key)
+    before = overview_rows((await c.get("/console/")).text)
+    _, key = await gw.tenant(quota={"requests_per_minute": 2}, service_tiers=["default", "flex", "priority"],
+                             default_tier="priority")
+    small = {"model": "tiny", "prompt": "hi", "max_tokens": 2, "service_tier": "flex"}
+    codes = [(await gw.http.post("/v1/completions", headers=gw.auth(key), json=small)).status_code
+             for _ in range(3)]
+    large = {**small, "prompt": "hi " * 9000}          # past the small-body bound: refused unread
+    codes.append((await gw.http.post("/v1/completions", headers=gw.auth(key), json=large)).status_code)
+    assert codes == [200, 200, 429, 429], codes
+    for _ in range(100):         # refusals are flushed every 0.1 s here
+        page = await c.get("/console/")
+        rows = overview_rows(page.text)
+        if int(rows.get("priority", [0] * 5)[4]) > int(before.get("priority", [0] * 5)[4]):
+            break
+        await asyncio.sleep(0.05)
+    assert page.status_code == 200, page.text
+
+    def delta(tier: str, col: int) -> int:
+        return int(rows.get(tier, [0] * 7)[col]) - int(before.get(tier, [0] * 7)[col])
+    # requests, errors, refusals
+    assert [delta("flex", i) for i in (1, 3, 4)] == [2, 0, 1], (before, rows)
+    assert [delta("priority", i) for i in (1, 4)] == [0, 1], (before, rows)
+    assert rows["flex"][5].endswith(" ms")           # TTFT p50 of the tier's day
+    charts = re.findall(r'<figure class="card chart-card" data-chart="([^"]+)"><figcaption>[^<]*</figcaption>'
+                        r'<svg class="chart"', page.text)
+    assert charts == ["Requests", "Tokens (prompt + completion)", "Errors", "Refusals (429s of a limit)",
+                      "TTFT p50", "TTFT p99"], charts
+    assert page.text.count('<polyline fill="none" stroke="#2e7d32"') == 6     # flex: a line in each chart
+    assert "style=" not in page.text                                         # the CSP allows none
+
+
 def _busy(worker: str | None = None) -> EngineStats:
     flex = TenantClassStats(waiting=7, running=2, decode_tokens=40)
     return EngineStats(

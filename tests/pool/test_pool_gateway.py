@@ -5,8 +5,10 @@ mixed requests, adapters registered through the admin API, exact quotas across r
 from __future__ import annotations
 
 import contextlib
+import html
 import json
 import os
+import re
 import secrets
 import signal
 import time
@@ -115,6 +117,40 @@ def test_two_replicas_share_one_pool_and_its_workers(replicas):
     for field in ("generated_tokens", "preemptions"):
         assert eng[field] == sum(part[field] for part in eng["workers"].values())
     assert eng["kv_blocks"]["total"] == sum(p["kv_blocks"]["total"] for p in eng["workers"].values()) > 0
+    console_shows_the_pool(a)
+
+
+def console_shows_the_pool(srv: GatewayServer) -> None:
+    """The console's models page: each worker of /admin/v1/models' pool snapshot (its pid, its
+    models), which workers serve the model, and the placement's decisions with their reasons."""
+    with httpx.Client(base_url=srv.url, timeout=30) as c:
+        form = c.get("/console/sign-in")
+        token = re.search(r'name="csrf" value="([0-9a-f]{64})"', form.text)
+        assert token, form.text[:2000]
+        r = c.post("/console/sign-in", data={"key": srv.admin_key, "csrf": token.group(1)})
+        assert r.status_code == 303, r.text
+        page = c.get("/console/models")
+    assert page.status_code == 200, page.text
+    pool = pool_state(srv)
+
+    def cells(row: str) -> list[str]:
+        m = re.search(rf"<tr {row}[^>]*>(.*?)</tr>", page.text, re.S)
+        assert m, (row, page.text[:3000])
+        return [html.unescape(re.sub(r"<[^>]+>", "", c)).strip()
+                for c in re.findall(r"<td[^>]*>(.*?)</td>", m.group(1), re.S)]
+    for name, w in pool["workers"].items():
+        row = cells(f'data-worker="{name}"')
+        assert row[:4] == [name, "down" if w["down"] else "up", w["node"], str(w["pid"])], row
+        assert MODEL in row[4] and row[9] == f"{w['kv_used']} / {w['kv_total']}", row
+    served = re.search(rf'<dd data-assigned="{MODEL}">([^<]*)</dd>', page.text)
+    assert served and served.group(1).split(", ") == pool["assigned"][MODEL]
+    assert pool["decisions"], pool
+    shown = re.findall(r'<tr data-decision="[^"]*">(.*?)</tr>', page.text, re.S)
+    latest = pool["decisions"][-1]
+    first = [html.unescape(re.sub(r"<[^>]+>", "", c)).strip()
+             for c in re.findall(r"<td[^>]*>(.*?)</td>", shown[0], re.S)]
+    assert len(shown) == len(pool["decisions"])
+    assert first[1:] == [latest["model"], latest["worker"], latest["action"], latest["reason"]] and first[4], first
 
 
 def test_quotas_stay_exact_across_replicas_on_a_pool(replicas):

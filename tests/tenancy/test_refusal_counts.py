@@ -38,20 +38,20 @@ async def totals(sessions, tenant_ids=None, start=None, end=None):
 async def test_flushes_of_two_replicas_add_up_by_minute(sessions):
     """Two counters (two replicas) count the same tenant, key and limit in the same minute:
     each flush adds its deltas to the one row; a later minute is a row of its own, which a
-    range can leave out."""
+    range can leave out. The totals add up every tier."""
     clock = Clock()
     one, two = (RefusalCounter(sessions, clock=clock) for _ in range(2))
     for _ in range(3):
-        one.record("ten_a", "key_a", "tenant", "requests_per_minute")
-    two.record("ten_a", "key_a", "tenant", "requests_per_minute")
-    two.record("ten_a", "key_a", "key", "daily_token_budget")
-    one.record("ten_b", "key_b", "tenant", "requests_per_minute")
+        one.record("ten_a", "key_a", "tenant", "requests_per_minute", tier="default")
+    two.record("ten_a", "key_a", "tenant", "requests_per_minute", tier="flex")    # a row of its own
+    two.record("ten_a", "key_a", "key", "daily_token_budget", tier="default")
+    one.record("ten_b", "key_b", "tenant", "requests_per_minute", tier="default")
     assert (one.pending, two.pending) == (4, 2)
     assert await totals(sessions) == {}                      # nothing written before a flush
     assert await one.flush() and await two.flush()
     assert (one.pending, one.flushed, two.flushed) == (0, 4, 2)
     clock.now += 60
-    one.record("ten_a", "key_a", "tenant", "requests_per_minute")
+    one.record("ten_a", "key_a", "tenant", "requests_per_minute", tier="default")
     assert await one.flush()
     assert await one.flush()                                 # nothing left: a no-op
     assert await totals(sessions) == {
@@ -64,10 +64,10 @@ async def test_flushes_of_two_replicas_add_up_by_minute(sessions):
 
 async def test_the_bound_on_counters_drops_and_counts(sessions, caplog):
     counter = RefusalCounter(sessions, max_buckets=2)
-    counter.record("ten_a", "key_a", "tenant", "requests_per_minute")
-    counter.record("ten_a", "key_b", "tenant", "requests_per_minute")
-    counter.record("ten_a", "key_b", "tenant", "requests_per_minute")   # a held counter: kept
-    counter.record("ten_a", "key_c", "tenant", "requests_per_minute")   # a third: dropped
+    counter.record("ten_a", "key_a", "tenant", "requests_per_minute", tier="default")
+    counter.record("ten_a", "key_b", "tenant", "requests_per_minute", tier="default")
+    counter.record("ten_a", "key_b", "tenant", "requests_per_minute", tier="default")   # a held counter: kept
+    counter.record("ten_a", "key_c", "tenant", "requests_per_minute", tier="default")   # a third: dropped
     assert (counter.pending, counter.dropped) == (3, 1)
     assert await counter.flush()
     assert "1 refusals dropped" in caplog.text
@@ -88,12 +88,12 @@ class HungSessions:
 
 async def test_a_flush_is_bounded_in_time_and_keeps_its_counts():
     counter = RefusalCounter(HungSessions(), timeout_s=0.2)
-    counter.record("ten_a", "key_a", "tenant", "tokens_per_minute")
+    counter.record("ten_a", "key_a", "tenant", "tokens_per_minute", tier="default")
     t0 = time.monotonic()
     assert not await counter.flush()
     assert time.monotonic() - t0 < 1.0
     assert (counter.pending, counter.failed_flushes) == (1, 1)
-    counter.record("ten_a", "key_a", "tenant", "tokens_per_minute")
+    counter.record("ten_a", "key_a", "tenant", "tokens_per_minute", tier="default")
     assert counter.pending == 2
 
 
@@ -107,9 +107,9 @@ async def test_counts_of_a_failed_flush_are_written_once_the_database_is_back():
     counter = RefusalCounter(tdb.make_sessionmaker(engine), interval_s=0.05, timeout_s=2.0)
     try:
         for _ in range(3):
-            counter.record("ten_a", "key_a", "tenant", "requests_per_minute")
+            counter.record("ten_a", "key_a", "tenant", "requests_per_minute", tier="default")
         assert not await counter.flush()
-        counter.record("ten_a", "key_a", "tenant", "requests_per_minute")
+        counter.record("ten_a", "key_a", "tenant", "requests_per_minute", tier="default")
         counter.start()                   # background flushes keep failing meanwhile
         await asyncio.sleep(0.2)
         assert counter.pending == 4 and counter.failed_flushes >= 2
@@ -120,7 +120,7 @@ async def test_counts_of_a_failed_flush_are_written_once_the_database_is_back():
         while counter.flushed < 4 and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         assert counter.pending == 0 and counter.flushed == 4
-        counter.record("ten_a", "key_a", "key", "max_concurrent_requests")
+        counter.record("ten_a", "key_a", "key", "max_concurrent_requests", tier="default")
         await counter.close()
         assert await totals(tdb.make_sessionmaker(engine)) == {
             ("ten_a", "key_a"): {("tenant", "requests_per_minute"): 4,
