@@ -68,7 +68,7 @@ class SchedulerOutput:
     num_batched_tokens: int = 0
     shape: StepShape = field(default_factory=StepShape)   # what the cost model predicts from
     urgent_class: int | None = None      # rank of the class the step was sized for
-    step_target_s: float | None = None   # its step-time target, when less urgent prefill was sized
+    step_target_s: float | None = None   # its step-time target, when less urgent prefill or drafts were sized
     # speculative decoding: the draft tokens of each decode that carries some (it computes
     # its last token and these: 1 + len(drafts) tokens in `scheduled`)
     drafts: dict[Sequence, list[int]] = field(default_factory=dict)
@@ -200,7 +200,7 @@ class Scheduler:
         self._admitting = True
         self.sizer.begin(self)
         if self.spec is not None:
-            self.spec.begin(self.running, self.waiting, self.cost, self.max_num_batched_tokens)
+            self.spec.begin(self.running, self.waiting, self.sizer, self.max_num_batched_tokens)
         self._running_loras = {s.state.req.lora_id for s in self.running} - {0}
         self._lora_gate = None
         self.running.sort(key=self.key)

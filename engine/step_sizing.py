@@ -192,6 +192,24 @@ class StepSizer:
             raise RuntimeError("cost model: predicts a step but not its parts")
         return max(self.step_time_multiple * predicted, own + chunk)
 
+    def draft_room_s(self, running: list[Sequence]) -> float | None:
+        """Seconds draft tokens may add to this step (speculative decoding): its step-time
+        target, fixed here from the decodes that run as plain decodes (so drafts cannot raise
+        it, and less urgent prefill is then sized to the same one), less their predicted time.
+        None where steps are not sized (no urgent class in sight, or the cost model unfitted)."""
+        if not self.enabled or self.urgent_rank >= self.num_classes or not self.cost.ready:
+            return None
+        decodes, urgent = StepShape(), StepShape()
+        for seq in running:
+            rank = seq.state.class_rank
+            if seq.is_decode and not (self.skip_background_decodes and rank > self.urgent_rank):
+                decodes.add_decode(seq.num_tokens)
+                if rank <= self.urgent_rank:
+                    urgent.add_decode(seq.num_tokens)
+        if self.target is None:
+            self.target = self._target(decodes, urgent)
+        return max(0.0, self.target - (self.cost.predict(decodes) or 0.0))
+
     @property
     def urgent_class(self) -> int | None:
         return self.urgent_rank if self.urgent_rank < self.num_classes else None

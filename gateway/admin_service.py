@@ -73,7 +73,7 @@ async def create_tenant(state: AppState, session: Any, body: TenantCreate, *, ac
         session, name=body.name, weight=body.weight, service_tiers=body.service_tiers,
         default_tier=body.default_tier, models=body.models, status=body.status,
         quota=body.quota.quota() if body.quota else None, cached_input_price=body.cached_input_price,
-        model_aliases=body.model_aliases, actor=actor)
+        model_aliases=body.model_aliases, speculative=body.speculative, actor=actor)
     after_tenant_change(state, t)
     return t
 
@@ -91,7 +91,7 @@ async def update_tenant(state: AppState, session: Any, tenant_id: str, body: Ten
     changes = body.model_dump(exclude_unset=True)
     if not changes:
         raise APIError(400, "the body changes nothing; give at least one field")
-    for name in ("name", "weight", "status", "service_tiers", "default_tier", "cached_input_price"):
+    for name in ("name", "weight", "status", "service_tiers", "default_tier", "cached_input_price", "speculative"):
         if name in changes and changes[name] is None:
             raise APIError(400, f"{name}: may not be null", param=name)
     await check_model_names(state, session, changes.get("models"))

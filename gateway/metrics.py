@@ -11,8 +11,10 @@ worker (label `worker`) where the engines run in a pool (`lockgate serve --pool`
     vllm:num_preemptions                                      counter
     vllm:lora_requests_info                                   gauge (labels as vLLM's)
     vllm:spec_decode_num_drafts, vllm:spec_decode_num_draft_tokens,
-    vllm:spec_decode_num_accepted_tokens                      counters (speculative decoding)
-    vllm:spec_decode_num_accepted_tokens_per_pos              counter, label `position`
+    vllm:spec_decode_num_accepted_tokens                      counters (speculative decoding),
+                                                              per `service_class`
+    vllm:spec_decode_num_accepted_tokens_per_pos              counter, labels `service_class`, `position`
+    lockgate_spec_decode_enabled                              gauge, 1 while a class drafts
     lockgate_engine_threads{width=now|full}, lockgate_engine_neighbour_cores   adaptive threads
     lockgate_tp_*   a model split over ranks: seconds in collectives (and the latest step's),
                     the forward's seconds, each rank's memory, rank failures
@@ -74,23 +76,25 @@ class _EngineCollector(Collector):
 
     @staticmethod
     def _spec(stats: list[tuple[str, EngineStats]]):
-        """vLLM's speculative-decoding counters, for the models that speculate."""
+        """vLLM's speculative-decoding counters, for the models that speculate, per service
+        class (each class drafts, and is switched off, on its own: engine/spec/switch.py)."""
         drafts = CounterMetricFamily("vllm:spec_decode_num_drafts", "Decodes that carried draft tokens")
         draft_tokens = CounterMetricFamily("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed")
         accepted = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted")
         per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
                                       "Draft tokens accepted, by their position in the draft")
+        enabled = GaugeMetricFamily("lockgate_spec_decode_enabled", "1 while a class drafts (the switch's latest say)",
+                                    labels=["model", "service_class"])
         for model, s in stats:
-            spec = s.spec
-            if spec is None:
-                continue
-            labels = {"model_name": model}
-            drafts.add_sample(drafts.name + "_total", labels, spec.num_drafts)
-            draft_tokens.add_sample(draft_tokens.name + "_total", labels, spec.num_draft_tokens)
-            accepted.add_sample(accepted.name + "_total", labels, spec.num_accepted_tokens)
-            for pos, n in enumerate(spec.accepted_per_pos):
-                per_pos.add_sample(per_pos.name + "_total", {**labels, "position": str(pos)}, n)
-        return drafts, draft_tokens, accepted, per_pos
+            for cls, row in (s.spec.classes if s.spec is not None else {}).items():
+                labels = {"model_name": model, "service_class": cls}
+                drafts.add_sample(drafts.name + "_total", labels, row.num_drafts)
+                draft_tokens.add_sample(draft_tokens.name + "_total", labels, row.num_draft_tokens)
+                accepted.add_sample(accepted.name + "_total", labels, row.num_accepted_tokens)
+                for pos, n in enumerate(row.accepted_per_pos):
+                    per_pos.add_sample(per_pos.name + "_total", {**labels, "position": str(pos)}, n)
+                enabled.add_metric([model, cls], float(row.enabled))
+        return drafts, draft_tokens, accepted, per_pos, enabled
 
     @staticmethod
     def _lockgate(stats: list[tuple[str, EngineStats]]):

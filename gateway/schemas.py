@@ -6,7 +6,7 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any, Generic, Literal, Self, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from lockgate.gateway.fields import Count, Ident
 from lockgate.tenancy import api_keys, tenants
@@ -50,6 +50,8 @@ class TenantCreate(_Strict):
     # the fraction of a prompt token the budgets count for a cached one (1: as any other)
     cached_input_price: float = Field(default=1.0, ge=0, le=1)
     model_aliases: dict[Ident, Ident] | None = None   # name or pattern (`claude-*`) -> served model
+    # false: this tenant's requests decode without draft tokens (where the engine speculates)
+    speculative: StrictBool = True
 
 
 class TenantPatch(_Strict):
@@ -61,6 +63,7 @@ class TenantPatch(_Strict):
     status: Literal["active", "suspended"] | None = None
     cached_input_price: float | None = Field(default=None, ge=0, le=1)
     model_aliases: dict[Ident, Ident] | None = None
+    speculative: StrictBool | None = None
 
 
 class KeyCreate(_Strict):
@@ -109,6 +112,7 @@ class TenantPublic(BaseModel):
     quota: QuotaPublic
     cached_input_price: float
     model_aliases: dict[str, str] | None
+    speculative: bool
     created_at: str | None
     updated_at: str | None
 
@@ -119,6 +123,7 @@ class TenantPublic(BaseModel):
                    models=list(t.models) if t.models is not None else None,
                    quota=QuotaPublic.of(tenants.tenant_quota(t)),
                    cached_input_price=t.cached_input_price, model_aliases=t.model_aliases,
+                   speculative=t.speculative,
                    created_at=iso(t.created_at), updated_at=iso(t.updated_at))
 
 

@@ -40,6 +40,8 @@ class Principal:
     cached_input_price: float = 1.0
     # the tenant's own model aliases (name or pattern, served model), before the server's
     model_aliases: tuple[tuple[str, str], ...] = ()
+    # the plan's speculative decoding (false: every request decodes without draft tokens)
+    speculative: bool = True
 
     @property
     def is_admin(self) -> bool:
@@ -116,4 +118,5 @@ def _principal(key: ApiKey, tenant: Tenant | None) -> Principal:
         tenant_quota=tenant_quota(tenant), key_quota=key_quota(key), expires_at=key.expires_at,
         cached_input_price=tenant.cached_input_price,
         model_aliases=tuple((tenant.model_aliases or {}).items()),
+        speculative=tenant.speculative,
     )

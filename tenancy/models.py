@@ -11,6 +11,7 @@ from typing import Any
 from sqlalchemy import (
     JSON,
     BigInteger,
+    Boolean,
     CheckConstraint,
     DateTime,
     Float,
@@ -123,6 +124,8 @@ class Tenant(_QuotaColumns, Base):
     cached_input_price: Mapped[float] = mapped_column(Float, default=1.0, server_default=text("1.0"))
     # None (SQL NULL): the server's aliases only; else model name or pattern -> served model
     model_aliases: Mapped[dict[str, str] | None] = mapped_column(JSON(none_as_null=True), nullable=True)
+    # speculative decoding for this tenant's requests (false: they decode without draft tokens)
+    speculative: Mapped[bool] = mapped_column(Boolean, default=True, server_default=text("true"))
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     deleted_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)

@@ -42,7 +42,7 @@ from lockgate.tenancy.validation import (
 )
 
 TENANT_FIELDS = frozenset({"name", "weight", "status", "service_tiers", "default_tier", "models",
-                           "cached_input_price", "model_aliases"})
+                           "cached_input_price", "model_aliases", "speculative"})
 MAX_MODEL_ALIASES = 64
 
 
@@ -102,6 +102,12 @@ def _check_price(price: Any) -> float:
         raise Invalid("cached_input_price", str(exc).split(": ", 1)[-1]) from None
 
 
+def _check_speculative(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise Invalid("speculative", f"must be a boolean, got {value!r}")
+    return value
+
+
 def _check_aliases(aliases: Any) -> dict[str, str] | None:
     """A tenant's model aliases: name or `fnmatch` pattern (`claude-*`) -> a served model."""
     if aliases is None:
@@ -142,6 +148,8 @@ def _check_changes(changes: dict[str, Any]) -> dict[str, Any]:
         checked["cached_input_price"] = _check_price(changes["cached_input_price"])
     if "model_aliases" in changes:
         checked["model_aliases"] = _check_aliases(changes["model_aliases"])
+    if "speculative" in changes:
+        checked["speculative"] = _check_speculative(changes["speculative"])
     return checked
 
 
@@ -210,6 +218,7 @@ async def create_tenant(
     status: str = "active",
     cached_input_price: float = 1.0,
     model_aliases: dict[str, str] | None = None,
+    speculative: bool = True,
     actor: str,
 ) -> Tenant:
     """Create a tenant. Conflict if the name is taken (deleted tenants included). Without
@@ -229,20 +238,21 @@ async def create_tenant(
     q = check_quota(quota)
     price = _check_price(cached_input_price)
     aliases = _check_aliases(model_aliases)
+    speculative = _check_speculative(speculative)
 
     async def work() -> Tenant:
         await _name_taken(session, name)
         now = utcnow()
         tenant = Tenant(name=name, weight=weight, status=status, service_tiers=tiers,
                         default_tier=default_tier, models=model_list, cached_input_price=price,
-                        model_aliases=aliases, created_at=now, updated_at=now)
+                        model_aliases=aliases, speculative=speculative, created_at=now, updated_at=now)
         store_quota(tenant, q)
         session.add(tenant)
         await session.flush()
         audit.record(session, actor, "tenant.create", "tenant", tenant.id, {
             "name": name, "weight": weight, "status": status, "service_tiers": tiers,
             "default_tier": default_tier, "models": model_list, "quota": q.to_dict(),
-            "cached_input_price": price, "model_aliases": aliases,
+            "cached_input_price": price, "model_aliases": aliases, "speculative": speculative,
         })
         return tenant
 
@@ -257,7 +267,7 @@ async def create_tenant(
 async def update_tenant(session: AsyncSession, tenant_id: str, *, actor: str,
                         **changes: Any) -> Tenant:
     """Change name/weight/status/service_tiers/default_tier/models/cached_input_price/
-    model_aliases of a live tenant."""
+    model_aliases/speculative of a live tenant."""
     check_actor(actor)
     checked = _check_changes(changes)
 

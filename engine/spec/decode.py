@@ -3,7 +3,7 @@
 The scheduler asks `try_drafts` for each running decode: up to k tokens from the proposer
 (engine/spec/ngram.py; with a draft model, k slots whose tokens the draft writes in the runner
 before the target's forward: engine/spec/draft_model.py), fewer where the step's token
-budget, `max_tokens` or the context its class may use leave less room, none for a request
+budget, the step-time target, `max_tokens` or the context its class may use leave less room, none for a request
 that opted out (`speculative=False`), one with a grammar (its matcher would have to follow
 the draft: such rows decode a token a step for now), or a class the switch
 (engine/spec/switch.py) has turned off. A row with a LoRA adapter drafts too: its chunk is
@@ -11,6 +11,11 @@ one more segment of its adapter's tokens. The row then computes its last token a
 the drafts as one short chunk over the paged KV cache; the runner samples a token at each of
 its 1 + d positions, the row at position j seeing the drafts before it as its history (so
 penalties, logit bias and seeds apply exactly as they would had those tokens been emitted).
+
+Drafts never make a step longer than its step-time target (engine/step_sizing.py): where steps
+are sized, a row's draft is cut to what the time left under the target (after the step's plain
+decodes) still pays for, and decodes are scheduled most urgent class first, so when the target
+or the token budget is tight the less urgent class loses its drafts before the online class's.
 
 `verify` keeps the longest prefix of the draft equal to those tokens (`accept_greedy`) and
 emits it, then the sampled token after it. For greedy rows that is the target's argmax. For
@@ -32,17 +37,22 @@ logprobs as without speculation); the KV slots of the rejected ones are released
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 import torch
 
+from lockgate.engine.cost_model import StepCostModel, StepShape
 from lockgate.engine.kv_cache import KVCacheManager
 from lockgate.engine.request import Sequence
 from lockgate.engine.sampler import SamplerOutput
 from lockgate.engine.spec.config import SpeculativeConfig
 from lockgate.engine.spec.ngram import propose
-from lockgate.engine.spec.switch import CostView, SpecSwitch
+from lockgate.engine.spec.switch import SpecSwitch
 from lockgate.engine.spec.verify import accept_greedy
 from lockgate.engine.stats import SpecClassStats, SpecStats
+
+if TYPE_CHECKING:
+    from lockgate.engine.step_sizing import StepSizer
 
 # (sequence, most tokens) -> draft tokens to follow its last one; tests swap in others
 Proposer = Callable[[Sequence, int], list[int]]
@@ -62,6 +72,8 @@ class SpecDecoder:
         self.counts = [SpecClassStats(accepted_per_pos=[0] * self.num_spec) for _ in classes]
         self.proposer: Proposer = self.ngram if config.draft_model is None else self.placeholder
         self.prefill_reserve = 0       # this step's tokens kept from drafts for pending prefill
+        self.time_left: float | None = None   # seconds drafts may still add to the step (None: unbounded)
+        self.cost = StepCostModel()
 
     def ngram(self, seq: Sequence, k: int) -> list[int]:
         cfg = self.config
@@ -72,13 +84,16 @@ class SpecDecoder:
         """A draft model's proposer here: k slots, the tokens written by the runner's draft."""
         return [0] * k
 
-    def begin(self, running: list[Sequence], waiting: Iterable[Sequence], cost: CostView,
+    def begin(self, running: list[Sequence], waiting: Iterable[Sequence], sizer: StepSizer,
               max_num_batched_tokens: int) -> None:
-        """A step is being scheduled: the switch decides each class's drafts, and the budget
-        that pending prefill keeps from drafts is set: its tokens, up to half the budget (a
-        prompt's token is certain work, a draft token a guess; decodes are scheduled first,
-        so without this a batch of drafting decodes could hold every arrival back)."""
-        self.switch.begin(running, cost)
+        """A step is being scheduled: the switch decides each class's drafts, the time drafts
+        may add to the step is set (`StepSizer.draft_room_s`), and the budget that pending
+        prefill keeps from drafts: its tokens, up to half the budget (a prompt's token is
+        certain work, a draft token a guess; decodes are scheduled first, so without this a
+        batch of drafting decodes could hold every arrival back)."""
+        self.cost = sizer.cost
+        self.switch.begin(running, self.cost)
+        self.time_left = sizer.draft_room_s(running)
         pending = sum(s.num_pending_tokens for s in running if not s.is_decode)
         pending += sum(s.num_tokens - s.num_computed_tokens for s in waiting)
         self.prefill_reserve = min(pending, max_num_batched_tokens // 2)
@@ -88,12 +103,34 @@ class SpecDecoder:
         [] when it gets none, or they do not fit the free blocks (drafts preempt no one).
         `tokens_left`: the step's budget, less a token for each decode still to come."""
         k = self._room(seq, tokens_left - self.prefill_reserve)
+        if k > 0 and self.time_left is not None:
+            k = self._held(seq, k, self.time_left)
         if k < 1:
             return []
         drafts = list(self.proposer(seq, k))[:k]
         if drafts and self.kv.try_allocate(seq, 1 + len(drafts), reserve=reserve):
+            if self.time_left is not None:
+                self.time_left -= self._extra_s(seq, len(drafts))
             return drafts
         return []
+
+    def _extra_s(self, seq: Sequence, num_draft: int) -> float:
+        """Seconds decode `seq` adds to the step as a chunk of 1 + `num_draft` tokens rather
+        than as a plain decode (the fitted step-cost model's difference)."""
+        plain, verify = StepShape(), StepShape()
+        plain.add_decode(seq.num_tokens)
+        verify.add_verify(1 + num_draft, seq.num_tokens - 1)
+        return max(0.0, (self.cost.predict(verify) or 0.0) - (self.cost.predict(plain) or 0.0))
+
+    def _held(self, seq: Sequence, k: int, seconds: float) -> int:
+        """The most draft tokens, at most `k`, that keep `seq`'s extra time within `seconds`."""
+        if self._extra_s(seq, k) <= seconds:
+            return k
+        lo, hi = 0, k     # extra time grows with the draft: fits at lo, not at hi
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if self._extra_s(seq, mid) <= seconds else (lo, mid)
+        return lo
 
     def _room(self, seq: Sequence, tokens_left: int) -> int:
         """How many draft tokens `seq` may carry this step (0: none)."""

@@ -30,6 +30,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from datetime import UTC, datetime
 
 from lockgate.engine import (
@@ -86,7 +87,8 @@ class RequestRun:
         # fairness, and only then by it, so it orders this tenant's own requests alone
         self.priority = tier_priority + inputs.priority
         self.prompts = inputs.prompts
-        self.params = inputs.params
+        # a plan without speculation: its requests decode without drafts, whatever they ask
+        self.params = inputs.params if principal.speculative else [replace(p, speculative=False) for p in inputs.params]
         self.reserve_tokens = inputs.reserve_tokens
         # the engine puts the tenant into every prefix-block hash: no sharing across tenants
         self.cache_salt = inputs.cache_salt

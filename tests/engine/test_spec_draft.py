@@ -1,8 +1,8 @@
 """Speculative decoding with a draft model (engine/spec/draft_model.py) on the copy demo model
-and its draft: greedy output equal to plain decoding at batch 1 and 32 (chunked prefill, prefix
-caching and preemption in the runs) with most drafts kept; a model switch in a pool; the
-draft's memory counted; a mismatched draft refused by name; seeded sampling reproducible; and
-sampled rows keeping the target's law (many seeded requests against the exact distribution)."""
+and its draft (greedy output equal to plain decoding at batch 1, 8 and 32 with most drafts
+kept: tests/engine/test_spec_matrix.py): a model switch in a pool; the draft's memory counted;
+a mismatched draft refused by name; seeded sampling reproducible; and sampled rows keeping
+the target's law (many seeded requests against the exact distribution)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from lockgate.engine import LLM, SamplingParams, write_copy_model
 from lockgate.engine.config import EngineConfig
 from lockgate.engine.model_pool import ModelPool
 from lockgate.engine.request import EngineRequest
-from tests.engine.test_spec_decode import BATCH_32, GREEDY_64, quoting_prompts, run, token_ids
+from tests.engine.test_spec_decode import quoting_prompts, run, token_ids
 from tests.support.helpers import copy_model, demo_model, random_prompts
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -28,36 +28,6 @@ def models() -> tuple[str, str]:
 
 def draft_spec(draft: str, k: int = 4) -> dict:
     return {"model": draft, "num_speculative_tokens": k}
-
-
-def test_greedy_batch_1_equals_plain_decoding_and_most_drafts_are_kept(models):
-    """8 prompts one at a time, 64 tokens each, chunks of 48 (the prompts are chunked), a
-    shared opening (prefix-cache hits), a small cache."""
-    target, draft = models
-    prompts = quoting_prompts(target, 8)
-    engine = {"max_num_seqs": 1, "max_num_batched_tokens": 48, "num_kv_blocks": 64}
-    plain, _ = run(target, prompts, GREEDY_64, None, **engine)
-    spec, stats = run(target, prompts, GREEDY_64, draft_spec(draft), **engine)
-    assert token_ids(spec) == token_ids(plain)
-    s = stats.spec
-    assert s is not None and s.method == "draft_model" and s.num_drafts > 0
-    assert s.num_accepted_tokens > s.num_draft_tokens / 2, s
-    assert stats.kv.prefix_cache_hits > 0
-    assert stats.num_steps < 8 * 64 / 2
-    print(f"\nbatch 1: {s.num_accepted_tokens}/{s.num_draft_tokens} kept, {stats.num_steps} steps")
-
-
-def test_greedy_batch_32_with_preemption_equals_plain_decoding(models):
-    target, draft = models
-    prompts = quoting_prompts(target, 32)
-    plain, plain_stats = run(target, prompts, GREEDY_64, None, **BATCH_32)
-    spec, stats = run(target, prompts, GREEDY_64, draft_spec(draft), **BATCH_32)
-    assert token_ids(spec) == token_ids(plain)
-    s = stats.spec
-    assert s is not None and s.num_accepted_tokens > s.num_draft_tokens / 2, s
-    assert stats.num_preemptions > 0, "the cache is small enough to preempt"
-    print(f"\nbatch 32: {s.num_accepted_tokens}/{s.num_draft_tokens} kept, "
-          f"{stats.num_steps} steps (plain {plain_stats.num_steps}), {stats.num_preemptions} preemptions")
 
 
 def test_the_drafts_weights_and_kv_are_in_the_budget(models):
