@@ -76,7 +76,7 @@ class EngineCore:
         self.scheduler = Scheduler(config, self.kv)
         self.kv.recompute_s = lambda n, computed: self.scheduler.cost.chunk_time(n, computed)
         if self.lora is not None:
-            self.scheduler.lora_ready = self.lora.is_ready
+            self.scheduler.lora_ready, self.lora.on_remove = self.lora.is_ready, self.kv.drop_adapter
         self.grammars = GrammarManager(grammar_compiler(config.model, mc.vocab_size, mc.eos_token_ids))
         self.scheduler.grammar_ready = self.grammars.is_ready
         # (request id, error) of requests that failed after they were queued (an adapter

@@ -52,8 +52,9 @@ class HostKVTier:
         self._loads: list[tuple[int, int]] = []       # (slot, device block) to copy in
         self._loading: set[int] = set()                # slots a pending load reads: not reused
         self._freed_after_flush: list[int] = []        # dropped while a pending load read them
-        # seconds per block copied in, measured at every flush (the first guess ~4 GB/s)
-        self.copy_s_per_block = dc.bytes_per_block(block_size) / 4e9
+        # seconds per block copied in: copy-in time over blocks, both decayed sums over the
+        # flushes (a first guess of ~4 GB/s), so large copies weigh as much as they cost
+        self._copy_s, self._copied = dc.bytes_per_block(block_size) / 4e9, 1.0
         self.num_stores = self.num_copy_ins = self.num_evictions = 0
         self.num_queries = self.num_hits = 0           # in tokens, past the device cache's hits
 
@@ -140,8 +141,12 @@ class HostKVTier:
             for (k, v), (hk, hv) in zip(self.dev.layers, self.layers, strict=True):
                 k.index_copy_(1, ids, hk.index_select(1, slots).to(dev, non_blocking=True))
                 v.index_copy_(1, ids, hv.index_select(1, slots).to(dev, non_blocking=True))
-            per_block = (time.perf_counter() - t0) / len(loads)
-            self.copy_s_per_block = 0.8 * self.copy_s_per_block + 0.2 * per_block
+            self._copy_s = 0.95 * self._copy_s + time.perf_counter() - t0
+            self._copied = 0.95 * self._copied + len(loads)
+
+    @property
+    def copy_s_per_block(self) -> float:
+        return self._copy_s / self._copied
 
     def worth_copying(self, num_blocks: int, recompute_s: float | None) -> bool:
         """A copy-in against a recompute of the same tokens (the step-cost model's price;
@@ -163,10 +168,8 @@ def host_tier_for(config: EngineConfig, runner: ModelRunner, num_blocks: int) ->
 def host_tier_slots(size_gib: float | None, device_cache_bytes: int, bytes_per_block: int) -> int:
     """Slots of the host tier. `size_gib` None: on where memory allows, min(the device cache's
     size, a quarter of the host's available memory, 16 GiB); 0: off."""
-    if size_gib is None:
-        size = min(device_cache_bytes, host_available_bytes() // 4, 16 * GiB)
-    else:
-        size = int(size_gib * GiB)
+    size = (min(device_cache_bytes, host_available_bytes() // 4, 16 * GiB) if size_gib is None
+            else int(size_gib * GiB))
     return max(0, size // bytes_per_block) if bytes_per_block else 0
 
 

@@ -117,7 +117,7 @@ class KVCacheManager:
                 break
             hits.append(block)
         if self.host is not None and len(hits) < max_blocks:
-            hits += self._copy_in(seq, hits, max_blocks)
+            hits += self._copy_in(self.host, seq, hits, max_blocks)
         return hits
 
     # -- the host tier -----------------------------------------------------------------------
@@ -125,12 +125,11 @@ class KVCacheManager:
         if self.host is not None and block.tag is not None:
             self.host.store(block.block_hash, block.tag, block.block_id)   # type: ignore[arg-type]
 
-    def _copy_in(self, seq: Sequence, hits: list[KVBlock], max_blocks: int) -> list[KVBlock]:
+    def _copy_in(self, host: HostKVTier, seq: Sequence, hits: list[KVBlock], max_blocks: int) -> list[KVBlock]:
         """The blocks after `hits` that the host tier holds, copied into fresh device blocks
         (at the step's flush) and cached there, as if the device had kept them; none where
         recomputing them is cheaper."""
-        host, pool, bs = self.host, self.pool, self.block_size
-        assert host is not None
+        pool, bs = self.pool, self.block_size
         start = len(hits)
         wanted = []
         for h in seq.block_hashes[start:max_blocks]:
@@ -168,6 +167,14 @@ class KVCacheManager:
         """Forget, in both tiers, the cached blocks whose (model, adapter id, scope) tag
         matches, before the next lookup. Safe from any thread (a list append)."""
         self._drops.append(match)
+
+    def drop_adapter(self, adapter_id: int) -> None:
+        """An adapter was removed: a later one under its id may have other weights."""
+        self.drop_later(lambda tag: tag[1] == adapter_id)
+
+    def drop_tenant(self, tenant: str) -> None:
+        """A tenant was deleted: its own blocks (not a share group's) leave both tiers."""
+        self.drop_later(lambda tag: tag[2] == f"t:{tenant}")
 
     def _apply_drops(self) -> None:
         drops, self._drops = self._drops, []
