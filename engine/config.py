@@ -32,6 +32,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     num_kv_blocks: int | None = None
     kv_cache_memory: int | None = None
+    # the host-memory KV tier, GiB (vLLM's name): None: min(the device cache's size, a quarter
+    # of the host's available memory, 16 GiB); 0: off (engine/kv_cache/host_tier.py)
+    kv_offloading_size: float | None = None
     gpu_memory_utilization: float = 0.9
     scheduling_policy: Literal["priority", "fcfs"] = "priority"
     seed: int = 0
@@ -151,6 +154,8 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be >= 1; got {self.num_kv_blocks}")
         if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
             raise ValueError(f"kv_cache_memory must be a positive byte count; got {self.kv_cache_memory}")
+        if self.kv_offloading_size is not None and not self.kv_offloading_size >= 0:
+            raise ValueError(f"kv_offloading_size must be >= 0 (GiB; 0: off); got {self.kv_offloading_size!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1]; got {self.gpu_memory_utilization}"

@@ -16,6 +16,7 @@ from lockgate.engine.config import DTYPES, EngineConfig, ModelConfig
 from lockgate.engine.errors import InvalidRequest, PromptTooLong, UnknownModel
 from lockgate.engine.grammar import GrammarManager, grammar_compiler
 from lockgate.engine.kv_cache import KVCacheManager
+from lockgate.engine.kv_cache.host_tier import host_tier_for
 from lockgate.engine.lora import Adapter, LoRAManager, LoRARequest
 from lockgate.engine.memory import CPU_DEFAULT_KV_BYTES, MemoryBudget
 from lockgate.engine.model_runner import ModelRunner, StepTimings
@@ -27,7 +28,7 @@ from lockgate.engine.request import EngineRequest, RequestState, SeqStatus, Sequ
 from lockgate.engine.scheduler import Scheduler
 from lockgate.engine.spec.config import SpeculativeConfig
 from lockgate.engine.spec.decode import SpecDecoder
-from lockgate.engine.stats import EngineStats, KVStats, QueueStats, TenantClassStats
+from lockgate.engine.stats import EngineStats, QueueStats, TenantClassStats
 from lockgate.engine.threads import governor_for
 from lockgate.engine.tokenizer import Tokenizer
 
@@ -70,11 +71,12 @@ class EngineCore:
         bs = config.block_size
         self.memory: MemoryBudget | None = None
         self.lora, self.num_kv_blocks = self._start_runner(pooled)
-        self.kv = KVCacheManager(self.num_kv_blocks, bs, config.enable_prefix_caching,
-                                 num_tiers=len(config.service_classes))
+        self.kv = KVCacheManager(self.num_kv_blocks, bs, config.enable_prefix_caching, len(config.service_classes),
+                                 host_tier_for(config, self.runner, self.num_kv_blocks))
         self.scheduler = Scheduler(config, self.kv)
+        self.kv.recompute_s = lambda n, computed: self.scheduler.cost.chunk_time(n, computed)
         if self.lora is not None:
-            self.scheduler.lora_ready = self.lora.is_ready
+            self.scheduler.lora_ready, self.lora.on_remove = self.lora.is_ready, self.kv.drop_adapter
         self.grammars = GrammarManager(grammar_compiler(config.model, mc.vocab_size, mc.eos_token_ids))
         self.scheduler.grammar_ready = self.grammars.is_ready
         # (request id, error) of requests that failed after they were queued (an adapter
@@ -413,9 +415,7 @@ class EngineCore:
             num_preemptions=sched.num_preemptions,
             num_generated_tokens=self.num_generated_tokens,
             num_steps=self.timings.num_steps,
-            kv=KVStats(total=self.num_kv_blocks, used=self.kv.num_used_blocks,
-                       free=self.kv.num_free_blocks, prefix_cache_queries=self.kv.num_cache_queries,
-                       prefix_cache_hits=self.kv.num_cache_hits),
+            kv=self.kv.stats(),
             memory=self.memory.summary() if self.memory is not None else self.footprint(),
             cost_model=sched.sizer.cost_summary(str(self.device)),
             lora=self.lora.stats() if self.lora is not None else None,

@@ -97,6 +97,8 @@ class LoRAManager:
         # with tensor parallelism: the same slot change on every other rank (each cuts the
         # adapter to its own slice); None with one rank
         self.remote: Callable[..., object] | None = None
+        # told of each adapter removed (any thread): the engine drops its cached KV blocks
+        self.on_remove: Callable[[int], None] | None = None
 
     def bind(self, projections: dict[str, tuple[LinearBase, int]]) -> None:
         """Give a loaded model's projections their (empty) device slots."""
@@ -218,6 +220,8 @@ class LoRAManager:
             if adapter_id in self.slot_of:
                 self._removed.add(adapter_id)
                 found = True
+        if found and self.on_remove is not None:   # its cached KV blocks go too
+            self.on_remove(adapter_id)
         return found
 
     # -- device side (the step loop's thread) -------------------------------------------------

@@ -391,6 +391,7 @@ class ModelRunner:
         self, sched: SchedulerOutput, kv: KVCacheManager, timings: StepTimings
     ) -> tuple[list[Sequence], SamplerOutput | None]:
         t0 = time.perf_counter()
+        kv.flush_host_tier()           # blocks the schedule moved between tiers, before anything writes
         if self.draft is not None:     # the draft's KV beside the target's; its tokens into sched.drafts
             self.draft.propose(sched, kv, self.sampler)
         t_draft = time.perf_counter() - t0

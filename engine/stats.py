@@ -35,7 +35,17 @@ class KVStats:
     used: int = 0
     free: int = 0
     prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
+    prefix_cache_hits: int = 0     # in tokens, from either tier
+    # the host-memory tier (engine/kv_cache/host_tier.py); all 0 while it is off. Hits and
+    # queries in tokens (looked up past the device's hits), the rest in blocks
+    host_total: int = 0
+    host_held: int = 0
+    host_queries: int = 0
+    host_hits: int = 0
+    host_copy_ins: int = 0
+    host_stores: int = 0          # blocks the device evicted, copied to the host
+    host_evictions: int = 0
+    device_evictions: int = 0     # cached blocks the device cache evicted
 
 
 @dataclass(slots=True)

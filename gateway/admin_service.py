@@ -167,6 +167,13 @@ def engine_json(s: EngineStats) -> dict:
         "tenants": {t: {c: asdict(row) for c, row in by_class.items()} for t, by_class in s.tenants.items()},
         "generated_tokens": s.num_generated_tokens,
         "prefix_cache": {"queries": s.kv.prefix_cache_queries, "hits": s.kv.prefix_cache_hits},
+        # the KV tiers: blocks held and room, hits (tokens), copies and evictions (blocks)
+        "kv_tiers": {
+            "device": {"blocks": s.kv.used, "capacity": s.kv.total, "evictions": s.kv.device_evictions,
+                       "hits": max(0, s.kv.prefix_cache_hits - s.kv.host_hits)},
+            "host": {"blocks": s.kv.host_held, "capacity": s.kv.host_total, "hits": s.kv.host_hits,
+                     "queries": s.kv.host_queries, "copy_ins": s.kv.host_copy_ins,
+                     "stores": s.kv.host_stores, "evictions": s.kv.host_evictions}},
         "lora": _json(s.lora),     # in_slots, in_cpu, requests, slot_loads, disk_loads
         # the engine's bounded queue: queued per class, bounds, refused / shed per tenant
         "overload": _json(s.overload),

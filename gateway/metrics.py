@@ -7,7 +7,11 @@ worker (label `worker`) where the engines run in a pool (`lockgate serve --pool`
 
     vllm:num_requests_running, vllm:num_requests_waiting     gauges (running: sequences)
     vllm:kv_cache_usage_perc                                  gauge, 0 to 1
-    vllm:prefix_cache_queries, vllm:prefix_cache_hits        counters, in tokens
+    vllm:prefix_cache_queries, vllm:prefix_cache_hits        counters, in tokens, label `tier`
+                                                              (device, host: the host KV tier)
+    lockgate_kv_tier_blocks, lockgate_kv_tier_capacity_blocks, lockgate_kv_tier_evictions
+                    per model and KV tier; lockgate_kv_offload_stores, lockgate_kv_offload_copy_ins
+                    the blocks copied to the host tier and back
     vllm:num_preemptions                                      counter
     vllm:lora_requests_info                                   gauge (labels as vLLM's)
     vllm:spec_decode_num_drafts, vllm:spec_decode_num_draft_tokens,
@@ -73,6 +77,31 @@ class _EngineCollector(Collector):
         yield from self._parallel(stats)
         yield from self._vllm(stats)
         yield from self._spec(stats)
+        yield from self._kv_tiers(stats)
+
+    @staticmethod
+    def _kv_tiers(stats: list[tuple[str, EngineStats]]):
+        """Per model and KV tier: blocks held and their room, evictions; the offload copies."""
+        held = GaugeMetricFamily("lockgate_kv_tier_blocks", "KV blocks a tier holds (device: in use)",
+                                 labels=["model_name", "tier"])
+        room = GaugeMetricFamily("lockgate_kv_tier_capacity_blocks", "KV blocks a tier has room for",
+                                 labels=["model_name", "tier"])
+        evicted = CounterMetricFamily("lockgate_kv_tier_evictions", "Cached KV blocks a tier evicted",
+                                      labels=["model_name", "tier"])
+        stores = CounterMetricFamily("lockgate_kv_offload_stores", "KV blocks copied device -> host tier",
+                                     labels=["model_name"])
+        loads = CounterMetricFamily("lockgate_kv_offload_copy_ins", "KV blocks copied host tier -> device",
+                                    labels=["model_name"])
+        for model, s in stats:
+            k = s.kv
+            for tier, n, cap, ev in (("device", k.used, k.total, k.device_evictions),
+                                     ("host", k.host_held, k.host_total, k.host_evictions)):
+                held.add_metric([model, tier], n)
+                room.add_metric([model, tier], cap)
+                evicted.add_metric([model, tier], ev)
+            stores.add_metric([model], k.host_stores)
+            loads.add_metric([model], k.host_copy_ins)
+        return held, room, evicted, stores, loads
 
     @staticmethod
     def _spec(stats: list[tuple[str, EngineStats]]):
@@ -172,8 +201,12 @@ class _EngineCollector(Collector):
             running.add_sample(running.name, labels, sum(s.running.values()))
             waiting.add_sample(waiting.name, labels, sum(s.waiting_requests.values()))
             kv.add_sample(kv.name, labels, s.kv.used / s.kv.total if s.kv.total else 0.0)
-            queries.add_sample(queries.name + "_total", labels, s.kv.prefix_cache_queries)
-            hits.add_sample(hits.name + "_total", labels, s.kv.prefix_cache_hits)
+            # per KV tier: a hit copied in from the host tier counts there, not on the device
+            k = s.kv
+            for tier, q, h in (("device", k.prefix_cache_queries, max(0, k.prefix_cache_hits - k.host_hits)),
+                               ("host", k.host_queries, k.host_hits)):
+                queries.add_sample(queries.name + "_total", {**labels, "tier": tier}, q)
+                hits.add_sample(hits.name + "_total", {**labels, "tier": tier}, h)
             pre.add_sample(pre.name + "_total", labels, s.num_preemptions)
             if s.lora is not None:
                 busy = [n for n, k in s.lora.requests.items() if k > 0]

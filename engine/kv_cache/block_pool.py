@@ -21,19 +21,21 @@ unreserved; `bytearray.find` looks for a run of them in C.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 BlockHash = bytes
 
 
 class KVBlock:
-    __slots__ = ("block_hash", "block_id", "next_free", "prev_free", "ref_cnt", "tier")
+    __slots__ = ("block_hash", "block_id", "next_free", "prev_free", "ref_cnt", "tag", "tier")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.tier = 0
         self.ref_cnt = 0
         self.block_hash: BlockHash | None = None
+        self.tag: Any = None      # who cached it (see KVCacheManager._tag), for invalidation
         self.prev_free: KVBlock | None = None
         self.next_free: KVBlock | None = None
 
@@ -108,6 +110,8 @@ class BlockPool:
         self.clean = bytearray(b"\x01") * num_blocks    # free, uncached and reserved for no one
         self.reserved_by = [0] * num_blocks              # the owner of a block's soft reservation
         self.extents: dict[int, tuple[int, int]] = {}    # owner -> its reserved [start, end)
+        # told of every cached block as it is evicted, contents still intact (a KV tier)
+        self.on_evict: Callable[[KVBlock], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -246,20 +250,34 @@ class BlockPool:
                     self.free_queue.appendleft(block)
                     self.clean[block.block_id] = not self.reserved_by[block.block_id]
 
-    def cache_block(self, block: KVBlock, block_hash: BlockHash) -> None:
+    def cache_block(self, block: KVBlock, block_hash: BlockHash, tag: Any = None) -> None:
         """Record that `block` now holds the full block identified by `block_hash`."""
         if not self.enable_caching or block.block_hash is not None:
             return
         if block_hash in self.cached:  # another request filled the same prefix first
             return
-        block.block_hash = block_hash
+        block.block_hash, block.tag = block_hash, tag
         self.cached[block_hash] = block
+
+    def uncache(self, match: Callable[[Any], bool]) -> None:
+        """Forget the cached prefix of every block whose tag matches (its adapter unloaded,
+        its tenant deleted): free ones are reused first, held ones stay with their owner."""
+        for block in [b for b in self.cached.values() if match(b.tag)]:
+            del self.cached[block.block_hash]       # type: ignore[arg-type]
+            block.block_hash = block.tag = None
+            if block.ref_cnt == 0:
+                self.free_queues[block.tier].remove(block)
+                block.tier = 0
+                self.free_queue.appendleft(block)
+                self.clean[block.block_id] = not self.reserved_by[block.block_id]
 
     def _evict(self, block: KVBlock) -> None:
         if block.block_hash is not None:
             if self.cached.get(block.block_hash) is block:
                 del self.cached[block.block_hash]
-            block.block_hash = None
+                if self.on_evict is not None:
+                    self.on_evict(block)
+            block.block_hash = block.tag = None
             self.num_evictions += 1
 
     def check_integrity(self) -> None:

@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import hashlib
 from array import array
+from collections.abc import Callable
 
 from lockgate.engine.kv_cache.block_pool import BlockHash, BlockPool, KVBlock
+from lockgate.engine.kv_cache.host_tier import HostKVTier, Tag
 from lockgate.engine.request import Sequence
+from lockgate.engine.stats import KVStats
 
 ROOT_HASH = b"lockgate-kv-root"
 
@@ -31,9 +34,17 @@ def cdiv(a: int, b: int) -> int:
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 num_tiers: int = 1) -> None:
+                 num_tiers: int = 1, host_tier: HostKVTier | None = None) -> None:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, enable_caching, num_tiers)
+        # the second KV tier (host memory): evicted prefix blocks go there, hits come back
+        self.host = host_tier if enable_caching else None
+        if self.host is not None:
+            self.pool.on_evict = self._offload
+        self._drops: list[Callable[[Tag], bool]] = []   # invalidations from other threads
+        # price of recomputing tokens (count, computed before them) in seconds; the engine
+        # sets it from the step-cost model
+        self.recompute_s: Callable[[int, int], float | None] = lambda _n, _c: None
         self.enable_caching = enable_caching
         self.tables: dict[int, list[KVBlock]] = {}   # id(sequence) -> its blocks
         self.ids: dict[int, list[int]] = {}          # the same as block ids, kept in step (read every step)
@@ -48,8 +59,13 @@ class KVCacheManager:
         prefix. Only when no sequence holds a block."""
         if self.tables:
             raise RuntimeError(f"kv cache reset while {len(self.tables)} sequences hold blocks")
+        evicted = self.pool.num_evictions
         self.pool = BlockPool(self.pool.num_blocks, self.enable_caching, len(self.pool.free_queues))
+        self.pool.num_evictions = evicted
         self.num_registered.clear()
+        if self.host is not None:   # the weights may be read again changed: no old block holds
+            self.host.clear()
+            self.pool.on_evict = self._offload
 
     # -- lookups ---------------------------------------------------------------------------
     def blocks_of(self, seq: Sequence) -> list[KVBlock]:
@@ -58,6 +74,12 @@ class KVCacheManager:
     def block_ids(self, seq: Sequence) -> list[int]:
         """The block ids of `seq` (the manager's own list: read it, do not change it)."""
         return self.ids.get(id(seq), [])
+
+    @staticmethod
+    def _tag(seq: Sequence) -> Tag:
+        req = seq.state.req
+        scope = f"g:{req.share_group}" if req.share_group else f"t:{req.tenant}"
+        return (req.model or "", req.lora_id, scope)
 
     def _extra_key(self, seq: Sequence) -> bytes:
         req = seq.state.req
@@ -85,6 +107,8 @@ class KVCacheManager:
         if not self.enable_caching:
             return []
         self.update_hashes(seq)
+        if self._drops:
+            self._apply_drops()
         max_blocks = (seq.num_tokens - 1) // self.block_size
         hits = []
         for block_hash in seq.block_hashes[:max_blocks]:
@@ -92,7 +116,72 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
+        if self.host is not None and len(hits) < max_blocks:
+            hits += self._copy_in(self.host, seq, hits, max_blocks)
         return hits
+
+    # -- the host tier -----------------------------------------------------------------------
+    def _offload(self, block: KVBlock) -> None:
+        if self.host is not None and block.tag is not None:
+            self.host.store(block.block_hash, block.tag, block.block_id)   # type: ignore[arg-type]
+
+    def _copy_in(self, host: HostKVTier, seq: Sequence, hits: list[KVBlock], max_blocks: int) -> list[KVBlock]:
+        """The blocks after `hits` that the host tier holds, copied into fresh device blocks
+        (at the step's flush) and cached there, as if the device had kept them; none where
+        recomputing them is cheaper."""
+        pool, bs = self.pool, self.block_size
+        start = len(hits)
+        wanted = []
+        for h in seq.block_hashes[start:max_blocks]:
+            if h in pool.cached:
+                break
+            wanted.append(h)
+        host.num_queries += (max_blocks - start) * bs
+        n = host.count_run(wanted)
+        if n == 0 or not host.worth_copying(n, self.recompute_s(n * bs, start * bs)):
+            return []
+        tiers = [b.tier for b in hits]
+        pool.touch(hits)                     # making room must not evict the device's own hits
+        fresh = pool.allocate(min(n, pool.num_free_blocks)) or []
+        out, tag = [], self._tag(seq)
+        for block, block_hash in zip(fresh, wanted, strict=False):
+            if not host.load(block_hash, block.block_id):   # evicted meanwhile: the run ends
+                break
+            pool.cache_block(block, block_hash, tag)
+            out.append(block)
+        for block, tier in zip(hits, tiers, strict=True):
+            pool.free([block], tier)
+        # cached and free, like any device hit: the caller adopts them
+        rank_tier = len(pool.free_queues) - 1 - seq.state.class_rank
+        pool.free(reversed(out), rank_tier)
+        pool.free(reversed(fresh[len(out):]))
+        host.num_hits += len(out) * bs
+        return out
+
+    def flush_host_tier(self) -> None:
+        """The host tier's copies recorded while scheduling: done before the forward."""
+        if self.host is not None:
+            self.host.flush()
+
+    def drop_later(self, match: Callable[[Tag], bool]) -> None:
+        """Forget, in both tiers, the cached blocks whose (model, adapter id, scope) tag
+        matches, before the next lookup. Safe from any thread (a list append)."""
+        self._drops.append(match)
+
+    def drop_adapter(self, adapter_id: int) -> None:
+        """An adapter was removed: a later one under its id may have other weights."""
+        self.drop_later(lambda tag: tag[1] == adapter_id)
+
+    def drop_tenant(self, tenant: str) -> None:
+        """A tenant was deleted: its own blocks (not a share group's) leave both tiers."""
+        self.drop_later(lambda tag: tag[2] == f"t:{tenant}")
+
+    def _apply_drops(self) -> None:
+        drops, self._drops = self._drops, []
+        for match in drops:
+            self.pool.uncache(match)
+            if self.host is not None:
+                self.host.drop(match)
 
     def record_lookup(self, num_tokens: int, num_cached_tokens: int) -> None:
         """Count one admitted sequence's prefix lookup (for the hit-rate stats)."""
@@ -168,9 +257,10 @@ class KVCacheManager:
             return
         self.update_hashes(seq)
         table = self.tables[id(seq)]
+        tag = self._tag(seq)
         for i in range(done, num_full):     # only blocks filled since the last call
             if table[i].block_hash is None:
-                self.pool.cache_block(table[i], seq.block_hashes[i])
+                self.pool.cache_block(table[i], seq.block_hashes[i], tag)
         self.num_registered[id(seq)] = num_full
 
     def truncate(self, seq: Sequence, num_tokens: int) -> None:
@@ -204,6 +294,18 @@ class KVCacheManager:
         self.pool.unreserve(id(seq))
 
     # -- accounting ------------------------------------------------------------------------
+    def stats(self) -> KVStats:
+        pool, host = self.pool, self.host
+        out = KVStats(total=pool.num_blocks, used=pool.num_used_blocks, free=pool.num_free_blocks,
+                      prefix_cache_queries=self.num_cache_queries, prefix_cache_hits=self.num_cache_hits,
+                      device_evictions=pool.num_evictions)
+        if host is not None:
+            out.host_total, out.host_held = host.num_slots, host.num_held
+            out.host_queries, out.host_hits = host.num_queries, host.num_hits
+            out.host_copy_ins, out.host_stores = host.num_copy_ins, host.num_stores
+            out.host_evictions = host.num_evictions
+        return out
+
     @property
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks

@@ -114,9 +114,16 @@ async def test_vllm_metrics_beside_lockgates_own(server, tenant):
         assert m[name].type == kind, (name, m[name].type)
     assert 0.0 <= value(m, "vllm:kv_cache_usage_perc", model_name=MODEL) <= 1.0
     assert value(m, "vllm:num_requests_waiting", model_name=MODEL) == 0
-    hits = value(m, "vllm:prefix_cache_hits", "vllm:prefix_cache_hits_total", model_name=MODEL)
-    queries = value(m, "vllm:prefix_cache_queries", "vllm:prefix_cache_queries_total", model_name=MODEL)
+    hits = value(m, "vllm:prefix_cache_hits", "vllm:prefix_cache_hits_total", model_name=MODEL, tier="device")
+    queries = value(m, "vllm:prefix_cache_queries", "vllm:prefix_cache_queries_total", model_name=MODEL,
+                    tier="device")
     assert 32 <= hits < queries          # the second prompt's two full blocks, in tokens
+    # the host KV tier, on by default: nothing was evicted, so it served nothing
+    assert value(m, "vllm:prefix_cache_hits", "vllm:prefix_cache_hits_total", model_name=MODEL, tier="host") == 0
+    assert value(m, "lockgate_kv_tier_capacity_blocks", model_name=MODEL, tier="host") > 0
+    assert value(m, "lockgate_kv_offload_copy_ins", "lockgate_kv_offload_copy_ins_total", model_name=MODEL) == 0
+    tiers = (await server.admin.get("/engine")).json()["models"][MODEL]["kv_tiers"]
+    assert tiers["device"]["hits"] == hits and tiers["host"]["capacity"] > 0 and tiers["host"]["copy_ins"] == 0
     for name in ("vllm:time_to_first_token_seconds", "vllm:e2e_request_latency_seconds",
                  "vllm:request_queue_time_seconds"):
         assert value(m, name, name + "_count", model_name=MODEL) >= 2, name

@@ -1,0 +1,101 @@
+"""The host-memory KV tier (engine/kv_cache/host_tier.py): prefix blocks the device cache
+evicted come back from host memory instead of being recomputed, with output unchanged;
+no tenant hits another's blocks there, and nothing an adapter removal or a reload of the
+weights makes stale is ever served from it."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+import pytest
+
+from lockgate.engine import LLM, LoRARequest, SamplingParams
+from lockgate.engine.demo_model import write_demo_model
+from lockgate.engine.lora_demo import write_demo_adapter
+from lockgate.loadtests.bench_kv_tier import KVTierSizes, chat_summary, run_chat
+from tests.support.helpers import demo_model, random_prompts
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+TIER = {"num_kv_blocks": 16, "kv_offloading_size": 0.01}   # 16 device blocks, ~600 host ones
+
+
+def greedy(n: int = 6) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+def run(llm: LLM, prompt: list[int], **kw):
+    return llm.generate([{"prompt_token_ids": prompt}], greedy(), use_progress_bar=False, **kw)[0]
+
+
+def test_multi_turn_chats_in_a_small_device_cache_recompute_only_unseen_tokens():
+    """16 chats x 6 turns on 1-2k-token shared histories, a device cache holding about one
+    chat: with the tier the outputs equal the run without it, and the prompt tokens
+    computed are exactly the block-aligned ones never seen before."""
+    d = demo_model("llama")
+    sizes = asdict(KVTierSizes())
+    out = chat_summary(run_chat(d, True, sizes), run_chat(d, False, sizes), 16)
+    print(f"prompt tokens computed: tier {out['on']['computed']}, never seen {out['never_seen']}, "
+          f"no tier {out['off']['computed']}; {out['served_turns']} turns served from the tier")
+    assert out["same_output"]
+    assert out["on"]["computed"] == out["never_seen"]
+    assert out["off"]["computed"] > 5 * out["never_seen"]
+    assert out["served_turns"] >= 80 and out["on"]["copy_ins"] > 0
+
+
+def test_another_tenant_never_hits_a_tenants_blocks_in_the_host_tier():
+    d = demo_model("llama")
+    prompt, filler = random_prompts(d, [100, 240], seed=31)
+    llm = LLM(d, **TIER)
+    first = run(llm, prompt, tenant="acme")
+    run(llm, filler, tenant="filler")          # evicts acme's blocks from the device
+    kv = llm.engine.kv.stats()
+    assert kv.host_stores >= 6
+    other = run(llm, prompt, tenant="globex")
+    assert other.num_cached_tokens == 0
+    assert llm.engine.kv.stats().host_hits == kv.host_hits
+    run(llm, filler, tenant="filler")
+    again = run(llm, prompt, tenant="acme")
+    assert again.num_cached_tokens == 96
+    assert llm.engine.kv.stats().host_hits >= kv.host_hits + 96
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+    # a deleted tenant's blocks leave both tiers
+    llm.engine.kv.drop_tenant("acme")
+    assert run(llm, prompt, tenant="acme").num_cached_tokens == 0
+
+
+def test_weights_read_again_after_an_offload_never_meet_stale_blocks(tmp_path):
+    """The model offloaded, its checkpoint replaced, loaded again (what a model switch may
+    do): the tier held the old weights' blocks, and the prompt is computed anew."""
+    path = write_demo_model(tmp_path / "m", seed=0)
+    prompt, filler = random_prompts(str(path), [100, 240], seed=32)
+    llm = LLM(str(path), **TIER)
+    run(llm, prompt)
+    run(llm, filler)
+    assert llm.engine.kv.stats().host_held > 0
+    llm.engine.offload()
+    write_demo_model(path, seed=1)
+    llm.engine.load()
+    got = run(llm, prompt)
+    fresh = run(LLM(str(write_demo_model(tmp_path / "fresh", seed=1)), **TIER), prompt)
+    assert got.num_cached_tokens == 0
+    assert got.outputs[0].token_ids == fresh.outputs[0].token_ids
+
+
+def test_a_removed_adapter_s_blocks_are_never_served(tmp_path):
+    """Adapter 1 removed, then registered again under its id and name with other weights:
+    the tier's blocks of the old one are gone, and the output is the new adapter's."""
+    base = demo_model("llama")
+    old = write_demo_adapter(base, tmp_path / "old", rank=4, targets="q,k,v,o", seed=1)
+    new = write_demo_adapter(base, tmp_path / "new", rank=4, targets="q,k,v,o", seed=2)
+    prompt, filler = random_prompts(base, [100, 240], seed=33)
+    llm = LLM(base, dtype="float32", enable_lora=True, max_loras=1, **TIER)
+    run(llm, prompt, lora_request=LoRARequest("a", 1, str(old)))
+    run(llm, filler)
+    assert llm.engine.kv.stats().host_held >= 6
+    assert llm.remove_lora(1)
+    got = run(llm, prompt, lora_request=LoRARequest("a", 1, str(new)))
+    fresh = run(LLM(base, dtype="float32", enable_lora=True, max_loras=1, **TIER), prompt,
+                lora_request=LoRARequest("a", 1, str(new)))
+    assert got.num_cached_tokens == 0
+    assert got.outputs[0].token_ids == fresh.outputs[0].token_ids
