@@ -21,7 +21,7 @@ unreserved; `bytearray.find` looks for a run of them in C.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 BlockHash = bytes
 
@@ -108,6 +108,8 @@ class BlockPool:
         self.clean = bytearray(b"\x01") * num_blocks    # free, uncached and reserved for no one
         self.reserved_by = [0] * num_blocks              # the owner of a block's soft reservation
         self.extents: dict[int, tuple[int, int]] = {}    # owner -> its reserved [start, end)
+        # told when a hash enters or leaves `cached` (engine/kv_cache/events.py)
+        self.listener: Callable[[str, BlockHash | None], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -254,11 +256,15 @@ class BlockPool:
             return
         block.block_hash = block_hash
         self.cached[block_hash] = block
+        if self.listener is not None:
+            self.listener("stored", block_hash)
 
     def _evict(self, block: KVBlock) -> None:
         if block.block_hash is not None:
             if self.cached.get(block.block_hash) is block:
                 del self.cached[block.block_hash]
+                if self.listener is not None:
+                    self.listener("removed", block.block_hash)
             block.block_hash = None
             self.num_evictions += 1
 

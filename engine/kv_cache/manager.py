@@ -48,8 +48,12 @@ class KVCacheManager:
         prefix. Only when no sequence holds a block."""
         if self.tables:
             raise RuntimeError(f"kv cache reset while {len(self.tables)} sequences hold blocks")
+        listener = self.pool.listener
         self.pool = BlockPool(self.pool.num_blocks, self.enable_caching, len(self.pool.free_queues))
+        self.pool.listener = listener
         self.num_registered.clear()
+        if listener is not None:
+            listener("cleared", None)
 
     # -- lookups ---------------------------------------------------------------------------
     def blocks_of(self, seq: Sequence) -> list[KVBlock]:
