@@ -127,6 +127,9 @@ class KVEventLog:
             oldest = self._batches[0].seq if self._batches else self.seq + 1
             if epoch == self.epoch and after >= oldest - 1:
                 return EventReport(self.epoch, self.seq, tuple(b for b in self._batches if b.seq > after))
-            # list() of a dict's keys runs without releasing the GIL: a consistent copy
-            snap = {(m, DEVICE): frozenset(list(src())) for m, src in self._sources.items()}
-            return EventReport(self.epoch, self.seq, (), snap)
+            return EventReport(self.epoch, self.seq, (), self.cached())
+
+    def cached(self) -> dict[tuple[str, str], frozenset[bytes]]:
+        """Every hash cached now, by (model, tier)."""
+        # list() of a dict's keys runs without releasing the GIL: a consistent copy
+        return {(m, DEVICE): frozenset(list(src())) for m, src in self._sources.items()}
