@@ -338,3 +338,48 @@ def test_a_tensor_parallel_worker_reports_its_size_and_devices_as_one_worker():
     r = w.report()
     assert (r.worker_id, r.tensor_parallel_size, r.devices) == ("w", 2, 2)
     assert EngineWorker("w", {"a": "x"}, {}).report().tensor_parallel_size == 1
+
+
+def test_router_weighs_the_prefill_a_cache_saves_against_the_queue_in_seconds():
+    """Both in seconds of each worker's own price: a worker holding the prefix wins while its
+    queue costs less than the prefill it saves; an offline request pays more queue for it;
+    precise cached tokens (the KV index) overrule the approximate record."""
+    from lockgate.engine.pool.router import Price
+
+    chain = prefix_chain("s", list(range(1024)))              # 64 blocks, 1,024 tokens
+    prices = {"w0": Price(1e-4, 5e-3), "w1": Price(1e-4, 5e-3)}
+    cached = {"w0": 1024, "w1": 0}.get
+    # w0 saves 0.1024 s; each request queued costs 0.005 + 0.0512 s there
+    for ahead, online, offline in ((1, "w0", "w0"), (2, "w1", "w0"), (6, "w1", "w1")):
+        load = {"w0": ahead, "w1": 0}
+        for cls, want in (("online", online), ("offline", offline)):
+            got, _ = Router().choose(["w0", "w1"], load.get, chain, cached=cached, prices=prices,
+                                     inflight=lambda w: 0, service_class=cls, prompt_tokens=1024)
+            assert got == want, (ahead, cls)
+    # the approximate record says w1 (this replica sent it there long ago); the index says w0
+    r = Router(recent_s=0.0)
+    r.remember(chain, "w1")
+    assert r.choose(["w0", "w1"], {"w0": 0, "w1": 0}.get, chain, cached=cached)[0] == "w0"
+    # an index gone stale (None): the approximate record decides
+    r.remember(chain, "w1")
+    assert r.choose(["w0", "w1"], {"w0": 0, "w1": 0}.get, chain, cached=lambda w: None)[0] == "w1"
+
+
+def test_router_caps_how_far_one_worker_runs_ahead_of_the_least_loaded():
+    r = Router()
+    chain = prefix_chain("s", list(range(1024)))
+    cached = {"w0": 1024, "w1": 0}.get
+    free = {"w0": 0, "w1": 0}.get                       # the queue says nothing: the cap decides
+    for inflight, want in ((2, "w0"), (3, "w1"), (6, "w0"), (7, "w1")):
+        busy = {"w0": inflight, "w1": 0 if inflight < 6 else 2}
+        assert r.choose(["w0", "w1"], free, chain, cached=cached, inflight=busy.__getitem__)[0] == want
+
+
+def test_an_unfitted_cost_model_is_priced_as_the_fitted_ones():
+    from lockgate.engine.pool.router import DEFAULT_PRICE, price_of, priced_alike
+
+    fitted = price_of({"const": 0.002, "prefill_tokens": 2e-4, "seqs": 1e-3, "prefill_attention": 0.0,
+                       "sampled": 0.0, "decode_kv_tokens": 0.0}, 512)
+    assert fitted is not None and fitted.token_s == 2e-4 and fitted.request_s == 0.003
+    assert priced_alike({"w0": fitted, "w1": None}) == {"w0": fitted, "w1": fitted}
+    assert priced_alike({"w0": None, "w1": None}) == {"w0": DEFAULT_PRICE, "w1": DEFAULT_PRICE}
