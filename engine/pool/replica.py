@@ -283,9 +283,17 @@ class Pool:
     def snapshot(self) -> WorkerPoolStats:
         """Each worker's report and the placement, in every model's stats (`workers`)."""
         return WorkerPoolStats(
-            workers={n: {"down": n in self.down, "restarts": self.restarts[n], **_report_dict(r)}
+            workers={n: {"down": n in self.down, "restarts": self.restarts[n], **_report_dict(r),
+                         "kv_index": self._index_dict(n)}
                      for n, r in self.reports.items()},
             assigned=dict(self.assigned), decisions=list(self.decisions))
+
+    def _index_dict(self, worker: str) -> dict:
+        """What the router's KV index holds of `worker`: blocks per tier, and how fresh."""
+        e = self.kv_index.workers.get(worker)
+        return {"blocks": {t: len(h) for t, h in e.held.items()} if e is not None else {},
+                "fresh": self.kv_index.fresh(worker), "staleness_s": self.kv_index.staleness_s(worker),
+                "gaps": e.gaps if e is not None else 0, "snapshots": e.snapshots if e is not None else 0}
 
     # -- a ModelEngine of the pool's models -------------------------------------------------------
     def for_model(self, name: str) -> ModelBinding:
@@ -371,7 +379,9 @@ def _report_dict(r: WorkerReport) -> dict:
     return {"node": r.node, "pid": r.pid, "models": r.models, "loras": r.loras,
             "waiting": r.waiting, "running": r.running, "kv_used": r.kv_used,
             "kv_total": r.kv_total, "owned": r.owned, "capacity": r.capacity, "at": r.at,
-            "tensor_parallel_size": r.tensor_parallel_size, "devices": r.devices}
+            "tensor_parallel_size": r.tensor_parallel_size, "devices": r.devices,
+            "prefix_cache_queries": r.stats.kv.prefix_cache_queries,
+            "prefix_cache_hits": r.stats.kv.prefix_cache_hits}
 
 
 def _summed(parts: dict[str, EngineStats], workers: WorkerPoolStats) -> EngineStats:

@@ -383,3 +383,22 @@ def test_an_unfitted_cost_model_is_priced_as_the_fitted_ones():
     assert fitted is not None and fitted.token_s == 2e-4 and fitted.request_s == 0.003
     assert priced_alike({"w0": fitted, "w1": None}) == {"w0": fitted, "w1": fitted}
     assert priced_alike({"w0": None, "w1": None}) == {"w0": DEFAULT_PRICE, "w1": DEFAULT_PRICE}
+
+
+def test_pool_metrics_carry_each_workers_prefix_cache_and_the_index():
+    from prometheus_client import generate_latest
+
+    from lockgate.gateway.metrics import Metrics
+
+    w = {"waiting": {}, "running": {}, "kv_used": 1, "kv_total": 4, "loras": [], "down": False,
+         "restarts": 0, "prefix_cache_queries": 300, "prefix_cache_hits": 120,
+         "kv_index": {"blocks": {"device": 7}, "fresh": True, "staleness_s": 0.25}}
+    stale = {**w, "kv_index": {"blocks": {}, "fresh": False, "staleness_s": None}}
+    metrics = Metrics(lambda: [])
+    metrics.watch_pool(lambda: {"workers": {"w0": w, "w1": stale}})
+    text = generate_latest(metrics.registry).decode()
+    assert 'vllm:prefix_cache_hits_total{tier="device",worker="w0"} 120.0' in text
+    assert 'vllm:prefix_cache_queries_total{tier="device",worker="w0"} 300.0' in text
+    assert 'lockgate_pool_kv_index_blocks{tier="device",worker="w0"} 7.0' in text
+    assert 'lockgate_pool_kv_index_staleness_seconds{worker="w0"} 0.25' in text
+    assert 'lockgate_pool_kv_index_staleness_seconds{worker="w1"} -1.0' in text
