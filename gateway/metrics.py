@@ -223,6 +223,9 @@ class _EngineCollector(Collector):
                     running.add_sample(running.name, {"worker": name, "service_class": cls}, n)
                 kv.add_sample(kv.name, {"worker": name},
                               w["kv_used"] / w["kv_total"] if w["kv_total"] else 0.0)
+                tier = {"worker": name, "tier": "device"}
+                queries.add_sample(queries.name + "_total", tier, w.get("prefix_cache_queries", 0))
+                hits.add_sample(hits.name + "_total", tier, w.get("prefix_cache_hits", 0))
         return running, waiting, kv, queries, hits, pre, lora
 
 
@@ -243,12 +246,22 @@ class _PoolCollector(Collector):
         devices = GaugeMetricFamily("lockgate_pool_worker_devices",
                                     "Devices a pool worker holds (a tensor-parallel group: its size)",
                                     labels=["worker"])
+        index = GaugeMetricFamily("lockgate_pool_kv_index_blocks",
+                                  "Blocks the router's KV index says a worker holds", labels=["worker", "tier"])
+        stale = GaugeMetricFamily("lockgate_pool_kv_index_staleness_seconds",
+                                  "Seconds since a worker's KV events were applied (-1: not trusted)",
+                                  labels=["worker"])
         for name, w in self._snapshot().get("workers", {}).items():
+            ix = w.get("kv_index", {})
+            for tier, n in ix.get("blocks", {}).items():
+                index.add_metric([name, tier], n)
+            age = ix.get("staleness_s")
+            stale.add_metric([name], -1.0 if age is None or not ix.get("fresh") else age)
             devices.add_metric([name], w.get("devices", 0))
             loras.add_metric([name], len(w["loras"]))
             up.add_metric([name], 0.0 if w["down"] else 1.0)
             restarts.add_metric([name], w["restarts"])
-        yield from (loras, up, restarts, devices)
+        yield from (loras, up, restarts, devices, index, stale)
 
 
 class _LimiterCollector(Collector):

@@ -53,7 +53,7 @@ class RoundRobin:
     def __init__(self) -> None:
         self.turn = 0
 
-    def choose(self, candidates, load, chain):
+    def choose(self, candidates, load, chain, **_):
         self.turn += 1
         return sorted(candidates)[self.turn % len(candidates)], 0
 
@@ -64,26 +64,61 @@ class RoundRobin:
         pass
 
 
-async def _routing(pool: Any, model_dir: str, tenants: int, per_tenant: int, prefix: int) -> dict:
+def _jobs(systems: list[list[int]], tails: list[list[int]], skew: float | None) -> list[tuple[str, list[int]]]:
+    """One request per tail: with `skew`, that share of them carries tenant t0's prefix and the
+    rest are spread over the other tenants; without, every tenant alike."""
+    rng = random.Random(len(tails))
+    n = len(systems)
+    if skew is None or n == 1:
+        who = [i % n for i in range(len(tails))]
+    else:
+        hot = round(skew * len(tails))
+        who = [0] * hot + [1 + i % (n - 1) for i in range(len(tails) - hot)]
+    jobs = [(f"t{k}", systems[k] + tail) for k, tail in zip(who, tails, strict=True)]
+    rng.shuffle(jobs)        # arrivals in no tenant order
+    return jobs
+
+
+async def _sample_inflight(pool: Any, into: list[dict[str, int]]) -> None:
+    """Each worker's requests in flight from this replica, every 10 ms."""
+    while True:
+        into.append({w: pool.inflight[w] for w in pool.names})
+        await asyncio.sleep(0.01)
+
+
+def _inflight_ratio(samples: list[dict[str, int]]) -> float:
+    """The busiest worker's time-averaged in-flight count over the idlest's."""
+    if not samples:
+        return 1.0
+    avg = {w: sum(s[w] for s in samples) / len(samples) for w in samples[0]}
+    return max(avg.values()) / max(min(avg.values()), 1e-9)
+
+
+async def _routing(pool: Any, model_dir: str, tenants: int, per_tenant: int, prefix: int,
+                   skew: float | None = None, concurrency: int = 4) -> dict:
     from lockgate.loadtests.workload import prompts_for
 
     engine = pool.for_model("a")
     systems = prompts_for(model_dir, [prefix] * tenants, seed=secrets.randbelow(10**6))
     tails = prompts_for(model_dir, [16] * (tenants * per_tenant), seed=secrets.randbelow(10**6))
-    jobs = [(f"t{k}", systems[k] + tails[k * per_tenant + j])
-            for j in range(per_tenant) for k in range(tenants)]
-    random.Random(len(jobs)).shuffle(jobs)        # arrivals in no tenant order
-    sem = asyncio.Semaphore(4)
+    jobs = _jobs(systems, tails, skew)
+    sem = asyncio.Semaphore(concurrency)
 
     async def go(i: int, tenant: str, ids: list[int]):
         async with sem:
             return await _one(engine, ids, f"r{secrets.token_hex(4)}-{i}", tenant, 4)
 
+    samples: list[dict[str, int]] = []
+    sampler = asyncio.get_running_loop().create_task(_sample_inflight(pool, samples))
     t0 = time.perf_counter()
-    res = await asyncio.gather(*(go(i, t, ids) for i, (t, ids) in enumerate(jobs)))
+    try:
+        res = await asyncio.gather(*(go(i, t, ids) for i, (t, ids) in enumerate(jobs)))
+    finally:
+        sampler.cancel()
     ttfts = sorted(r[0] for r in res)
     return {"computed_tokens": sum(r[1] for r in res), "ttft_p50_ms": percentile(ttfts, 50) * 1e3,
-            "ttft_p99_ms": percentile(ttfts, 99) * 1e3, "wall_s": time.perf_counter() - t0}
+            "ttft_p99_ms": percentile(ttfts, 99) * 1e3, "wall_s": time.perf_counter() - t0,
+            "inflight_ratio": _inflight_ratio(samples)}
 
 
 async def _two_models(pool: Any, dirs: dict[str, str], n: int) -> float:
@@ -107,9 +142,10 @@ def _best(runs: list[dict], key: str) -> dict:
 
 
 async def _compare_routing(make: Callable, dirs: dict[str, str], repeats: int, tenants: int,
-                           per_tenant: int, prefix: int) -> dict:
+                           per_tenant: int, prefix: int, skew: float | None = None) -> dict:
     """1. model a on both workers, routed by prefix affinity and round-robin in turn; each
-    side's run with the best TTFT p99, with the fewest prompt tokens any of its runs computed."""
+    side's run with the best TTFT p99, with the fewest prompt tokens and the evenest in-flight
+    counts any of its runs had."""
     pool = await make(2, {"a": dirs["a"]})
     pool.assigned = {"a": list(pool.names)}
     pool.placement = None                  # keep both workers on it
@@ -118,9 +154,10 @@ async def _compare_routing(make: Callable, dirs: dict[str, str], repeats: int, t
     for _ in range(repeats):
         for side in ("affinity", "round_robin"):
             pool.router = affinity_router if side == "affinity" else RoundRobin()
-            runs[side].append(await _routing(pool, dirs["a"], tenants, per_tenant, prefix))
+            runs[side].append(await _routing(pool, dirs["a"], tenants, per_tenant, prefix, skew))
     await pool.destroy()
-    return {s: _best(r, "ttft_p99_ms") | {"computed_tokens": min(x["computed_tokens"] for x in r)}
+    return {s: _best(r, "ttft_p99_ms") | {"computed_tokens": min(x["computed_tokens"] for x in r),
+                                          "inflight_ratio": min(x["inflight_ratio"] for x in r)}
             for s, r in runs.items()}
 
 
@@ -171,15 +208,23 @@ def _one_model_budget(dirs: dict[str, str]) -> int:
     return max(sizes) + min(sizes) // 2
 
 
-def _print_comparisons(out: dict, echo: Callable[[str], None]) -> None:
-    r, t, lat = out["routing"], out["two_models"], out["latency_ttft_p50_ms"]
-    echo("routing (shared-prefix tenants)      affinity      round-robin   ratio")
-    echo(f"  prompt tokens computed           {r['affinity']['computed_tokens']:>9}     "
-         f"{r['round_robin']['computed_tokens']:>9}     "
-         f"{r['round_robin']['computed_tokens'] / max(1, r['affinity']['computed_tokens']):.2f}x")
+def _print_routing(r: dict, echo: Callable[[str], None]) -> None:
+    a, b = r["affinity"], r["round_robin"]
+    echo(f"routing ({r.get('workload', 'shared-prefix tenants')})  affinity      round-robin   ratio")
+    echo(f"  prompt tokens computed           {a['computed_tokens']:>9}     {b['computed_tokens']:>9}     "
+         f"{b['computed_tokens'] / max(1, a['computed_tokens']):.2f}x fewer (target >= 1.5x)")
     for k in ("ttft_p50_ms", "ttft_p99_ms"):
-        echo(f"  {k:<30} {r['affinity'][k]:>9.1f}     {r['round_robin'][k]:>9.1f}     "
-             f"{r['round_robin'][k] / max(1e-9, r['affinity'][k]):.2f}x")
+        echo(f"  {k:<30} {a[k]:>9.1f}     {b[k]:>9.1f}     {b[k] / max(1e-9, a[k]):.2f}x"
+             + (" of round-robin's speed (target >= 0.95x)" if k == "ttft_p99_ms" else ""))
+    echo(f"  busiest/idlest in flight (10 ms) {a['inflight_ratio']:>9.2f}     {b['inflight_ratio']:>9.2f}"
+         "     (target <= 2x)")
+
+
+def _print_comparisons(out: dict, echo: Callable[[str], None]) -> None:
+    _print_routing(out["routing"], echo)
+    if "two_models" not in out:
+        return
+    t, lat = out["two_models"], out["latency_ttft_p50_ms"]
     echo(f"two models, one-model budgets      one worker {t['one_worker']:.2f} s   two workers "
          f"{t['two_workers']:.2f} s   {t['one_worker'] / t['two_workers']:.2f}x")
     echo(f"TTFT p50 of a short request        embedded {lat['embedded']:.1f} ms   pooled "
@@ -187,6 +232,7 @@ def _print_comparisons(out: dict, echo: Callable[[str], None]) -> None:
 
 
 def bench_pool(*, repeats: int = 3, tenants: int = 4, per_tenant: int = 8, prefix: int = 512,
+               skew: float | None = 0.7, routing_only: bool = False,
                two_model_requests: int = 12, latency_requests: int = 30,
                echo: Callable[[str], None] = print) -> dict:
     import ray
@@ -211,7 +257,11 @@ def bench_pool(*, repeats: int = 3, tenants: int = 4, per_tenant: int = 8, prefi
             await p.start()
             return p
 
-        out["routing"] = await _compare_routing(make, dirs, repeats, tenants, per_tenant, prefix)
+        out["routing"] = await _compare_routing(make, dirs, repeats, tenants, per_tenant, prefix, skew)
+        out["routing"]["workload"] = (f"skewed: {skew:.0%} on one prefix" if skew is not None
+                                      else "shared-prefix tenants")
+        if routing_only:
+            return
         out["two_models"] = await _compare_two_models(make, dirs, repeats, two_model_requests)
         out["latency_ttft_p50_ms"] = await _compare_latency(make, dirs, kw, repeats, latency_requests)
 

@@ -477,13 +477,20 @@ def bench_pool(
     tenants: Annotated[int, typer.Option(min=1)] = 4,
     per_tenant: Annotated[int, typer.Option(min=1)] = 8,
     prefix: Annotated[int, typer.Option(min=16, help="tokens of each tenant's shared prompt")] = 512,
+    skew: Annotated[float, typer.Option(
+        min=0.0, max=1.0, help="share of the routing workload's requests on one tenant's prefix; "
+        "0: every tenant alike")] = 0.7,
+    routing_only: Annotated[bool, typer.Option(
+        "--routing-only", help="only the routing comparison (no two-model or latency runs)")] = False,
     json_out: Annotated[Path | None, typer.Option("--json", help="also write the results here")] = None,
 ) -> None:
-    """The engine pool on a local two-node Ray cluster: prefix-affinity routing vs round-robin,
-    two models on one worker vs two, and the latency a pooled request adds over an embedded one."""
+    """The engine pool on a local two-node Ray cluster: prefix-affinity routing vs round-robin
+    (prompt tokens computed, TTFT, in-flight balance), two models on one worker vs two, and the
+    latency a pooled request adds over an embedded one."""
     from lockgate.loadtests.bench_pool import bench_pool as run
 
-    out = run(repeats=repeats, tenants=tenants, per_tenant=per_tenant, prefix=prefix, echo=typer.echo)
+    out = run(repeats=repeats, tenants=tenants, per_tenant=per_tenant, prefix=prefix,
+              skew=skew or None, routing_only=routing_only, echo=typer.echo)
     _dump(json_out, out)
 
 

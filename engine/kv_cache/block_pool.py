@@ -112,6 +112,8 @@ class BlockPool:
         self.extents: dict[int, tuple[int, int]] = {}    # owner -> its reserved [start, end)
         # told of every cached block as it is evicted, contents still intact (a KV tier)
         self.on_evict: Callable[[KVBlock], None] | None = None
+        # told when a hash enters or leaves `cached` (engine/kv_cache/events.py)
+        self.listener: Callable[[str, BlockHash | None], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -258,12 +260,16 @@ class BlockPool:
             return
         block.block_hash, block.tag = block_hash, tag
         self.cached[block_hash] = block
+        if self.listener is not None:
+            self.listener("stored", block_hash)
 
     def uncache(self, match: Callable[[Any], bool]) -> None:
         """Forget the cached prefix of every block whose tag matches (its adapter unloaded,
         its tenant deleted): free ones are reused first, held ones stay with their owner."""
         for block in [b for b in self.cached.values() if match(b.tag)]:
             del self.cached[block.block_hash]       # type: ignore[arg-type]
+            if self.listener is not None:
+                self.listener("removed", block.block_hash)
             block.block_hash = block.tag = None
             if block.ref_cnt == 0:
                 self.free_queues[block.tier].remove(block)
@@ -277,6 +283,8 @@ class BlockPool:
                 del self.cached[block.block_hash]
                 if self.on_evict is not None:
                     self.on_evict(block)
+                if self.listener is not None:
+                    self.listener("removed", block.block_hash)
             block.block_hash = block.tag = None
             self.num_evictions += 1
 

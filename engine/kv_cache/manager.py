@@ -59,13 +59,15 @@ class KVCacheManager:
         prefix. Only when no sequence holds a block."""
         if self.tables:
             raise RuntimeError(f"kv cache reset while {len(self.tables)} sequences hold blocks")
-        evicted = self.pool.num_evictions
+        evicted, listener = self.pool.num_evictions, self.pool.listener
         self.pool = BlockPool(self.pool.num_blocks, self.enable_caching, len(self.pool.free_queues))
-        self.pool.num_evictions = evicted
+        self.pool.num_evictions, self.pool.listener = evicted, listener
         self.num_registered.clear()
         if self.host is not None:   # the weights may be read again changed: no old block holds
             self.host.clear()
             self.pool.on_evict = self._offload
+        if listener is not None:
+            listener("cleared", None)
 
     # -- lookups ---------------------------------------------------------------------------
     def blocks_of(self, seq: Sequence) -> list[KVBlock]:

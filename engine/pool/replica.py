@@ -22,8 +22,9 @@ from lockgate.engine.binding import ModelBinding
 from lockgate.engine.client import Prompt, RequestStream, SubmitOptions
 from lockgate.engine.errors import EngineDead
 from lockgate.engine.lora_files import Adapter, LoRARequest
+from lockgate.engine.pool.kv_index import KVIndex, engine_chain, engine_salt
 from lockgate.engine.pool.placement import pool_workers
-from lockgate.engine.pool.router import Router, request_chain, unpack_summary
+from lockgate.engine.pool.router import Price, Router, price_of, priced_alike, request_chain, unpack_summary
 from lockgate.engine.pool.stream import RemoteStream, prompt_ids
 from lockgate.engine.pool.worker import WorkerReport
 from lockgate.engine.sampling_params import SamplingParams
@@ -52,7 +53,10 @@ class Pool:
     def __init__(self, config: PoolConfig) -> None:
         self.config = config
         self.owner = f"gw-{secrets.token_hex(6)}"
-        self.router = Router()
+        # a routed prefix counts as held until its worker's events could show it
+        self.router = Router(recent_s=max(1.0, 4 * config.report_interval_s))
+        # what each worker's cache holds, from its KV events (stale after 8 silent rounds)
+        self.kv_index = KVIndex(max_age_s=max(2.0, 8 * config.report_interval_s))
         self.names: list[str] = []
         self.handles: dict[str, Any] = {}
         self.reports: dict[str, WorkerReport] = {}
@@ -126,13 +130,15 @@ class Pool:
             h = self.handles[name]
             try:
                 have = self._prefix_versions.get(name, -1)
-                report = await self._bounded(h.report.remote(have), self.config.report_interval_s * 4)
+                report = await self._bounded(h.report.remote(have, *self.kv_index.cursor(name)),
+                                             self.config.report_interval_s * 4)
             except self._retryable():
                 self.down.add(name)
                 return
             old = self.reports.get(name)
             if old is not None and old.pid != report.pid:      # restarted: its cache is empty
                 self.router.forget_worker(name)
+                self.kv_index.forget(name)
                 self._prefix_versions.pop(name, None)
                 self.restarts[name] += 1
                 logger.warning("pool: worker %s restarted (pid %d -> %d)", name, old.pid, report.pid)
@@ -143,6 +149,8 @@ class Pool:
                     self._restarting[name] = asyncio.get_running_loop().create_task(self._restart(name))
                 return
             self._take_summary(name, report)
+            if report.kv_events is not None:
+                self.kv_index.apply(name, report.kv_events)
             if name in self.down:            # back after missing calls: what it may lack first
                 await self._restore(name)
             self.reports[name] = report
@@ -231,23 +239,61 @@ class Pool:
         return self.route_chain(model, tenant, cache_salt, ids, exclude)[0]
 
     def route_chain(self, model: str, tenant: str, cache_salt: str | None, ids: list[int] | None,
-                    exclude: str | None = None, hint: str | None = None) -> tuple[str, list[bytes]]:
+                    exclude: str | None = None, hint: str | None = None, *,
+                    share_group: str | None = None, adapter: bool = False,
+                    service_class: str = "online") -> tuple[str, list[bytes]]:
         """The worker for a request, and its prompt's prefix chain (which the worker adds to
         the summary it reports, for every replica's router), led by its cache hint's key when
-        it has one: the shortest "prefix", so any longer cached prefix still wins."""
+        it has one: the shortest "prefix", so any longer cached prefix still wins. Where a
+        worker's KV events are fresh, the router reads what it caches from the index (not for
+        an `adapter`'s request: its blocks are salted by the adapter's id on that worker)."""
         cands = self.candidates(model, exclude)
         if not cands:
             raise EngineDead("no pool worker is reachable")
-        chain = request_chain(model, tenant, cache_salt, ids or [], hint)
-        worker, _ = self.router.choose(cands, self.load, chain)
+        ids = ids or []
+        chain = request_chain(model, tenant, cache_salt, ids, hint)
+        salt = engine_salt(model, tenant, cache_salt, share_group)
+        chains: dict[int, list[bytes]] = {}
+
+        def cached(w: str) -> int | None:
+            if adapter or not ids or not self.kv_index.fresh(w):
+                return None
+            bs = self.reports[w].block_size if w in self.reports else 16
+            if bs not in chains:
+                chains[bs] = engine_chain(salt, ids, bs)
+            return self.kv_index.match(w, chains[bs]) * bs
+
+        worker, _ = self.router.choose(cands, self.load, chain, cached=cached,
+                                       prices=self.prices(model, cands, len(ids)),
+                                       inflight=self.inflight.__getitem__,
+                                       service_class=service_class, prompt_tokens=len(ids))
         return worker, chain
+
+    def prices(self, model: str, workers: list[str], prompt_tokens: int) -> dict[str, Price]:
+        """Each worker's price of a prompt, from its fitted cost model for `model` (an unfitted
+        one priced as the others)."""
+        out: dict[str, Price | None] = {}
+        for w in workers:
+            r = self.reports.get(w)
+            s = r.stats.by_model.get(model, r.stats) if r is not None else None
+            fit = s.cost_model if s is not None else None
+            out[w] = price_of(fit.coefficients if fit is not None and fit.ready else None, prompt_tokens)
+        return priced_alike(out)
 
     def snapshot(self) -> WorkerPoolStats:
         """Each worker's report and the placement, in every model's stats (`workers`)."""
         return WorkerPoolStats(
-            workers={n: {"down": n in self.down, "restarts": self.restarts[n], **_report_dict(r)}
+            workers={n: {"down": n in self.down, "restarts": self.restarts[n], **_report_dict(r),
+                         "kv_index": self._index_dict(n)}
                      for n, r in self.reports.items()},
             assigned=dict(self.assigned), decisions=list(self.decisions))
+
+    def _index_dict(self, worker: str) -> dict:
+        """What the router's KV index holds of `worker`: blocks per tier, and how fresh."""
+        e = self.kv_index.workers.get(worker)
+        return {"blocks": {t: len(h) for t, h in e.held.items()} if e is not None else {},
+                "fresh": self.kv_index.fresh(worker), "staleness_s": self.kv_index.staleness_s(worker),
+                "gaps": e.gaps if e is not None else 0, "snapshots": e.snapshots if e is not None else 0}
 
     # -- a ModelEngine of the pool's models -------------------------------------------------------
     def for_model(self, name: str) -> ModelBinding:
@@ -259,7 +305,9 @@ class Pool:
         base = self.adapters[name].base_model_name if name in self.adapters else name
         base = base or next(iter(self.config.models))
         worker, chain = self.route_chain(base, options.get("tenant", "default"), options.get("cache_salt"),
-                                         prompt_ids(prompt), hint=options.get("cache_hint"))
+                                         prompt_ids(prompt), hint=options.get("cache_hint"),
+                                         adapter=name != base,
+                                         service_class=options.get("service_class", "online"))
         kwargs = {"tenant": "default", "service_class": "online", "priority": 0, "cache_salt": None,
                   "sheddable": True, **options, "model": name}
         return RemoteStream(self, base, worker, prompt, sampling_params, request_id, kwargs, chain)
@@ -331,7 +379,9 @@ def _report_dict(r: WorkerReport) -> dict:
     return {"node": r.node, "pid": r.pid, "models": r.models, "loras": r.loras,
             "waiting": r.waiting, "running": r.running, "kv_used": r.kv_used,
             "kv_total": r.kv_total, "owned": r.owned, "capacity": r.capacity, "at": r.at,
-            "tensor_parallel_size": r.tensor_parallel_size, "devices": r.devices}
+            "tensor_parallel_size": r.tensor_parallel_size, "devices": r.devices,
+            "prefix_cache_queries": r.stats.kv.prefix_cache_queries,
+            "prefix_cache_hits": r.stats.kv.prefix_cache_hits}
 
 
 def _summed(parts: dict[str, EngineStats], workers: WorkerPoolStats) -> EngineStats:

@@ -1,17 +1,21 @@
 """`Router`: which worker takes a request, in the gateway replica (no Ray here).
 
-Among the workers placement assigned the request's model (or an adapter's base): the one most
-likely to hold the longest cached prefix of this tenant's prompt, unless it is much busier
-than the least loaded; otherwise the least loaded for the request's class (ties broken in
-turn). Prefixes are keyed as the engine's prefix cache is: a chain of hashes over full blocks
-of the prompt, salted by model, tenant and cache salt (so tenants never share).
+Among the workers placement assigned the request's model (or an adapter's base), each is
+scored by the prefill its cache would save the request against the queue it would wait in,
+both in seconds from that worker's fitted step-cost model (`Router` says how), under a cap
+on how far one worker's requests in flight may run ahead of the least loaded's.
 
-Two sources say where a prefix is, both approximations of the workers' caches, as SGLang's
-router keeps one: this replica's own routing decisions (bounded, least recently used first
-out; fresh, no round trip), and each worker's `PrefixSummary`, which the worker keeps of the
-prompts it accepted (bounded by its KV cache's blocks, least recently used first out) and
-sends with its report, so that a prefix computed for one gateway replica is found by every
-other. A worker that evicted a prefix costs one recomputation, never a wrong answer.
+Where a prefix is cached comes first from the pool's `KVIndex` (engine/pool/kv_index.py),
+fed by the workers' own KV events: exact while a worker's events arrive in sequence. For a
+worker whose events are late (a gap, a restart, silence) and for adapters' requests (their
+hashes are salted by the adapter's id on that worker), two approximations stand in, as
+SGLang's router keeps one: this replica's own routing decisions (bounded, least recently
+used first out; fresh, no round trip), and each worker's `PrefixSummary`, which the worker
+keeps of the prompts it accepted (bounded by its KV cache's blocks) and sends with its
+report, so that a prefix computed for one gateway replica is found by every other. Their
+chains are keyed as the engine's cache is: hashes over full blocks of the prompt, salted by
+model, tenant and cache salt (so tenants never share). A worker that evicted a prefix costs
+one recomputation, never a wrong answer.
 """
 
 from __future__ import annotations
@@ -19,8 +23,10 @@ from __future__ import annotations
 import hashlib
 import itertools
 import secrets
-from collections import OrderedDict
+import time
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 BLOCK = 16              # tokens per hashed block (the engine's default block size)
 MAX_BLOCKS = 64         # at most this many leading blocks are hashed (1,024 tokens)
@@ -102,63 +108,134 @@ def unpack_summary(blob: bytes) -> frozenset[bytes]:
     return frozenset(blob[i:i + SUMMARY_KEY] for i in range(0, len(blob), SUMMARY_KEY))
 
 
-class Router:
-    """Chooses a worker per request and remembers where prefixes went."""
+@dataclass(frozen=True)
+class Price:
+    """A worker's step-cost model as routing reads it (engine/cost_model.py): seconds per prompt
+    token computed, and seconds per request besides (its share of a step's fixed cost)."""
 
-    def __init__(self, *, capacity: int = 100_000, slack: int = 4) -> None:
-        """`capacity`: prefix entries remembered. `slack`: the affinity worker is taken unless
-        its load exceeds the least loaded worker's by more than this many requests."""
+    token_s: float
+    request_s: float
+
+
+# what a worker with no fitted cost model yet costs when no other worker's is fitted either:
+# only ratios matter then, all workers priced alike
+DEFAULT_PRICE = Price(token_s=1e-4, request_s=5e-3)
+# (weight of the prefill seconds a cached prefix saves, weight of the seconds queued ahead):
+# an online request's time to first token is the queue's; offline work is paid in compute
+CLASS_WEIGHTS = {"online": (1.0, 1.0), "offline": (1.5, 0.5)}
+CAP_RATIO, CAP_SLACK = 2, 2      # in flight on a worker at most CAP_RATIO x the least loaded's + CAP_SLACK
+
+
+def price_of(coefficients: dict[str, float] | None, prompt_tokens: int) -> Price | None:
+    """A fitted cost model's price of a `prompt_tokens` prompt (None: not fitted): a token's
+    share of the step's prefill and attention (a token attends to half the prompt on average),
+    a request's of its fixed per-sequence and sampling costs."""
+    if not coefficients:
+        return None
+    c = coefficients.get
+    token = c("prefill_tokens", 0.0) + c("prefill_attention", 0.0) * prompt_tokens / 2
+    request = c("seqs", 0.0) + c("sampled", 0.0) + c("const", 0.0)
+    return Price(token_s=max(token, 1e-9), request_s=request)
+
+
+def priced_alike(prices: dict[str, Price | None]) -> dict[str, Price]:
+    """Each worker's price; an unfitted one priced as the median fitted one (else the default),
+    so that a fresh worker neither attracts nor repels work for want of a fit."""
+    fitted = [p for p in prices.values() if p is not None]
+    if fitted:
+        mid = len(fitted) // 2
+        token = sorted(p.token_s for p in fitted)[mid]
+        request = sorted(p.request_s for p in fitted)[mid]
+        fallback = Price(token, request)
+    else:
+        fallback = DEFAULT_PRICE
+    return {w: p if p is not None else fallback for w, p in prices.items()}
+
+
+class Router:
+    """Chooses a worker per request and remembers where prefixes went.
+
+    Each candidate's score, in seconds: the prefill its cache would save this request (its
+    cached prefix tokens, from the pool's KV index where that worker's events are fresh,
+    else from the approximate record below, times its price of a token), less the cost of
+    the work queued ahead of the request there (requests ahead x a request's price), each
+    weighted by the request's class (`CLASS_WEIGHTS`). A worker with more than `CAP_RATIO`
+    x + `CAP_SLACK` the least loaded worker's requests in flight is not a candidate: one
+    hot prefix never piles up on one worker. Ties go to the least loaded, in turn."""
+
+    def __init__(self, *, capacity: int = 100_000, recent_s: float = 2.0) -> None:
+        """`capacity`: prefix entries remembered. `recent_s`: how long a prefix this replica
+        routed counts as held by its worker even where that worker's events are fresh (its
+        prefill may not have run yet, so no event can say so)."""
         self.capacity = capacity
-        self.slack = slack
-        self._where: OrderedDict[bytes, str] = OrderedDict()
+        self.recent_s = recent_s
+        self._where: OrderedDict[bytes, tuple[str, float]] = OrderedDict()
         self._turn = itertools.count()
         self.summaries: dict[str, frozenset[bytes]] = {}    # worker -> its PrefixSummary keys
+        self.chosen: Counter[str] = Counter()                 # how each choice was priced
 
     def set_summary(self, worker: str, keys: frozenset[bytes]) -> None:
         """The prefixes `worker` reported holding (replacing what it reported before)."""
         self.summaries[worker] = keys
 
-    def _holder(self, digest: bytes, loads: dict[str, int]) -> str | None:
-        """A candidate said to hold this prefix: this replica's own memory first, else the
-        least loaded worker whose summary has it."""
-        w = self._where.get(digest)
-        if w in loads:
-            return w
-        key = digest[:SUMMARY_KEY]
-        holders = [w for w in loads if key in self.summaries.get(w, ())]
-        return min(holders, key=lambda w: (loads[w], w)) if holders else None
+    def _approx_depth(self, worker: str, chain: Sequence[bytes], recent: bool = False) -> int:
+        """Leading blocks of `chain` this replica routed to `worker` or its summary holds;
+        `recent`: only what this replica routed there in the last `recent_s`."""
+        keys = frozenset() if recent else self.summaries.get(worker, frozenset())
+        since = time.monotonic() - self.recent_s if recent else -1.0
+        for k in range(len(chain) - 1, -1, -1):
+            w, at = self._where.get(chain[k], ("", 0.0))
+            if (w == worker and at >= since) or chain[k][:SUMMARY_KEY] in keys:
+                return k + 1
+        return 0
 
     def choose(self, candidates: Sequence[str], load: Callable[[str], int],
-               chain: Sequence[bytes]) -> tuple[str, int]:
-        """(worker, cached blocks expected there) for a request whose prefix chain is `chain`,
-        among `candidates` (non-empty), `load(worker)` the work ahead of it there."""
+               chain: Sequence[bytes], *, cached: Callable[[str], int | None] | None = None,
+               prices: dict[str, Price] | None = None, inflight: Callable[[str], int] | None = None,
+               service_class: str = "online", prompt_tokens: int | None = None) -> tuple[str, int]:
+        """(worker, cached blocks of `chain` expected there) for a request whose prefix chain is
+        `chain`, among `candidates` (non-empty). `load(worker)`: the requests ahead of it
+        there; `cached(worker)`: prompt tokens the worker's cache holds, None where its index
+        is stale (the approximate record then); `prices`: each worker's (default: alike);
+        `inflight(worker)`: for the cap (default: its load)."""
         if not candidates:
             raise ValueError("candidates: no worker serves this model")
         loads = {w: load(w) for w in candidates}
-        least = min(loads.values())
-        best, depth = None, 0
-        for k in range(len(chain) - 1, -1, -1):          # the longest prefix held
-            w = self._holder(chain[k], loads)
-            if w is not None:
-                best, depth = w, k + 1
-                break
-        if best is not None and loads[best] <= least + self.slack:
-            choice = best
-        else:
-            tied = sorted(w for w, v in loads.items() if v == least)
-            choice, depth = tied[next(self._turn) % len(tied)], 0
+        busy = {w: inflight(w) for w in candidates} if inflight is not None else loads
+        least = min(busy.values())
+        allowed = [w for w in candidates if busy[w] <= CAP_RATIO * least + CAP_SLACK]
+        n = prompt_tokens if prompt_tokens is not None else len(chain) * BLOCK
+        saved_w, queue_w = CLASS_WEIGHTS.get(service_class, CLASS_WEIGHTS["online"])
+        scores: dict[str, float] = {}
+        held: dict[str, int] = {}
+        for w in allowed:
+            tokens = cached(w) if cached is not None else None
+            depth = self._approx_depth(w, chain, recent=tokens is not None)
+            if tokens is not None:       # what its events cannot show yet: routed, not computed
+                tokens = max(tokens, depth * BLOCK)
+            held[w] = depth if tokens is None else tokens // BLOCK
+            tokens = min(n, depth * BLOCK if tokens is None else tokens)
+            p = (prices or {}).get(w, DEFAULT_PRICE)
+            scores[w] = saved_w * tokens * p.token_s - queue_w * loads[w] * (p.request_s + p.token_s * n / 2)
+        top = max(scores.values())
+        best = [w for w in allowed if scores[w] >= top - 1e-12]
+        low = min(loads[w] for w in best)
+        tied = sorted(w for w in best if loads[w] == low)
+        choice = tied[next(self._turn) % len(tied)] if len(tied) > 1 else tied[0]
+        self.chosen["cached" if held[choice] else "uncached"] += 1
         self.remember(chain, choice)
-        return choice, depth
+        return choice, held[choice]
 
     def remember(self, chain: Sequence[bytes], worker: str) -> None:
+        now = time.monotonic()
         for h in chain:
-            self._where[h] = worker
+            self._where[h] = (worker, now)
             self._where.move_to_end(h)
         while len(self._where) > self.capacity:
             self._where.popitem(last=False)
 
     def forget_worker(self, worker: str) -> None:
         """A worker restarted (its cache is empty): its prefixes are forgotten."""
-        for h in [h for h, w in self._where.items() if w == worker]:
+        for h in [h for h, (w, _) in self._where.items() if w == worker]:
             del self._where[h]
         self.summaries.pop(worker, None)

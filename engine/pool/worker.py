@@ -29,12 +29,13 @@ import asyncio
 import os
 import socket
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from lockgate.engine.errors import EngineDead, EngineError, EngineOverloaded, InvalidRequest
+from lockgate.engine.kv_cache.events import EventReport, KVEventLog
 from lockgate.engine.lora_files import Adapter, LoRARequest
 from lockgate.engine.pool.router import PrefixSummary
 from lockgate.engine.sampling_params import SamplingParams
@@ -68,6 +69,8 @@ class WorkerReport:
     prefix_blocks: int = 0                      # how many it holds
     tensor_parallel_size: int = 1               # ranks of its engine (one worker however many)
     devices: int = 0                            # lockgate_device units it holds (0: none lent)
+    kv_events: EventReport | None = field(repr=False, default=None)   # its KV events since the caller's
+    block_size: int = 16                        # tokens per KV block (the events' hashes cover blocks)
 
     def load(self, service_class: str) -> int:
         """Work ahead of a new request of `service_class` here (every class: the step is shared)."""
@@ -82,6 +85,11 @@ def check_model_dirs(models: dict[str, str]) -> None:
             f"node {socket.gethostname()}: no model directory (config.json) at "
             + ", ".join(f"{n}={p}" for n, p in sorted(missing.items()))
             + "; pool workers read models from the same paths on every node")
+
+
+def _cached_of(kv: Any) -> Callable[[], Iterable[bytes]]:
+    """The hashes a KV manager's current block pool caches (a reset replaces the pool)."""
+    return lambda: kv.pool.cached
 
 
 DEFAULT_SUMMARY_BLOCKS = 16_384     # prefix blocks a summary holds before its engine reports its KV size
@@ -105,6 +113,8 @@ class EngineWorker:
         self._watch: asyncio.Task[None] | None = None
         self._starting = asyncio.Lock()
         self.prefixes = PrefixSummary(DEFAULT_SUMMARY_BLOCKS)
+        self.kv_events = KVEventLog()
+        self.block_size = 16
 
     async def start(self) -> WorkerReport:
         """Build and start the engine (idempotent: concurrent callers, e.g. every replica after
@@ -130,10 +140,20 @@ class EngineWorker:
             engine = AsyncEngine(path, served_model_name=first, **kw)
             await engine.start()
             self.engine = engine
+            self._listen(engine)
             total = engine.stats().kv.total
             if total > 0:      # as many prefix blocks as its cache holds (capped: a report's size)
                 self.prefixes.capacity = min(total, 4 * DEFAULT_SUMMARY_BLOCKS)
             self._watch = asyncio.get_running_loop().create_task(self._watchdog())
+
+    def _listen(self, engine: Any) -> None:
+        """Every model's block pool tells this worker's event log what it caches."""
+        self.kv_events = KVEventLog()          # a fresh engine: a fresh epoch, an empty cache
+        self.block_size = int(engine.config.block_size)
+        core = engine.core
+        for c in getattr(core, "cores", {"": core}).values():
+            kv = c.kv        # a request's hashes are salted by the core's canonical name
+            kv.pool.listener = self.kv_events.listener(c.model_name, _cached_of(kv))
 
     def pid(self) -> int:
         return os.getpid()
@@ -189,9 +209,11 @@ class EngineWorker:
                     await self.abort(rid)
 
     # -- state ----------------------------------------------------------------------------------
-    def report(self, prefix_version: int = -1) -> WorkerReport:
+    def report(self, prefix_version: int = -1, kv_epoch: str | None = None,
+               kv_after: int | None = None) -> WorkerReport:
         """`prefix_version`: the summary version the caller holds; its keys are sent only
-        when this worker's differs."""
+        when this worker's differs. `kv_epoch`, `kv_after`: the KV events the caller applied
+        (engine/pool/kv_index.py `cursor`); None: it wants none."""
         s: EngineStats = self.engine.stats() if self.engine is not None else EngineStats()
         capacity = len(self.models)
         if s.pool is not None:
@@ -211,7 +233,15 @@ class EngineWorker:
             stats=s, prefix_version=self.prefixes.version,
             prefixes=None if prefix_version == self.prefixes.version else self.prefixes.packed(),
             prefix_blocks=len(self.prefixes), tensor_parallel_size=self.tensor_parallel_size,
-            devices=self.held_devices())
+            devices=self.held_devices(), block_size=self.block_size,
+            kv_events=None if kv_after is None else self.kv_events.report(kv_epoch, kv_after))
+
+    def kv_cached(self) -> dict[str, set[bytes]]:
+        """The block hashes its caches hold now, by tier (what the router's index should say)."""
+        out: dict[str, set[bytes]] = {}
+        for (_, tier), hashes in self.kv_events.cached().items():
+            out.setdefault(tier, set()).update(hashes)
+        return out
 
     # -- admin ------------------------------------------------------------------------------------
     async def add_lora(self, lora_request: LoRARequest) -> Adapter:

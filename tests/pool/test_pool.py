@@ -14,6 +14,7 @@ import pytest
 from lockgate.engine import EngineDead, ModelBinding, Pool, PoolConfig, SamplingParams
 from lockgate.engine.config import EngineConfig
 from lockgate.engine.model_pool import ModelPool
+from lockgate.engine.pool.kv_index import engine_chain, engine_salt
 from tests.support.helpers import demo_model, hf_greedy, random_prompts
 
 pytestmark = pytest.mark.timeout(300)
@@ -99,6 +100,35 @@ async def test_a_shared_prefix_stays_on_one_worker_and_tenants_never_share_it(po
                                                   for i, p in enumerate(distinct)))]
     counts = {w: where.count(w) for w in pool.names}
     assert min(counts.values()) >= len(where) / 3, counts
+    await index_equals_the_workers_caches_after(pool, dirs, 200)
+
+
+async def index_equals_the_workers_caches_after(pool: Pool, dirs, n: int) -> None:
+    """`n` requests of a few tenants over a few shared prefixes, more than the workers' 64
+    blocks hold (so they evict): the router's index, fed by the workers' KV events on their
+    reports, then equals each worker's cached hash set, and it routed by it."""
+    engine = pool.for_model("a")
+    systems = random_prompts(dirs["a"], [96, 160, 48, 224], seed=11)
+    tails = random_prompts(dirs["a"], [20] * n, seed=12)
+    sem = asyncio.Semaphore(6)
+
+    async def one(i: int):
+        async with sem:
+            return await run(engine, systems[i % 4] + tails[i], f"e{i}", n=1, tenant=f"t{i % 3}")
+
+    outs = await asyncio.gather(*(one(i) for i in range(n)))
+    assert sum(o.num_cached_tokens for o, _ in outs) > 0
+    await pool.refresh()
+    await pool.refresh()
+    for w in pool.names:
+        held = await pool.handles[w].kv_cached.remote()
+        assert pool.kv_index.fresh(w)
+        assert pool.kv_index.hashes(w) == held["device"], w
+        assert held["device"]
+    # the router's hashes of a prompt are the engine's: a prompt just served is found
+    ids = systems[3] + tails[n - 1]
+    chain = engine_chain(engine_salt("a", f"t{(n - 1) % 3}", None), ids, 16)
+    assert max(pool.kv_index.match(w, chain) for w in pool.names) == len(chain)
 
 
 async def test_a_second_replica_finds_prefixes_the_first_placed_from_the_workers_summaries(

@@ -30,7 +30,7 @@ def test_prefix_chains_are_salted_and_cover_full_blocks_only():
 
 
 def test_router_keeps_a_prefix_on_its_worker_unless_it_is_much_busier():
-    r = Router(slack=2)
+    r = Router()
     load = {"w0": 0, "w1": 0}
     chain = prefix_chain("s", list(range(64)))
     first, depth = r.choose(["w0", "w1"], load.get, chain)
@@ -38,12 +38,12 @@ def test_router_keeps_a_prefix_on_its_worker_unless_it_is_much_busier():
     again, depth = r.choose(["w0", "w1"], load.get, chain)
     assert again == first and depth == len(chain)
     other = "w1" if first == "w0" else "w0"
-    load[first] = 3                                    # more than least + slack
+    load[first] = 3                                    # past the cap: 2 x 0 + 2 in flight
     moved, depth = r.choose(["w0", "w1"], load.get, chain)
     assert moved == other and depth == 0
     r.forget_worker(other)
     load[first] = 0
-    assert r.choose(["w0", "w1"], load.get, chain)[0] == first     # the older entry was overwritten
+    assert r.choose(["w0", "w1"], load.get, chain)[1] == 0     # the older entry was overwritten
     with pytest.raises(ValueError, match="no worker"):
         r.choose([], load.get, chain)
 
@@ -69,7 +69,7 @@ def test_a_replica_finds_a_prefix_another_replica_placed_through_the_workers_sum
     """Replica A routes a tenant's prefix to a worker; that worker's summary (as its report
     carries it) reaches replica B, which never routed it: B sends the same prefix there, the
     longest held prefix winning, but not another tenant's, and not past the load slack."""
-    a, b = Router(slack=2), Router(slack=2)
+    a, b = Router(), Router()
     load = {"w0": 0, "w1": 0}
     shared = list(range(1000, 1128))                  # 8 full blocks
     chain = prefix_chain("m\0t1\0", shared)
@@ -85,7 +85,7 @@ def test_a_replica_finds_a_prefix_another_replica_placed_through_the_workers_sum
         assert b.choose(["w0", "w1"], load.get, prefix_chain("m\0t1\0", [*shared, 5, 6]))[0] == where
     _, depth = b.choose(["w0", "w1"], load.get, prefix_chain("m\0t2\0", shared))
     assert depth == 0                                 # another tenant's chain: salted apart
-    fresh = Router(slack=2)
+    fresh = Router()
     fresh.set_summary(where, unpack_summary(held.packed()))
     load[where] = 5                                   # far busier than the other
     assert fresh.choose(["w0", "w1"], load.get, chain) == (other, 0)
@@ -97,7 +97,7 @@ def test_a_cache_hint_keeps_a_tenants_requests_on_one_worker_whatever_their_prom
     """OpenAI's `prompt_cache_key`: prompts shorter than a block, or differing in their first
     block, go where the hint went before; a longer cached prefix still wins over the hint; the
     same hint of another tenant is another key; without a hint they spread in turn."""
-    r = Router(slack=2)
+    r = Router()
     load = {"w0": 0, "w1": 0}
     hinted = [r.choose(["w0", "w1"], load.get, request_chain("m", "t1", None, [i] * n, "conv-7"))[0]
               for i, n in ((1, 3), (2, 40), (3, 17), (4, 5))]
@@ -338,3 +338,67 @@ def test_a_tensor_parallel_worker_reports_its_size_and_devices_as_one_worker():
     r = w.report()
     assert (r.worker_id, r.tensor_parallel_size, r.devices) == ("w", 2, 2)
     assert EngineWorker("w", {"a": "x"}, {}).report().tensor_parallel_size == 1
+
+
+def test_router_weighs_the_prefill_a_cache_saves_against_the_queue_in_seconds():
+    """Both in seconds of each worker's own price: a worker holding the prefix wins while its
+    queue costs less than the prefill it saves; an offline request pays more queue for it;
+    precise cached tokens (the KV index) overrule the approximate record."""
+    from lockgate.engine.pool.router import Price
+
+    chain = prefix_chain("s", list(range(1024)))              # 64 blocks, 1,024 tokens
+    prices = {"w0": Price(1e-4, 5e-3), "w1": Price(1e-4, 5e-3)}
+    cached = {"w0": 1024, "w1": 0}.get
+    # w0 saves 0.1024 s; each request queued costs 0.005 + 0.0512 s there
+    for ahead, online, offline in ((1, "w0", "w0"), (2, "w1", "w0"), (6, "w1", "w1")):
+        load = {"w0": ahead, "w1": 0}
+        for cls, want in (("online", online), ("offline", offline)):
+            got, _ = Router().choose(["w0", "w1"], load.get, chain, cached=cached, prices=prices,
+                                     inflight=lambda w: 0, service_class=cls, prompt_tokens=1024)
+            assert got == want, (ahead, cls)
+    # the approximate record says w1 (this replica sent it there long ago); the index says w0
+    r = Router(recent_s=0.0)
+    r.remember(chain, "w1")
+    assert r.choose(["w0", "w1"], {"w0": 0, "w1": 0}.get, chain, cached=cached)[0] == "w0"
+    # an index gone stale (None): the approximate record decides
+    r.remember(chain, "w1")
+    assert r.choose(["w0", "w1"], {"w0": 0, "w1": 0}.get, chain, cached=lambda w: None)[0] == "w1"
+
+
+def test_router_caps_how_far_one_worker_runs_ahead_of_the_least_loaded():
+    r = Router()
+    chain = prefix_chain("s", list(range(1024)))
+    cached = {"w0": 1024, "w1": 0}.get
+    free = {"w0": 0, "w1": 0}.get                       # the queue says nothing: the cap decides
+    for inflight, want in ((2, "w0"), (3, "w1"), (6, "w0"), (7, "w1")):
+        busy = {"w0": inflight, "w1": 0 if inflight < 6 else 2}
+        assert r.choose(["w0", "w1"], free, chain, cached=cached, inflight=busy.__getitem__)[0] == want
+
+
+def test_an_unfitted_cost_model_is_priced_as_the_fitted_ones():
+    from lockgate.engine.pool.router import DEFAULT_PRICE, price_of, priced_alike
+
+    fitted = price_of({"const": 0.002, "prefill_tokens": 2e-4, "seqs": 1e-3, "prefill_attention": 0.0,
+                       "sampled": 0.0, "decode_kv_tokens": 0.0}, 512)
+    assert fitted is not None and fitted.token_s == 2e-4 and fitted.request_s == 0.003
+    assert priced_alike({"w0": fitted, "w1": None}) == {"w0": fitted, "w1": fitted}
+    assert priced_alike({"w0": None, "w1": None}) == {"w0": DEFAULT_PRICE, "w1": DEFAULT_PRICE}
+
+
+def test_pool_metrics_carry_each_workers_prefix_cache_and_the_index():
+    from prometheus_client import generate_latest
+
+    from lockgate.gateway.metrics import Metrics
+
+    w = {"waiting": {}, "running": {}, "kv_used": 1, "kv_total": 4, "loras": [], "down": False,
+         "restarts": 0, "prefix_cache_queries": 300, "prefix_cache_hits": 120,
+         "kv_index": {"blocks": {"device": 7}, "fresh": True, "staleness_s": 0.25}}
+    stale = {**w, "kv_index": {"blocks": {}, "fresh": False, "staleness_s": None}}
+    metrics = Metrics(lambda: [])
+    metrics.watch_pool(lambda: {"workers": {"w0": w, "w1": stale}})
+    text = generate_latest(metrics.registry).decode()
+    assert 'vllm:prefix_cache_hits_total{tier="device",worker="w0"} 120.0' in text
+    assert 'vllm:prefix_cache_queries_total{tier="device",worker="w0"} 300.0' in text
+    assert 'lockgate_pool_kv_index_blocks{tier="device",worker="w0"} 7.0' in text
+    assert 'lockgate_pool_kv_index_staleness_seconds{worker="w0"} 0.25' in text
+    assert 'lockgate_pool_kv_index_staleness_seconds{worker="w1"} -1.0' in text
