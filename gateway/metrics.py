@@ -223,9 +223,9 @@ class _EngineCollector(Collector):
                     running.add_sample(running.name, {"worker": name, "service_class": cls}, n)
                 kv.add_sample(kv.name, {"worker": name},
                               w["kv_used"] / w["kv_total"] if w["kv_total"] else 0.0)
-                tier = {"worker": name, "tier": "device"}
-                queries.add_sample(queries.name + "_total", tier, w.get("prefix_cache_queries", 0))
-                hits.add_sample(hits.name + "_total", tier, w.get("prefix_cache_hits", 0))
+                on_device = {"worker": name, "tier": "device"}
+                queries.add_sample(queries.name + "_total", on_device, w.get("prefix_cache_queries", 0))
+                hits.add_sample(hits.name + "_total", on_device, w.get("prefix_cache_hits", 0))
         return running, waiting, kv, queries, hits, pre, lora
 
 
