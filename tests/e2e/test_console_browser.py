@@ -14,6 +14,7 @@ import os
 import re
 import secrets
 import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -40,7 +41,8 @@ if not CHROMIUM.exists():
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     with running_server(tmp_path_factory.mktemp("console-browser"), "services", extra_args=["--root-path", ROOT],
-                        extra_env={"LOCKGATE_ENGINE_KWARGS": json.dumps(FLOOD_KWARGS)}) as srv:
+                        extra_env={"LOCKGATE_ENGINE_KWARGS": json.dumps(FLOOD_KWARGS),
+                                   "LOCKGATE_REFUSAL_FLUSH_INTERVAL_S": "0.2"}) as srv:
         yield srv
 
 
@@ -209,9 +211,29 @@ def test_a_viewer_sees_every_page_and_every_change_is_refused(session, server):
     assert server.admin.get(f"/tenants/{t['id']}").status_code == 200
 
 
+def _refused_once(server) -> None:
+    """A tenant's second request in a minute refused by its limit (a `priority` request: the
+    overview counts its refusal in that tier), waited for in the quota report."""
+    t, key = server.tenant(quota={"requests_per_minute": 1}, service_tiers=["default", "priority"])
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 2, "service_tier": "priority"}
+    codes = [httpx.post(server.url + ROOT + "/v1/completions", json=body, timeout=60,
+                        headers={"Authorization": f"Bearer {key}"}).status_code for _ in range(2)]
+    assert codes == [200, 429], codes
+    for _ in range(100):
+        report = server.admin.get("/quotas/report", params={"tenant_id": t["id"]}).json()
+        if report["data"][0]["limits"]["requests_per_minute"]["refused"] == 1:
+            return
+        time.sleep(0.1)
+    raise AssertionError(report)
+
+
 def test_every_page_under_the_root_path_answers(session, server):
+    _refused_once(server)
     session.sign_in(server.admin_key)
     session.page.wait_for_url(f"**{ROOT}/console/")
+    refusals = session.page.inner_text("tr[data-tier=priority] >> td >> nth=4")
+    assert int(refusals) >= 1, session.page.inner_text("table")
+    assert session.page.locator("svg.chart").count() == 6
     for label in PAGES:
         session.nav(label)
         if label != "Engine":                  # shot during a flood: test_the_live_engine_page_...

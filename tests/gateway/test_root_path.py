@@ -25,7 +25,7 @@ async def gw(tmp_path_factory) -> InProcessGateway:
         yield g
 
 
-def test_route_path():
+async def test_route_path():
     assert route_path({"path": "/ops/v1/files", "root_path": "/ops"}) == "/v1/files"
     assert route_path({"path": "/ops", "root_path": "/ops"}) == "/"
     assert route_path({"path": "/opsx/v1", "root_path": "/ops"}) == "/opsx/v1"

@@ -78,3 +78,32 @@ async def test_upgrade_from_a_running_event_loop(db_url):
     tdb.upgrade(db_url)
     assert await asyncio.to_thread(tdb.schema_status, db_url) == (head, head)
     assert await tdb.current_revision(db_url) == head
+
+
+def test_refusal_counts_gain_a_tier_and_lose_it_back(db_url):
+    """0010: refusals counted before it take their tenant's default tier; going back adds the
+    tiers of one row's key up again."""
+    tdb.upgrade(db_url, "0009_console_sessions")
+    engine = sa.create_engine(tdb.sync_url(db_url))
+    row = {"t": "ten_m", "k": "key_m", "s": "tenant", "r": "requests_per_minute", "m": "2026-12-06 10:00:00+00:00"}
+    insert = ("INSERT INTO refusal_counts (tenant_id, api_key_id, scope, reason, minute, count) "
+              "VALUES (:t, :k, :s, :r, :m, :n)")
+    try:
+        with engine.begin() as conn:
+            conn.execute(sa.text("INSERT INTO tenants (id, name, status, weight, service_tiers, default_tier, "
+                                 "cached_input_price, created_at, updated_at) VALUES ('ten_m', 'm', 'active', 1, "
+                                 "'[\"default\", \"flex\"]', 'flex', 1, '2026-12-06', '2026-12-06')"))
+            conn.execute(sa.text(insert), [{**row, "n": 3}, {**row, "t": "ten_gone", "k": "key_g", "n": 2}])
+        tdb.upgrade(db_url)
+        with engine.begin() as conn:
+            tiers = dict(conn.execute(sa.text("SELECT tenant_id, service_tier FROM refusal_counts")).all())
+            assert tiers == {"ten_m": "flex", "ten_gone": "default"}
+            conn.execute(sa.text("INSERT INTO refusal_counts (tenant_id, api_key_id, scope, reason, minute, "
+                                 "service_tier, count) VALUES (:t, :k, :s, :r, :m, 'priority', :n)"),
+                         {**row, "n": 4})
+        tdb.downgrade(db_url, "0009_console_sessions")
+        with engine.begin() as conn:
+            counts = dict(conn.execute(sa.text("SELECT tenant_id, count FROM refusal_counts")).all())
+        assert counts == {"ten_m": 7, "ten_gone": 2}
+    finally:
+        engine.dispose()
