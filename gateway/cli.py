@@ -218,7 +218,7 @@ DTYPES = {"auto": "auto", "float32": "float32", "float": "float32", "float16": "
           "half": "float16", "bfloat16": "bfloat16"}
 ENGINE_FLAGS = ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "gpu_memory_utilization",
                 "block_size", "enable_prefix_caching", "enable_lora", "dtype", "tensor_parallel_size",
-                "pipeline_parallel_size", "speculative_config")
+                "pipeline_parallel_size", "speculative_config", "kv_offloading_size")
 
 
 def engine_flags(**flags: object) -> dict[str, object]:
@@ -321,6 +321,9 @@ def serve(
     pipeline_parallel_size: Annotated[int | None, typer.Option("--pipeline-parallel-size", "-pp", min=1, help=(
         "only 1 (vLLM's flag, accepted for its scripts)"))] = None,
     speculative_config: Annotated[str | None, typer.Option("--speculative-config", help=_SPEC_HELP)] = None,
+    kv_offloading_size: Annotated[float | None, typer.Option("--kv-offloading-size", min=0.0, help=(
+        "GiB of host memory for a second KV tier that evicted prefixes go to (default: min(the KV "
+        "cache's size, 1/4 of available host memory, 16 GiB); 0: off)"))] = None,
     root_path: Annotated[str | None, typer.Option(help="the path prefix a proxy serves it under: /ops")] = None,
     console: Annotated[bool | None, typer.Option("--console/--no-console", help="/console (default on)")] = None,
 ) -> None:
