@@ -182,8 +182,7 @@ class EngineCore:
         self.runner.load()
 
     def offload(self) -> None:
-        """Preempt every running request (back to the queue, in its place), forget the
-        cached prefixes, and give the device memory back. Queued requests stay queued."""
+        """Running requests preempted (back to the queue, in place), cached prefixes forgotten, memory given back."""
         self.scheduler.preempt_all()
         self.kv.reset()
         self.runner.offload()
@@ -196,6 +195,9 @@ class EngineCore:
 
     def set_tenant_weight(self, tenant: str, weight: float) -> None:
         self.scheduler.fair.weights[tenant] = float(weight)
+
+    def purge_tenant(self, tenant: str) -> None:
+        self.kv.drop_tenant(tenant)    # both KV tiers, before the next lookup (any thread)
 
     def rebuild_ranks(self, failed_at: float) -> None:
         """A rank failed: every request forgotten (their callers told by AsyncEngine), the

@@ -60,7 +60,7 @@ def test_another_tenant_never_hits_a_tenants_blocks_in_the_host_tier():
     assert llm.engine.kv.stats().host_hits >= kv.host_hits + 96
     assert again.outputs[0].token_ids == first.outputs[0].token_ids
     # a deleted tenant's blocks leave both tiers
-    llm.engine.kv.drop_tenant("acme")
+    llm.engine.purge_tenant("acme")
     assert run(llm, prompt, tenant="acme").num_cached_tokens == 0
 
 
