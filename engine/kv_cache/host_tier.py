@@ -116,8 +116,11 @@ class HostKVTier:
         return len(gone)
 
     def clear(self) -> None:
-        """Forget everything (the model's weights changed: no block of it is valid)."""
-        self.drop(lambda _tag: True)
+        """Forget everything, pending copies too (the device cache was dropped, the weights
+        may be read again changed: no block is known valid)."""
+        self._stores, self._loads, self._loading, self._freed_after_flush = [], [], set(), []
+        self.entries.clear()
+        self.free_slots = list(range(self.num_slots - 1, -1, -1))
 
     def flush(self) -> None:
         """Do the recorded copies: device -> host for evicted blocks, then host -> device."""

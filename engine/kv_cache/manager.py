@@ -177,8 +177,8 @@ class KVCacheManager:
         self.drop_later(lambda tag: tag[2] == f"t:{tenant}")
 
     def _apply_drops(self) -> None:
-        drops, self._drops = self._drops, []
-        for match in drops:
+        while self._drops:      # pop, not swap: another thread may append meanwhile
+            match = self._drops.pop(0)
             self.pool.uncache(match)
             if self.host is not None:
                 self.host.drop(match)
