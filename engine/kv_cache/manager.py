@@ -131,13 +131,12 @@ class KVCacheManager:
         recomputing them is cheaper."""
         pool, bs = self.pool, self.block_size
         start = len(hits)
-        wanted = []
-        for h in seq.block_hashes[start:max_blocks]:
-            if h in pool.cached:
-                break
-            wanted.append(h)
+        hashes, end = seq.block_hashes, start
+        while end < max_blocks and hashes[end] in host and hashes[end] not in pool.cached:
+            end += 1
         host.num_queries += (max_blocks - start) * bs
-        n = host.count_run(wanted)
+        wanted = hashes[start:end]
+        n = host.count_run(wanted)          # each marked recently used
         if n == 0 or not host.worth_copying(n, self.recompute_s(n * bs, start * bs)):
             return []
         tiers = [b.tier for b in hits]

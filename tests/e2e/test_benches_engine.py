@@ -122,7 +122,8 @@ def test_bench_kv_tier_serves_evicted_prefixes_from_the_host():
     """4 chats x 2 turns on 2 histories, a device cache of one chat: the tier's side
     computes only the tokens never seen before, the other side much more."""
     sizes = KVTierSizes(conversations=4, turns=2, histories=2, history=(160, 200), user=(8, 16), output_len=2,
-                        device_blocks=24, offload_gib=0.01, nr_requests=4, nr_prompt=(32, 64), nr_output=2)
+                        device_blocks=24, offload_gib=0.01, nr_requests=4, nr_prompt=(32, 64), nr_output=2,
+                        nr_device_blocks=24, nr_max_seqs=2)
     out = bench_kv_tier(demo_model("llama", "tiny", 0), sizes=sizes, repeats=1, fresh_process=False, echo=quiet)
     run = out["runs"][0]
     assert run["same_output"] and run["on"]["computed"] == run["never_seen"] < run["off"]["computed"]
