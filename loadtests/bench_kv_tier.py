@@ -39,7 +39,7 @@ class KVTierSizes:
     device_blocks: int = 128
     block_size: int = 16
     offload_gib: float = 0.25
-    nr_requests: int = 96
+    nr_requests: int = 48
     nr_prompt: tuple[int, int] = (256, 768)
     nr_output: int = 32
     nr_device_blocks: int = 1024    # room for nr_max_seqs at once: evictions, no preemption
