@@ -128,6 +128,12 @@ class AsyncEngine(EngineClient, EngineAdmin):
         if self.core is not None:   # a dict store: atomic under the GIL, read by the loop thread
             self.core.set_tenant_weight(tenant, float(weight))
 
+    def purge_tenant(self, tenant: str) -> None:
+        """A deleted tenant's cached KV blocks dropped from both tiers of every model (before
+        the step loop's next prefix lookup: a list append, safe from this thread)."""
+        if self.core is not None:
+            self.core.purge_tenant(tenant)
+
     # -- adapters ---------------------------------------------------------------------------
     async def add_lora(self, lora_request: LoRARequest) -> Adapter:
         """Read and check an adapter (on a worker thread: the running batch goes on) and

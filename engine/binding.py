@@ -79,3 +79,6 @@ class ModelBinding(ServedEngine):
 
     def set_tenant_weight(self, tenant: str, weight: float) -> None:
         self.engine.set_tenant_weight(tenant, weight)
+
+    def purge_tenant(self, tenant: str) -> None:
+        self.engine.purge_tenant(tenant)

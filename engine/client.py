@@ -151,6 +151,10 @@ class EngineAdmin(Protocol):
 
     def set_tenant_weight(self, tenant: str, weight: float) -> None: ...
 
+    def purge_tenant(self, tenant: str) -> None:
+        """A deleted tenant's cached KV blocks dropped, from the device and the host tier."""
+        ...
+
 
 @runtime_checkable
 class ServedEngine(EngineClient, EngineAdmin, Protocol):

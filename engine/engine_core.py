@@ -16,7 +16,7 @@ from lockgate.engine.config import DTYPES, EngineConfig, ModelConfig
 from lockgate.engine.errors import InvalidRequest, PromptTooLong, UnknownModel
 from lockgate.engine.grammar import GrammarManager, grammar_compiler
 from lockgate.engine.kv_cache import KVCacheManager
-from lockgate.engine.kv_cache.host_tier import host_tier_for
+from lockgate.engine.kv_cache.host_tier import host_tier_for, recompute_price
 from lockgate.engine.lora import Adapter, LoRAManager, LoRARequest
 from lockgate.engine.memory import CPU_DEFAULT_KV_BYTES, MemoryBudget
 from lockgate.engine.model_runner import ModelRunner, StepTimings
@@ -74,7 +74,7 @@ class EngineCore:
         self.kv = KVCacheManager(self.num_kv_blocks, bs, config.enable_prefix_caching, len(config.service_classes),
                                  host_tier_for(config, self.runner, self.num_kv_blocks))
         self.scheduler = Scheduler(config, self.kv)
-        self.kv.recompute_s = lambda n, computed: self.scheduler.cost.chunk_time(n, computed)
+        self.kv.recompute_s = lambda n, computed: recompute_price(self.scheduler.cost, n, computed)
         if self.lora is not None:
             self.scheduler.lora_ready, self.lora.on_remove = self.lora.is_ready, self.kv.drop_adapter
         self.grammars = GrammarManager(grammar_compiler(config.model, mc.vocab_size, mc.eos_token_ids))
@@ -182,8 +182,7 @@ class EngineCore:
         self.runner.load()
 
     def offload(self) -> None:
-        """Preempt every running request (back to the queue, in its place), forget the
-        cached prefixes, and give the device memory back. Queued requests stay queued."""
+        """Running requests preempted (back to the queue, in place), cached prefixes forgotten, memory given back."""
         self.scheduler.preempt_all()
         self.kv.reset()
         self.runner.offload()
@@ -196,6 +195,9 @@ class EngineCore:
 
     def set_tenant_weight(self, tenant: str, weight: float) -> None:
         self.scheduler.fair.weights[tenant] = float(weight)
+
+    def purge_tenant(self, tenant: str) -> None:
+        self.kv.drop_tenant(tenant)    # both KV tiers, before the next lookup (any thread)
 
     def rebuild_ranks(self, failed_at: float) -> None:
         """A rank failed: every request forgotten (their callers told by AsyncEngine), the

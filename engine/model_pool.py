@@ -181,6 +181,10 @@ class ModelPool:
         for core in self.cores.values():
             core.set_tenant_weight(tenant, weight)
 
+    def purge_tenant(self, tenant: str) -> None:
+        for core in self.cores.values():
+            core.purge_tenant(tenant)
+
     def shutdown(self) -> None:
         for core in self.cores.values():
             core.shutdown()

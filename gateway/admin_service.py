@@ -106,6 +106,8 @@ async def delete_tenant(state: AppState, session: Any, tenant_id: str, *, actor:
     unless a request still uses one: then at the next sweep, as on other replicas)."""
     await tenants.delete_tenant(session, tenant_id, actor=actor)
     state.auth.keys.invalidate_tenant(tenant_id)
+    for m in state.models.entries.values():   # its cached prefixes, both KV tiers
+        m.engine.purge_tenant(tenant_id)
     try:
         await state.models.adapters.sweep()
     except Exception:  # any failure, logged: the periodic sweep tries again; the rows are gone

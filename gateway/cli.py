@@ -218,7 +218,7 @@ DTYPES = {"auto": "auto", "float32": "float32", "float": "float32", "float16": "
           "half": "float16", "bfloat16": "bfloat16"}
 ENGINE_FLAGS = ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "gpu_memory_utilization",
                 "block_size", "enable_prefix_caching", "enable_lora", "dtype", "tensor_parallel_size",
-                "pipeline_parallel_size", "speculative_config")
+                "pipeline_parallel_size", "speculative_config", "kv_offloading_size")
 
 
 def engine_flags(**flags: object) -> dict[str, object]:
@@ -274,19 +274,19 @@ def _device_note(flags: dict[str, object], pool: str | None) -> str | None:
 _SPEC_HELP = ("speculative decoding, vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": k, "
               "\"prompt_lookup_max\": n, \"prompt_lookup_min\": m}, or a draft model sharing the "
               "model's tokenizer: {\"model\": DIR, \"num_speculative_tokens\": k} (default off)")
+_OFFLOAD_HELP = ("GiB of host memory for a second KV tier that evicted prefixes go to (default: min(the KV "
+                 "cache's size, 1/4 of available host memory, 16 GiB); 0: off)")
 
 
 @app.command("serve")
 def serve(
     model: Annotated[list[str] | None, typer.Option(
-        "--model", help="NAME=DIR or DIR; repeat for several (default: the demo model)",
-    )] = None,
+        "--model", help="NAME=DIR or DIR; repeat for several (default: the demo model)")] = None,
     host: Annotated[str | None, typer.Option(help="default 127.0.0.1")] = None,
     port: Annotated[int | None, typer.Option(help="default 8000")] = None,
     data_dir: Annotated[Path | None, typer.Option(help="default LOCKGATE_DATA_DIR or ~/.local/share/lockgate")] = None,
     migrate: Annotated[bool, typer.Option(
-        "--migrate", help="run migrations on LOCKGATE_DATABASE_URL at start",
-    )] = False,
+        "--migrate", help="run migrations on LOCKGATE_DATABASE_URL at start")] = False,
     shutdown_timeout: Annotated[float | None, typer.Option(help="seconds in-flight requests get after SIGTERM")] = None,
     private_model: Annotated[list[str] | None, typer.Option(
         "--private-model", help="a model served only to tenants that list it",
@@ -321,6 +321,7 @@ def serve(
     pipeline_parallel_size: Annotated[int | None, typer.Option("--pipeline-parallel-size", "-pp", min=1, help=(
         "only 1 (vLLM's flag, accepted for its scripts)"))] = None,
     speculative_config: Annotated[str | None, typer.Option("--speculative-config", help=_SPEC_HELP)] = None,
+    kv_offloading_size: Annotated[float | None, typer.Option(min=0.0, help=_OFFLOAD_HELP)] = None,
     root_path: Annotated[str | None, typer.Option(help="the path prefix a proxy serves it under: /ops")] = None,
     console: Annotated[bool | None, typer.Option("--console/--no-console", help="/console (default on)")] = None,
 ) -> None:

@@ -10,9 +10,11 @@ TTFT is compared over the turns the tier served (the requests that hit the host 
 prompt tokens computed are summed over every request, beside the block-aligned count of
 tokens never seen before (what a tier that keeps everything must still compute).
 
-No reuse: `nr_requests` distinct random prompts sent together, the same small device cache:
-every evicted block is offered to the tier and none is ever hit, which prices the tier's
-overhead: tokens (prompt + output) per second, on vs off.
+No reuse: `nr_requests` distinct random prompts sent together, at most `nr_max_seqs` running
+in a device cache of `nr_device_blocks` that holds them (no preemption, whose recompute the
+tier would save) but not every finished one's cached blocks: each evicted block is copied to
+the tier and none is ever hit, which prices the tier's overhead: tokens (prompt + output) per
+second, on vs off.
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ class KVTierSizes:
     nr_requests: int = 48
     nr_prompt: tuple[int, int] = (256, 768)
     nr_output: int = 32
+    nr_device_blocks: int = 1024    # room for nr_max_seqs at once: evictions, no preemption
+    nr_max_seqs: int = 16
     seed: int = 0
     num_threads: int | None = None
 
@@ -72,13 +76,13 @@ def never_seen(prompts: list[list[int]], answers: list[list[int]], bs: int) -> i
     return total
 
 
-def _core(model_dir: str, tier: bool, s: KVTierSizes):
+def _core(model_dir: str, tier: bool, s: KVTierSizes, **overrides: Any):
     from lockgate.engine.config import EngineConfig
     from lockgate.engine.engine_core import EngineCore
 
-    return EngineCore(EngineConfig(
-        model=model_dir, num_kv_blocks=s.device_blocks, block_size=s.block_size, seed=s.seed,
-        kv_offloading_size=s.offload_gib if tier else 0, num_threads=s.num_threads))
+    return EngineCore(EngineConfig(**{
+        "model": model_dir, "num_kv_blocks": s.device_blocks, "block_size": s.block_size, "seed": s.seed,
+        "kv_offloading_size": s.offload_gib if tier else 0, "num_threads": s.num_threads, **overrides}))
 
 
 def run_chat(model_dir: str, tier: bool, sizes: dict[str, Any]) -> dict[str, Any]:
@@ -113,7 +117,7 @@ def run_no_reuse(model_dir: str, tier: bool, sizes: dict[str, Any]) -> dict[str,
     from lockgate.engine.sampling_params import SamplingParams
 
     s = KVTierSizes(**sizes)
-    core = _core(model_dir, tier, s)
+    core = _core(model_dir, tier, s, num_kv_blocks=s.nr_device_blocks, max_num_seqs=s.nr_max_seqs)
     allowed = allowed_token_ids(model_dir)
     warm_up(core, allowed)
     rng = random.Random(s.seed + 1)
@@ -126,7 +130,8 @@ def run_no_reuse(model_dir: str, tier: bool, sizes: dict[str, Any]) -> dict[str,
         core.step()
     elapsed = time.perf_counter() - t0
     tokens = sum(len(p) for p in prompts) + s.nr_requests * s.nr_output
-    return {"tok_s": tokens / elapsed, "elapsed_s": elapsed, "kv": asdict(core.kv.stats())}
+    return {"tok_s": tokens / elapsed, "elapsed_s": elapsed, "kv": asdict(core.kv.stats()),
+            "preemptions": core.scheduler.num_preemptions}
 
 
 def chat_summary(on: dict[str, Any], off: dict[str, Any], bs: int) -> dict[str, Any]:
@@ -156,6 +161,7 @@ def bench_kv_tier(model_dir: str | None = None, *, sizes: KVTierSizes | None = N
          f"{s.nr_prompt[0]}-{s.nr_prompt[1]} tokens, {s.nr_output} out, together")
     chats: dict[str, list[dict[str, Any]]] = {"on": [], "off": []}
     flows: dict[str, list[float]] = {"on": [], "off": []}
+    last: dict[str, dict[str, Any]] = {}
     for r in range(repeats):
         order = ("on", "off") if r % 2 == 0 else ("off", "on")
         sides = {f"chat {k} #{r + 1}": (run_chat, (model_dir, k == "on", asdict(s))) for k in order}
@@ -164,6 +170,7 @@ def bench_kv_tier(model_dir: str | None = None, *, sizes: KVTierSizes | None = N
         for k in order:
             chats[k].append(got[f"chat {k} #{r + 1}"])
             flows[k].append(got[f"no-reuse {k} #{r + 1}"]["tok_s"])
+            last[k] = got[f"no-reuse {k} #{r + 1}"]
     runs = [chat_summary(on, off, s.block_size) for on, off in zip(chats["on"], chats["off"], strict=True)]
     best = {k: {m: min(x[k][m] for x in runs) for m in ("ttft_p50_s", "ttft_p99_s")} for k in ("on", "off")}
     ratio50 = best["off"]["ttft_p50_s"] / best["on"]["ttft_p50_s"]
@@ -182,5 +189,8 @@ def bench_kv_tier(model_dir: str | None = None, *, sizes: KVTierSizes | None = N
     echo(f"TTFT off / on: p50 {ratio50:.2f}x, p99 {ratio99:.2f}x (target >= 3): {ok[min(ratio50, ratio99) >= 3]}")
     echo(f"no reuse, tokens/s best of {repeats}: on {max(flows['on']):.0f}, off {max(flows['off']):.0f}: "
          f"{tput:.3f}x (target >= 0.97): {ok[tput >= 0.97]}")
+    kv = last["on"]["kv"]
+    echo(f"  (tier on: {kv['host_stores']} blocks stored to the host, {kv['host_copy_ins']} copied back; "
+         f"preemptions on/off {last['on']['preemptions']}/{last['off']['preemptions']})")
     return {"runs": runs, "best": best, "ttft_ratio_p50": ratio50, "ttft_ratio_p99": ratio99,
             "no_reuse_tok_s": flows, "no_reuse_ratio": tput}

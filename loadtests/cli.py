@@ -494,6 +494,33 @@ def bench_pool(
     _dump(json_out, out)
 
 
+@bench_app.command("kv-tier")
+def bench_kv_tier(
+    model: Annotated[Path | None, typer.Option(help="model directory (default: the small llama demo model)")] = None,
+    repeats: Annotated[int, typer.Option(min=1, help="runs of each side, alternating; the best counts")] = 3,
+    conversations: Annotated[int, typer.Option(min=1)] = 16,
+    turns: Annotated[int, typer.Option(min=1)] = 6,
+    history: Annotated[tuple[int, int], typer.Option(help="shared history length range MIN MAX")] = (1024, 1536),
+    device_blocks: Annotated[int, typer.Option(min=1, help="the device KV cache's blocks")] = 128,
+    offload_gib: Annotated[float, typer.Option(min=0.0, help="the host tier's size (GiB)")] = 0.25,
+    nr_requests: Annotated[int, typer.Option(min=1, help="requests of the no-reuse workload")] = 48,
+    num_threads: Annotated[int, typer.Option(min=0, help="torch threads (0: torch's default)")] = 0,
+    json_out: Annotated[Path | None, typer.Option("--json", help="also write the results here")] = None,
+) -> None:
+    """The host-memory KV tier on vs off, alternating in fresh processes: multi-turn chats whose
+    prefixes the device cache evicts (TTFT p50/p99 of the turns the tier served, prompt tokens
+    computed), and distinct prompts without reuse (tokens/s: the tier's overhead)."""
+    from lockgate.loadtests.bench_kv_tier import KVTierSizes
+    from lockgate.loadtests.bench_kv_tier import bench_kv_tier as run
+
+    _check_ranges(("--history", history))
+    sizes = KVTierSizes(conversations=conversations, turns=turns, history=tuple(history),
+                        device_blocks=device_blocks, offload_gib=offload_gib, nr_requests=nr_requests,
+                        num_threads=num_threads or None)
+    out = run(str(model) if model else None, sizes=sizes, repeats=repeats, echo=typer.echo)
+    _dump(json_out, out)
+
+
 @bench_app.command("tp")
 def bench_tp(
     repeats: Annotated[int, typer.Option(min=1, help="runs of each side, alternating; the best counts")] = 3,

@@ -172,6 +172,9 @@ class InstantEngine(ModelEngine):
     def tenant_weights(self) -> dict[str, float]:
         return dict(self._tenant_weights)
 
+    def purge_tenant(self, tenant: str) -> None:
+        """No KV cache here: nothing to drop."""
+
     def set_tenant_weight(self, tenant: str, weight: float) -> None:
         if not isinstance(tenant, str) or not tenant:
             raise ValueError(f"tenant: must be a non-empty string, got {tenant!r}")

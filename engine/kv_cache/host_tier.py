@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from lockgate.engine.cost_model import MIN_SAMPLES, StepCostModel
 from lockgate.engine.kv_cache.block_pool import BlockHash
 from lockgate.engine.kv_cache.device_cache import DeviceKVCache
 
@@ -116,8 +117,11 @@ class HostKVTier:
         return len(gone)
 
     def clear(self) -> None:
-        """Forget everything (the model's weights changed: no block of it is valid)."""
-        self.drop(lambda _tag: True)
+        """Forget everything, pending copies too (the device cache was dropped, the weights
+        may be read again changed: no block is known valid)."""
+        self._stores, self._loads, self._loading, self._freed_after_flush = [], [], set(), []
+        self.entries.clear()
+        self.free_slots = list(range(self.num_slots - 1, -1, -1))
 
     def flush(self) -> None:
         """Do the recorded copies: device -> host for evicted blocks, then host -> device."""
@@ -150,8 +154,19 @@ class HostKVTier:
 
     def worth_copying(self, num_blocks: int, recompute_s: float | None) -> bool:
         """A copy-in against a recompute of the same tokens (the step-cost model's price;
-        None while it has no fit: copy, it is nearly always cheaper)."""
-        return recompute_s is None or num_blocks * self.copy_s_per_block < recompute_s
+        None while its fit is not trusted: copy, it is nearly always cheaper). Refused only
+        when clearly dearer: the fit's price of a small chunk swings from step to step."""
+        return recompute_s is None or num_blocks * self.copy_s_per_block < 2 * recompute_s
+
+
+def recompute_price(cost: StepCostModel, num_tokens: int, computed: int) -> float | None:
+    """Seconds the step-cost model says `num_tokens` more prefill tokens (after `computed`)
+    add to a step, once its fit is trusted: 4x the steps it needs to predict at all, and
+    recent predictions within 25% (median); else None."""
+    err = cost.prediction_error()
+    if cost.num_samples < 4 * MIN_SAMPLES or err is None or err > 0.25:
+        return None
+    return cost.chunk_time(num_tokens, computed)
 
 
 def host_tier_for(config: EngineConfig, runner: ModelRunner, num_blocks: int) -> HostKVTier | None:

@@ -133,13 +133,12 @@ class KVCacheManager:
         recomputing them is cheaper."""
         pool, bs = self.pool, self.block_size
         start = len(hits)
-        wanted = []
-        for h in seq.block_hashes[start:max_blocks]:
-            if h in pool.cached:
-                break
-            wanted.append(h)
+        hashes, end = seq.block_hashes, start
+        while end < max_blocks and hashes[end] in host and hashes[end] not in pool.cached:
+            end += 1
         host.num_queries += (max_blocks - start) * bs
-        n = host.count_run(wanted)
+        wanted = hashes[start:end]
+        n = host.count_run(wanted)          # each marked recently used
         if n == 0 or not host.worth_copying(n, self.recompute_s(n * bs, start * bs)):
             return []
         tiers = [b.tier for b in hits]
@@ -179,8 +178,8 @@ class KVCacheManager:
         self.drop_later(lambda tag: tag[2] == f"t:{tenant}")
 
     def _apply_drops(self) -> None:
-        drops, self._drops = self._drops, []
-        for match in drops:
+        while self._drops:      # pop, not swap: another thread may append meanwhile
+            match = self._drops.pop(0)
             self.pool.uncache(match)
             if self.host is not None:
                 self.host.drop(match)

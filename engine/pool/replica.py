@@ -357,6 +357,10 @@ class Pool:
         for h in self.handles.values():
             h.set_tenant_weight.remote(tenant, float(weight))
 
+    def purge_tenant(self, tenant: str) -> None:
+        for h in self.handles.values():   # fire and forget: a worker that misses it keeps blocks no one hits
+            h.purge_tenant.remote(tenant)
+
 
     async def close(self) -> None:
         """Stop this replica's side; the workers stay for the other replicas."""

@@ -256,6 +256,10 @@ class EngineWorker:
     async def set_tenant_weight(self, tenant: str, weight: float) -> None:
         self.engine.set_tenant_weight(tenant, weight)
 
+    async def purge_tenant(self, tenant: str) -> None:
+        if self.engine is not None:
+            self.engine.purge_tenant(tenant)
+
     async def shutdown(self) -> None:
         if self._watch is not None:
             self._watch.cancel()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 
 from lockgate.loadtests.bench_fairness import FairnessSizes, bench_fairness, jain, vtc_bound
+from lockgate.loadtests.bench_kv_tier import KVTierSizes, bench_kv_tier
 from lockgate.loadtests.bench_prefix import PrefixSizes, bench_prefix
 from lockgate.loadtests.bench_priority import PrioritySizes, bench_priority
 from lockgate.loadtests.stats import percentile
@@ -115,3 +116,16 @@ def test_bench_switch_switches_and_keeps_the_budget(tmp_path):
     assert out["switches"] >= 1 and out["cold_start_s"] > 0 and out["disk_load_s"] > 0
     assert out["online_ttft_cold_p99_s"] > 0 and 0 <= out["switch_share"] < 1
     assert (tmp_path / "switch.json").is_file()
+
+
+def test_bench_kv_tier_serves_evicted_prefixes_from_the_host():
+    """4 chats x 2 turns on 2 histories, a device cache of one chat: the tier's side
+    computes only the tokens never seen before, the other side much more."""
+    sizes = KVTierSizes(conversations=4, turns=2, histories=2, history=(160, 200), user=(8, 16), output_len=2,
+                        device_blocks=24, offload_gib=0.01, nr_requests=4, nr_prompt=(32, 64), nr_output=2,
+                        nr_device_blocks=24, nr_max_seqs=2)
+    out = bench_kv_tier(demo_model("llama", "tiny", 0), sizes=sizes, repeats=1, fresh_process=False, echo=quiet)
+    run = out["runs"][0]
+    assert run["same_output"] and run["on"]["computed"] == run["never_seen"] < run["off"]["computed"]
+    assert run["served_turns"] >= 4 and run["on"]["copy_ins"] > 0 and run["off"]["copy_ins"] == 0
+    assert out["no_reuse_ratio"] > 0 and out["ttft_ratio_p50"] > 0

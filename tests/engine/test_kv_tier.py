@@ -60,7 +60,7 @@ def test_another_tenant_never_hits_a_tenants_blocks_in_the_host_tier():
     assert llm.engine.kv.stats().host_hits >= kv.host_hits + 96
     assert again.outputs[0].token_ids == first.outputs[0].token_ids
     # a deleted tenant's blocks leave both tiers
-    llm.engine.kv.drop_tenant("acme")
+    llm.engine.purge_tenant("acme")
     assert run(llm, prompt, tenant="acme").num_cached_tokens == 0
 
 
@@ -99,3 +99,37 @@ def test_a_removed_adapter_s_blocks_are_never_served(tmp_path):
                 lora_request=LoRARequest("a", 1, str(new)))
     assert got.num_cached_tokens == 0
     assert got.outputs[0].token_ids == fresh.outputs[0].token_ids
+
+
+def test_host_tier_round_trips_blocks_evicts_lru_and_prices_copies():
+    """Blocks copied out and back are bit-identical; a full tier evicts its least recently
+    used block (one a pending copy-in reads is kept); a copy clearly dearer than the
+    recompute is refused."""
+    import torch
+
+    from lockgate.engine.kv_cache.device_cache import DeviceKVCache
+    from lockgate.engine.kv_cache.host_tier import HostKVTier
+
+    dev = DeviceKVCache(2, 1, 4, torch.float32, torch.device("cpu"))
+    dev.allocate(6, 2)
+    for k, v in dev.layers:
+        k.copy_(torch.randn_like(k))
+        v.copy_(torch.randn_like(v))
+    want = [(k[:, 0].clone(), v[:, 0].clone()) for k, v in dev.layers]
+    tier = HostKVTier(dev, 2, 2)
+    tag = ("m", 0, "t:a")
+    tier.store(b"a", tag, 0)
+    tier.store(b"b", tag, 1)
+    tier.flush()
+    assert tier.count_run([b"a"]) == 1          # "a" used: "b" is now the oldest
+    tier.store(b"c", tag, 2)
+    assert b"b" not in tier and b"a" in tier and tier.num_evictions == 1
+    assert tier.load(b"a", 5) and tier.count_run([b"c"]) == 1
+    tier.store(b"d", tag, 3)                     # the oldest, "a", is read by a pending load: kept
+    assert b"a" in tier and b"c" in tier and b"d" not in tier
+    tier.flush()
+    assert all(torch.equal(k[:, 5], wk) and torch.equal(v[:, 5], wv)
+               for (k, v), (wk, wv) in zip(dev.layers, want, strict=True))
+    assert tier.worth_copying(4, None) and tier.worth_copying(4, 1.0)
+    assert not tier.worth_copying(4, tier.copy_s_per_block)
+    assert tier.drop(lambda t: t[2] == "t:a") == 2 and tier.num_held == 0

@@ -1,6 +1,6 @@
 """`lockgate serve` started with vLLM's engine flags (the command line is what is tested): each
 flag reaches the engine, seen from outside (a bad --speculative-config is refused naming its
-field), and --gpu-memory-utilization says on a machine
+field), --kv-offloading-size sizes the host KV tier, and --gpu-memory-utilization says on a machine
 without CUDA that it does nothing there. (vLLM's other conventions, in process:
 test_vllm_compat.py.)"""
 
@@ -12,13 +12,14 @@ import openai
 import pytest
 import torch
 
+from lockgate.engine.config import ModelConfig
 from tests.support.gateway_server import running_server
 from tests.support.helpers import demo_model
 
 MODEL = "tiny"
 FLAGS = ["--max-num-seqs", "1", "--max-model-len", "512", "--max-loras", "2", "--max-lora-rank", "8",
          "--gpu-memory-utilization", "0.5", "--dtype", "float", "--block-size", "16",
-         "--enable-prefix-caching",
+         "--enable-prefix-caching", "--kv-offloading-size", "0.01",
          "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}']
 
 
@@ -41,6 +42,10 @@ def test_vllm_engine_flags_reach_the_engine(server):
     assert client(server, key).models.retrieve(MODEL).model_extra["max_model_len"] == 512
     engine = server.admin.get("/engine").json()["models"][MODEL]
     assert (engine["lora"]["max_loras"], engine["lora"]["max_lora_rank"]) == (2, 8)
+    # --kv-offloading-size 0.01 (GiB): that many bytes of float32 K and V blocks of 16 tokens
+    mc = ModelConfig.from_dir(demo_model("llama", "tiny", 0))
+    per_block = 2 * mc.num_hidden_layers * 16 * mc.num_key_value_heads * mc.head_dim * 4
+    assert engine["kv_tiers"]["host"]["capacity"] == int(0.01 * 2**30) // per_block
     spec = engine["speculative"]
     assert (spec["method"], spec["num_speculative_tokens"], spec["prompt_lookup_min"], spec["prompt_lookup_max"]) \
         == ("ngram", 3, 2, 2)
