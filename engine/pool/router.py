@@ -192,12 +192,14 @@ class Router:
     def choose(self, candidates: Sequence[str], load: Callable[[str], int],
                chain: Sequence[bytes], *, cached: Callable[[str], int | None] | None = None,
                prices: dict[str, Price] | None = None, inflight: Callable[[str], int] | None = None,
-               service_class: str = "online", prompt_tokens: int | None = None) -> tuple[str, int]:
+               pending: Callable[[str], int] | None = None, service_class: str = "online",
+               prompt_tokens: int | None = None) -> tuple[str, int]:
         """(worker, cached blocks of `chain` expected there) for a request whose prefix chain is
         `chain`, among `candidates` (non-empty). `load(worker)`: the requests ahead of it
         there; `cached(worker)`: prompt tokens the worker's cache holds, None where its index
         is stale (the approximate record then); `prices`: each worker's (default: alike);
-        `inflight(worker)`: for the cap (default: its load)."""
+        `inflight(worker)`: for the cap (default: its load); `pending(worker)`: prompt tokens
+        queued there to compute (default: half this prompt's per request ahead)."""
         if not candidates:
             raise ValueError("candidates: no worker serves this model")
         loads = {w: load(w) for w in candidates}
@@ -216,7 +218,8 @@ class Router:
             held[w] = depth if tokens is None else tokens // BLOCK
             tokens = min(n, depth * BLOCK if tokens is None else tokens)
             p = (prices or {}).get(w, DEFAULT_PRICE)
-            scores[w] = saved_w * tokens * p.token_s - queue_w * loads[w] * (p.request_s + p.token_s * n / 2)
+            ahead = pending(w) if pending is not None else loads[w] * n // 2
+            scores[w] = saved_w * tokens * p.token_s - queue_w * (loads[w] * p.request_s + ahead * p.token_s)
         top = max(scores.values())
         best = [w for w in allowed if scores[w] >= top - 1e-12]
         low = min(loads[w] for w in best)
