@@ -161,7 +161,8 @@ class Router:
     the work queued ahead of the request there (requests ahead x a request's price), each
     weighted by the request's class (`CLASS_WEIGHTS`). A worker with more than `CAP_RATIO`
     x + `CAP_SLACK` the least loaded worker's requests in flight is not a candidate: one
-    hot prefix never piles up on one worker. Ties go to the least loaded, in turn."""
+    hot prefix never piles up on one worker. Scores within one request's price of the best
+    tie; ties go to the most cached, then the least loaded, in turn."""
 
     def __init__(self, *, capacity: int = 100_000, recent_s: float = 2.0) -> None:
         """`capacity`: prefix entries remembered. `recent_s`: how long a prefix this replica
@@ -169,7 +170,8 @@ class Router:
         prefill may not have run yet, so no event can say so)."""
         self.capacity = capacity
         self.recent_s = recent_s
-        self._where: OrderedDict[bytes, tuple[str, float]] = OrderedDict()
+        # prefix -> the workers this replica sent it to, each with when (a hot prefix on several)
+        self._where: OrderedDict[bytes, dict[str, float]] = OrderedDict()
         self._turn = itertools.count()
         self.summaries: dict[str, frozenset[bytes]] = {}    # worker -> its PrefixSummary keys
         self.chosen: Counter[str] = Counter()                 # how each choice was priced
@@ -184,8 +186,7 @@ class Router:
         keys = frozenset() if recent else self.summaries.get(worker, frozenset())
         since = time.monotonic() - self.recent_s if recent else -1.0
         for k in range(len(chain) - 1, -1, -1):
-            w, at = self._where.get(chain[k], ("", 0.0))
-            if (w == worker and at >= since) or chain[k][:SUMMARY_KEY] in keys:
+            if self._where.get(chain[k], {}).get(worker, -2.0) >= since or chain[k][:SUMMARY_KEY] in keys:
                 return k + 1
         return 0
 
@@ -220,8 +221,13 @@ class Router:
             p = (prices or {}).get(w, DEFAULT_PRICE)
             ahead = pending(w) if pending is not None else loads[w] * n // 2
             scores[w] = saved_w * tokens * p.token_s - queue_w * (loads[w] * p.request_s + ahead * p.token_s)
+        # scores within one request's share of a step are the cost model's noise: among them
+        # the most compute saved, then the least loaded
         top = max(scores.values())
-        best = [w for w in allowed if scores[w] >= top - 1e-12]
+        noise = min((prices or {}).get(w, DEFAULT_PRICE).request_s for w in allowed)
+        best = [w for w in allowed if scores[w] >= top - noise - 1e-12]
+        most = max(held[w] for w in best)
+        best = [w for w in best if held[w] == most]
         low = min(loads[w] for w in best)
         tied = sorted(w for w in best if loads[w] == low)
         choice = tied[next(self._turn) % len(tied)] if len(tied) > 1 else tied[0]
@@ -232,13 +238,15 @@ class Router:
     def remember(self, chain: Sequence[bytes], worker: str) -> None:
         now = time.monotonic()
         for h in chain:
-            self._where[h] = (worker, now)
+            self._where.setdefault(h, {})[worker] = now
             self._where.move_to_end(h)
         while len(self._where) > self.capacity:
             self._where.popitem(last=False)
 
     def forget_worker(self, worker: str) -> None:
         """A worker restarted (its cache is empty): its prefixes are forgotten."""
-        for h in [h for h, (w, _) in self._where.items() if w == worker]:
-            del self._where[h]
+        for h in [h for h, ws in self._where.items() if worker in ws]:
+            del self._where[h][worker]
+            if not self._where[h]:
+                del self._where[h]
         self.summaries.pop(worker, None)

@@ -43,7 +43,7 @@ def test_router_keeps_a_prefix_on_its_worker_unless_it_is_much_busier():
     assert moved == other and depth == 0
     r.forget_worker(other)
     load[first] = 0
-    assert r.choose(["w0", "w1"], load.get, chain)[1] == 0     # the older entry was overwritten
+    assert r.choose(["w0", "w1"], load.get, chain) == (first, len(chain))     # still held there too
     with pytest.raises(ValueError, match="no worker"):
         r.choose([], load.get, chain)
 
@@ -361,6 +361,7 @@ def test_router_weighs_the_prefill_a_cache_saves_against_the_queue_in_seconds():
     r.remember(chain, "w1")
     assert r.choose(["w0", "w1"], {"w0": 0, "w1": 0}.get, chain, cached=cached)[0] == "w0"
     # an index gone stale (None): the approximate record decides
+    r = Router()
     r.remember(chain, "w1")
     assert r.choose(["w0", "w1"], {"w0": 0, "w1": 0}.get, chain, cached=lambda w: None)[0] == "w1"
 
