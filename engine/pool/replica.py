@@ -64,6 +64,7 @@ class Pool:
         self.assigned: dict[str, list[str]] = {}
         self.inflight: Counter[str] = Counter()
         self.pending: Counter[str] = Counter()              # prompt tokens routed, not yet computed
+        self.others: Counter[str] = Counter()               # other replicas' requests on each worker
         self.restarts: Counter[str] = Counter()            # worker restarts this replica saw
         self.decisions: list[dict] = []                      # placement's recent, with reasons
         self.placement: Any = None
@@ -151,6 +152,7 @@ class Pool:
                     self._restarting[name] = asyncio.get_running_loop().create_task(self._restart(name))
                 return
             self._take_summary(name, report)
+            self.others[name] = max(0, report.owned - self.inflight[name])
             if report.kv_events is not None:
                 self.kv_index.apply(name, report.kv_events)
             if name in self.down:            # back after missing calls: what it may lack first
@@ -233,9 +235,8 @@ class Pool:
         return placed or live
 
     def load(self, worker: str) -> int:
-        r = self.reports.get(worker)
-        # the report's count has this replica's requests in it, up to a report late
-        return max(r.load("online") if r is not None else 0, self.inflight[worker])
+        # this replica's own requests counted now; other replicas' as of the worker's last report
+        return self.inflight[worker] + self.others[worker]
 
     def route(self, model: str, tenant: str, cache_salt: str | None, ids: list[int] | None,
               exclude: str | None = None) -> str:

@@ -111,31 +111,33 @@ def unpack_summary(blob: bytes) -> frozenset[bytes]:
 @dataclass(frozen=True)
 class Price:
     """A worker's step-cost model as routing reads it (engine/cost_model.py): seconds per prompt
-    token computed, and seconds per request besides (its share of a step's fixed cost)."""
+    token computed, per sequence in a step (its share of every step it is in), and a step's
+    fixed cost (what a request arriving at a busy worker waits, half of on average)."""
 
     token_s: float
     request_s: float
+    step_s: float = 0.0
 
 
 # what a worker with no fitted cost model yet costs when no other worker's is fitted either:
 # only ratios matter then, all workers priced alike
-DEFAULT_PRICE = Price(token_s=1e-4, request_s=5e-3)
+DEFAULT_PRICE = Price(token_s=1e-4, request_s=1e-3, step_s=5e-3)
 # (weight of the prefill seconds a cached prefix saves, weight of the seconds queued ahead):
 # an online request's time to first token is the queue's; offline work is paid in compute
 CLASS_WEIGHTS = {"online": (1.0, 1.0), "offline": (1.5, 0.5)}
-CAP_RATIO, CAP_SLACK = 2, 2      # in flight on a worker at most CAP_RATIO x the least loaded's + CAP_SLACK
+CAP_RATIO, CAP_SLACK = 2, 3      # in flight on a worker at most CAP_RATIO x the least loaded's + CAP_SLACK
 
 
 def price_of(coefficients: dict[str, float] | None, prompt_tokens: int) -> Price | None:
     """A fitted cost model's price of a `prompt_tokens` prompt (None: not fitted): a token's
     share of the step's prefill and attention (a token attends to half the prompt on average),
-    a request's of its fixed per-sequence and sampling costs."""
+    a sequence's of its per-sequence and sampling costs, a step's fixed cost."""
     if not coefficients:
         return None
     c = coefficients.get
     token = c("prefill_tokens", 0.0) + c("prefill_attention", 0.0) * prompt_tokens / 2
-    request = c("seqs", 0.0) + c("sampled", 0.0) + c("const", 0.0)
-    return Price(token_s=max(token, 1e-9), request_s=request)
+    return Price(token_s=max(token, 1e-9), request_s=c("seqs", 0.0) + c("sampled", 0.0),
+                 step_s=c("const", 0.0))
 
 
 def priced_alike(prices: dict[str, Price | None]) -> dict[str, Price]:
@@ -146,7 +148,7 @@ def priced_alike(prices: dict[str, Price | None]) -> dict[str, Price]:
         mid = len(fitted) // 2
         token = sorted(p.token_s for p in fitted)[mid]
         request = sorted(p.request_s for p in fitted)[mid]
-        fallback = Price(token, request)
+        fallback = Price(token, request, sorted(p.step_s for p in fitted)[mid])
     else:
         fallback = DEFAULT_PRICE
     return {w: p if p is not None else fallback for w, p in prices.items()}
@@ -220,11 +222,12 @@ class Router:
             tokens = min(n, depth * BLOCK if tokens is None else tokens)
             p = (prices or {}).get(w, DEFAULT_PRICE)
             ahead = pending(w) if pending is not None else loads[w] * n // 2
-            scores[w] = saved_w * tokens * p.token_s - queue_w * (loads[w] * p.request_s + ahead * p.token_s)
+            queue = loads[w] * p.request_s + ahead * p.token_s + (p.step_s / 2 if loads[w] else 0.0)
+            scores[w] = saved_w * tokens * p.token_s - queue_w * queue
         # scores within one request's share of a step are the cost model's noise: among them
         # the most compute saved, then the least loaded
         top = max(scores.values())
-        noise = min((prices or {}).get(w, DEFAULT_PRICE).request_s for w in allowed)
+        noise = min(p.request_s + p.step_s / 2 for p in ((prices or {}).get(w, DEFAULT_PRICE) for w in allowed))
         best = [w for w in allowed if scores[w] >= top - noise - 1e-12]
         most = max(held[w] for w in best)
         best = [w for w in best if held[w] == most]
