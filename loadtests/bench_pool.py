@@ -63,6 +63,9 @@ class RoundRobin:
     def forget_worker(self, worker) -> None:
         pass
 
+    def set_summary(self, worker, keys) -> None:
+        pass
+
 
 def _jobs(systems: list[list[int]], tails: list[list[int]], skew: float | None) -> list[tuple[str, list[int]]]:
     """One request per tail: with `skew`, that share of them carries tenant t0's prefix and the
@@ -231,7 +234,7 @@ def _print_comparisons(out: dict, echo: Callable[[str], None]) -> None:
          f"{lat['pooled']:.1f} ms   added {lat['pooled'] - lat['embedded']:.1f} ms")
 
 
-def bench_pool(*, repeats: int = 3, tenants: int = 4, per_tenant: int = 8, prefix: int = 512,
+def bench_pool(*, repeats: int = 3, tenants: int = 8, per_tenant: int = 8, prefix: int = 512,
                skew: float | None = 0.7, routing_only: bool = False,
                two_model_requests: int = 12, latency_requests: int = 30,
                echo: Callable[[str], None] = print) -> dict:

@@ -474,7 +474,7 @@ def bench_flood(
 @bench_app.command("pool")
 def bench_pool(
     repeats: Annotated[int, typer.Option(min=1, help="runs of each side; the best counts")] = 3,
-    tenants: Annotated[int, typer.Option(min=1)] = 4,
+    tenants: Annotated[int, typer.Option(min=1, help="tenants, each with its own shared prompt")] = 8,
     per_tenant: Annotated[int, typer.Option(min=1)] = 8,
     prefix: Annotated[int, typer.Option(min=16, help="tokens of each tenant's shared prompt")] = 512,
     skew: Annotated[float, typer.Option(

@@ -77,7 +77,11 @@ class KVEventLog:
     """A worker's events, batched and kept for its callers. Thread-safe: engines emit from
     their step threads, reports read from the worker's loop."""
 
-    def __init__(self, keep: int = 256) -> None:
+    def __init__(self, keep: int = 256, max_pending: int = 200_000) -> None:
+        """`keep`: batches kept for callers behind; `max_pending`: events held uncut (no caller
+        asked for a while) before they are dropped for a new epoch (every caller then gets a
+        snapshot): memory stays bounded whoever reads."""
+        self.max_pending = max_pending
         self.epoch = secrets.token_hex(8)      # a restarted worker's log is another one
         self.seq = 0
         self._pending: list[KVEvent] = []
@@ -101,6 +105,10 @@ class KVEventLog:
             with self._lock:
                 self._pending.append(event)
                 self.emitted += 1
+                if len(self._pending) > self.max_pending:
+                    self._pending.clear()
+                    self._batches.clear()
+                    self.epoch = secrets.token_hex(8)
 
         return on_event
 

@@ -24,7 +24,7 @@ from lockgate.engine.errors import EngineDead
 from lockgate.engine.lora_files import Adapter, LoRARequest
 from lockgate.engine.pool.kv_index import KVIndex, engine_chain, engine_salt
 from lockgate.engine.pool.placement import pool_workers
-from lockgate.engine.pool.router import Price, Router, price_of, priced_alike, request_chain, unpack_summary
+from lockgate.engine.pool.router import BLOCK, Price, Router, price_of, priced_alike, request_chain, unpack_summary
 from lockgate.engine.pool.stream import RemoteStream, prompt_ids
 from lockgate.engine.pool.worker import WorkerReport
 from lockgate.engine.sampling_params import SamplingParams
@@ -63,6 +63,8 @@ class Pool:
         self.down: set[str] = set()
         self.assigned: dict[str, list[str]] = {}
         self.inflight: Counter[str] = Counter()
+        self.pending: Counter[str] = Counter()              # prompt tokens routed, not yet computed
+        self.others: Counter[str] = Counter()               # other replicas' requests on each worker
         self.restarts: Counter[str] = Counter()            # worker restarts this replica saw
         self.decisions: list[dict] = []                      # placement's recent, with reasons
         self.placement: Any = None
@@ -70,6 +72,7 @@ class Pool:
         self._poller: asyncio.Task[None] | None = None
         self._beat: asyncio.Task[None] | None = None
         self._restarting: dict[str, asyncio.Task[None]] = {}
+        self.last_prefill = 0                                # the last routed prompt's tokens to compute
         self._prefix_versions: dict[str, int] = {}   # worker -> its prefix summary's version held
         # pool-wide state every worker must hold, sent again to one that restarts
         self.adapters: dict[str, LoRARequest] = {}
@@ -149,6 +152,7 @@ class Pool:
                     self._restarting[name] = asyncio.get_running_loop().create_task(self._restart(name))
                 return
             self._take_summary(name, report)
+            self.others[name] = max(0, report.owned - self.inflight[name])
             if report.kv_events is not None:
                 self.kv_index.apply(name, report.kv_events)
             if name in self.down:            # back after missing calls: what it may lack first
@@ -231,8 +235,8 @@ class Pool:
         return placed or live
 
     def load(self, worker: str) -> int:
-        r = self.reports.get(worker)
-        return (r.load("online") if r is not None else 0) + self.inflight[worker]
+        # this replica's own requests counted now; other replicas' as of the worker's last report
+        return self.inflight[worker] + self.others[worker]
 
     def route(self, model: str, tenant: str, cache_salt: str | None, ids: list[int] | None,
               exclude: str | None = None) -> str:
@@ -263,10 +267,11 @@ class Pool:
                 chains[bs] = engine_chain(salt, ids, bs)
             return self.kv_index.match(w, chains[bs]) * bs
 
-        worker, _ = self.router.choose(cands, self.load, chain, cached=cached,
-                                       prices=self.prices(model, cands, len(ids)),
-                                       inflight=self.inflight.__getitem__,
-                                       service_class=service_class, prompt_tokens=len(ids))
+        worker, held = self.router.choose(cands, self.load, chain, cached=cached,
+                                          prices=self.prices(model, cands, len(ids)),
+                                          inflight=self.inflight.__getitem__, pending=self.pending.__getitem__,
+                                          service_class=service_class, prompt_tokens=len(ids))
+        self.last_prefill = max(0, len(ids) - held * BLOCK)
         return worker, chain
 
     def prices(self, model: str, workers: list[str], prompt_tokens: int) -> dict[str, Price]:
@@ -310,7 +315,8 @@ class Pool:
                                          service_class=options.get("service_class", "online"))
         kwargs = {"tenant": "default", "service_class": "online", "priority": 0, "cache_salt": None,
                   "sheddable": True, **options, "model": name}
-        return RemoteStream(self, base, worker, prompt, sampling_params, request_id, kwargs, chain)
+        return RemoteStream(self, base, worker, prompt, sampling_params, request_id, kwargs, chain,
+                            prefill=self.last_prefill)
 
     async def abort(self, request_id: str) -> None:
         for h in self.handles.values():

@@ -111,31 +111,33 @@ def unpack_summary(blob: bytes) -> frozenset[bytes]:
 @dataclass(frozen=True)
 class Price:
     """A worker's step-cost model as routing reads it (engine/cost_model.py): seconds per prompt
-    token computed, and seconds per request besides (its share of a step's fixed cost)."""
+    token computed, per sequence in a step (its share of every step it is in), and a step's
+    fixed cost (what a request arriving at a busy worker waits, half of on average)."""
 
     token_s: float
     request_s: float
+    step_s: float = 0.0
 
 
 # what a worker with no fitted cost model yet costs when no other worker's is fitted either:
 # only ratios matter then, all workers priced alike
-DEFAULT_PRICE = Price(token_s=1e-4, request_s=5e-3)
+DEFAULT_PRICE = Price(token_s=1e-4, request_s=1e-3, step_s=5e-3)
 # (weight of the prefill seconds a cached prefix saves, weight of the seconds queued ahead):
 # an online request's time to first token is the queue's; offline work is paid in compute
 CLASS_WEIGHTS = {"online": (1.0, 1.0), "offline": (1.5, 0.5)}
-CAP_RATIO, CAP_SLACK = 2, 2      # in flight on a worker at most CAP_RATIO x the least loaded's + CAP_SLACK
+CAP_RATIO, CAP_SLACK = 2, 3      # in flight on a worker at most CAP_RATIO x the least loaded's + CAP_SLACK
 
 
 def price_of(coefficients: dict[str, float] | None, prompt_tokens: int) -> Price | None:
     """A fitted cost model's price of a `prompt_tokens` prompt (None: not fitted): a token's
     share of the step's prefill and attention (a token attends to half the prompt on average),
-    a request's of its fixed per-sequence and sampling costs."""
+    a sequence's of its per-sequence and sampling costs, a step's fixed cost."""
     if not coefficients:
         return None
     c = coefficients.get
     token = c("prefill_tokens", 0.0) + c("prefill_attention", 0.0) * prompt_tokens / 2
-    request = c("seqs", 0.0) + c("sampled", 0.0) + c("const", 0.0)
-    return Price(token_s=max(token, 1e-9), request_s=request)
+    return Price(token_s=max(token, 1e-9), request_s=c("seqs", 0.0) + c("sampled", 0.0),
+                 step_s=c("const", 0.0))
 
 
 def priced_alike(prices: dict[str, Price | None]) -> dict[str, Price]:
@@ -146,7 +148,7 @@ def priced_alike(prices: dict[str, Price | None]) -> dict[str, Price]:
         mid = len(fitted) // 2
         token = sorted(p.token_s for p in fitted)[mid]
         request = sorted(p.request_s for p in fitted)[mid]
-        fallback = Price(token, request)
+        fallback = Price(token, request, sorted(p.step_s for p in fitted)[mid])
     else:
         fallback = DEFAULT_PRICE
     return {w: p if p is not None else fallback for w, p in prices.items()}
@@ -161,7 +163,8 @@ class Router:
     the work queued ahead of the request there (requests ahead x a request's price), each
     weighted by the request's class (`CLASS_WEIGHTS`). A worker with more than `CAP_RATIO`
     x + `CAP_SLACK` the least loaded worker's requests in flight is not a candidate: one
-    hot prefix never piles up on one worker. Ties go to the least loaded, in turn."""
+    hot prefix never piles up on one worker. Scores within one request's price of the best
+    tie; ties go to the most cached, then the least loaded, in turn."""
 
     def __init__(self, *, capacity: int = 100_000, recent_s: float = 2.0) -> None:
         """`capacity`: prefix entries remembered. `recent_s`: how long a prefix this replica
@@ -169,7 +172,8 @@ class Router:
         prefill may not have run yet, so no event can say so)."""
         self.capacity = capacity
         self.recent_s = recent_s
-        self._where: OrderedDict[bytes, tuple[str, float]] = OrderedDict()
+        # prefix -> the workers this replica sent it to, each with when (a hot prefix on several)
+        self._where: OrderedDict[bytes, dict[str, float]] = OrderedDict()
         self._turn = itertools.count()
         self.summaries: dict[str, frozenset[bytes]] = {}    # worker -> its PrefixSummary keys
         self.chosen: Counter[str] = Counter()                 # how each choice was priced
@@ -184,20 +188,21 @@ class Router:
         keys = frozenset() if recent else self.summaries.get(worker, frozenset())
         since = time.monotonic() - self.recent_s if recent else -1.0
         for k in range(len(chain) - 1, -1, -1):
-            w, at = self._where.get(chain[k], ("", 0.0))
-            if (w == worker and at >= since) or chain[k][:SUMMARY_KEY] in keys:
+            if self._where.get(chain[k], {}).get(worker, -2.0) >= since or chain[k][:SUMMARY_KEY] in keys:
                 return k + 1
         return 0
 
     def choose(self, candidates: Sequence[str], load: Callable[[str], int],
                chain: Sequence[bytes], *, cached: Callable[[str], int | None] | None = None,
                prices: dict[str, Price] | None = None, inflight: Callable[[str], int] | None = None,
-               service_class: str = "online", prompt_tokens: int | None = None) -> tuple[str, int]:
+               pending: Callable[[str], int] | None = None, service_class: str = "online",
+               prompt_tokens: int | None = None) -> tuple[str, int]:
         """(worker, cached blocks of `chain` expected there) for a request whose prefix chain is
         `chain`, among `candidates` (non-empty). `load(worker)`: the requests ahead of it
         there; `cached(worker)`: prompt tokens the worker's cache holds, None where its index
         is stale (the approximate record then); `prices`: each worker's (default: alike);
-        `inflight(worker)`: for the cap (default: its load)."""
+        `inflight(worker)`: for the cap (default: its load); `pending(worker)`: prompt tokens
+        queued there to compute (default: half this prompt's per request ahead)."""
         if not candidates:
             raise ValueError("candidates: no worker serves this model")
         loads = {w: load(w) for w in candidates}
@@ -216,9 +221,16 @@ class Router:
             held[w] = depth if tokens is None else tokens // BLOCK
             tokens = min(n, depth * BLOCK if tokens is None else tokens)
             p = (prices or {}).get(w, DEFAULT_PRICE)
-            scores[w] = saved_w * tokens * p.token_s - queue_w * loads[w] * (p.request_s + p.token_s * n / 2)
+            ahead = pending(w) if pending is not None else loads[w] * n // 2
+            queue = loads[w] * p.request_s + ahead * p.token_s + (p.step_s / 2 if loads[w] else 0.0)
+            scores[w] = saved_w * tokens * p.token_s - queue_w * queue
+        # scores within one request's share of a step are the cost model's noise: among them
+        # the most compute saved, then the least loaded
         top = max(scores.values())
-        best = [w for w in allowed if scores[w] >= top - 1e-12]
+        noise = min(p.request_s + p.step_s / 2 for p in ((prices or {}).get(w, DEFAULT_PRICE) for w in allowed))
+        best = [w for w in allowed if scores[w] >= top - noise - 1e-12]
+        most = max(held[w] for w in best)
+        best = [w for w in best if held[w] == most]
         low = min(loads[w] for w in best)
         tied = sorted(w for w in best if loads[w] == low)
         choice = tied[next(self._turn) % len(tied)] if len(tied) > 1 else tied[0]
@@ -229,13 +241,15 @@ class Router:
     def remember(self, chain: Sequence[bytes], worker: str) -> None:
         now = time.monotonic()
         for h in chain:
-            self._where[h] = (worker, now)
+            self._where.setdefault(h, {})[worker] = now
             self._where.move_to_end(h)
         while len(self._where) > self.capacity:
             self._where.popitem(last=False)
 
     def forget_worker(self, worker: str) -> None:
         """A worker restarted (its cache is empty): its prefixes are forgotten."""
-        for h in [h for h, (w, _) in self._where.items() if w == worker]:
-            del self._where[h]
+        for h in [h for h, ws in self._where.items() if worker in ws]:
+            del self._where[h][worker]
+            if not self._where[h]:
+                del self._where[h]
         self.summaries.pop(worker, None)

@@ -29,9 +29,13 @@ class RemoteStream(RequestStream):
 
     def __init__(self, pool: Pool, model: str, worker: str, prompt: Prompt,
                  params: SamplingParams, request_id: str, kwargs: dict[str, Any],
-                 prefix: list[bytes] | None = None) -> None:
+                 prefix: list[bytes] | None = None, prefill: int = 0) -> None:
+        """`prefill`: the prompt tokens the router expects `worker` to compute for it (counted
+        in `pool.pending` until its first output)."""
         self.pool = pool
         self.worker = worker
+        self._prefill = prefill
+        pool.pending[worker] += prefill
         self._prefix = prefix or []
         queue: asyncio.Queue = asyncio.Queue()
         super().__init__(request_id, queue, abort=self._abort_remote, forget=self._forget_remote)
@@ -85,6 +89,7 @@ class RemoteStream(RequestStream):
                     kind, value = await ref
                     if kind == "out":
                         sent = True
+                        self._prefilled()
                     self._queue.put_nowait(value)
                     if kind == "error" or (isinstance(value, RequestOutput) and value.finished):
                         return
@@ -109,6 +114,8 @@ class RemoteStream(RequestStream):
                             logger.debug("pool: abort of %s not sent", self.request_id)
                         pool.inflight[self.worker] -= 1
                         pool.inflight[other] += 1
+                        pool.pending[self.worker] -= self._prefill
+                        pool.pending[other] += self._prefill
                         self.worker = other
                         continue
                 self._fail(EngineDead(f"pool worker {self.worker} failed: {type(exc).__name__}"))
@@ -126,6 +133,13 @@ class RemoteStream(RequestStream):
         if not self._forgotten:
             self._forgotten = True
             self.pool.inflight[self.worker] -= 1
+            self._prefilled()
+
+    def _prefilled(self) -> None:
+        """Its prompt is computed (or it ended): no longer queued prefill on its worker."""
+        if self._prefill:
+            self.pool.pending[self.worker] -= self._prefill
+            self._prefill = 0
 
 
 class _WorkerCannotServe(Exception):

@@ -128,3 +128,19 @@ def test_batches_merge_runs_of_one_kind():
     rep = log.report(rep.epoch, 0)
     assert len(rep.batches) == 1 and rep.batches[0].events == (
         BlockStored(tuple(kv.pool.cached), "m", "device"),)
+
+
+def test_a_log_nobody_reads_stays_bounded_and_sends_a_snapshot_after():
+    kv = KVCacheManager(48, BS)
+    log = KVEventLog(max_pending=10)
+    kv.pool.listener = log.listener("m", lambda: kv.pool.cached)
+    index = KVIndex()
+    index.apply("w", log.report(*index.cursor("w")))
+    live: list[Sequence] = []
+    for i in range(20):
+        run_request(kv, live, seq_of([i] * 20, "acme"))
+    assert len(log._pending) <= 10
+    rep = log.report(*index.cursor("w"))
+    assert rep.snapshot is not None                  # a new epoch: the caller starts again
+    index.apply("w", rep)
+    assert index.fresh("w") and index.hashes("w") == set(kv.pool.cached)

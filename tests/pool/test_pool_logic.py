@@ -38,12 +38,12 @@ def test_router_keeps_a_prefix_on_its_worker_unless_it_is_much_busier():
     again, depth = r.choose(["w0", "w1"], load.get, chain)
     assert again == first and depth == len(chain)
     other = "w1" if first == "w0" else "w0"
-    load[first] = 3                                    # past the cap: 2 x 0 + 2 in flight
+    load[first] = 3                                    # its queue costs more than the prefill saved
     moved, depth = r.choose(["w0", "w1"], load.get, chain)
     assert moved == other and depth == 0
     r.forget_worker(other)
     load[first] = 0
-    assert r.choose(["w0", "w1"], load.get, chain)[1] == 0     # the older entry was overwritten
+    assert r.choose(["w0", "w1"], load.get, chain) == (first, len(chain))     # still held there too
     with pytest.raises(ValueError, match="no worker"):
         r.choose([], load.get, chain)
 
@@ -361,6 +361,7 @@ def test_router_weighs_the_prefill_a_cache_saves_against_the_queue_in_seconds():
     r.remember(chain, "w1")
     assert r.choose(["w0", "w1"], {"w0": 0, "w1": 0}.get, chain, cached=cached)[0] == "w0"
     # an index gone stale (None): the approximate record decides
+    r = Router()
     r.remember(chain, "w1")
     assert r.choose(["w0", "w1"], {"w0": 0, "w1": 0}.get, chain, cached=lambda w: None)[0] == "w1"
 
@@ -370,17 +371,17 @@ def test_router_caps_how_far_one_worker_runs_ahead_of_the_least_loaded():
     chain = prefix_chain("s", list(range(1024)))
     cached = {"w0": 1024, "w1": 0}.get
     free = {"w0": 0, "w1": 0}.get                       # the queue says nothing: the cap decides
-    for inflight, want in ((2, "w0"), (3, "w1"), (6, "w0"), (7, "w1")):
-        busy = {"w0": inflight, "w1": 0 if inflight < 6 else 2}
+    for inflight, want in ((3, "w0"), (4, "w1"), (7, "w0"), (8, "w1")):     # 2x + 3
+        busy = {"w0": inflight, "w1": 0 if inflight < 7 else 2}
         assert r.choose(["w0", "w1"], free, chain, cached=cached, inflight=busy.__getitem__)[0] == want
 
 
 def test_an_unfitted_cost_model_is_priced_as_the_fitted_ones():
-    from lockgate.engine.pool.router import DEFAULT_PRICE, price_of, priced_alike
+    from lockgate.engine.pool.router import DEFAULT_PRICE, Price, price_of, priced_alike
 
     fitted = price_of({"const": 0.002, "prefill_tokens": 2e-4, "seqs": 1e-3, "prefill_attention": 0.0,
                        "sampled": 0.0, "decode_kv_tokens": 0.0}, 512)
-    assert fitted is not None and fitted.token_s == 2e-4 and fitted.request_s == 0.003
+    assert fitted == Price(token_s=2e-4, request_s=1e-3, step_s=0.002)
     assert priced_alike({"w0": fitted, "w1": None}) == {"w0": fitted, "w1": fitted}
     assert priced_alike({"w0": None, "w1": None}) == {"w0": DEFAULT_PRICE, "w1": DEFAULT_PRICE}
 
