@@ -138,7 +138,7 @@ def test_the_comparison_catches_a_changed_token(batch_1):
     (prompts, _, _), plain, _ = batch_1
     changed = [list(plain[0]), *plain[1:]]
     changed[0][10] = (changed[0][10] + 1) % 512
-    with pytest.raises(AssertionError, match="request 0: first difference at token 10 .* gap"):
+    with pytest.raises(AssertionError, match=r"request 0: first difference at token 10 .* gap"):
         compare("control", prompts, plain, changed, [False] * len(plain))
     with pytest.raises(AssertionError, match="adapter or schema row"):
         compare("control", prompts, plain, changed, [True] * len(plain))
