@@ -27,9 +27,9 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength
                                            "n": {"type": "integer"}}, "required": ["name", "n"]}
 LORA_EVERY, SCHEMA_EVERY = 8, 16        # rows i % 8 == 3 run the adapter, i % 16 == 5 the schema
 # batch 1: one at a time, prompts chunked at 48 tokens; 8 and 32: chunks of 256 tokens, and
-# 136 blocks of 16 for sequences of ~230 tokens (15 blocks each): preempted at 32
+# 240 blocks of 16 for sequences of ~230 tokens (15 blocks each): preempted at 32
 BATCH_1 = {"max_num_seqs": 1, "max_num_batched_tokens": 48, "num_kv_blocks": 64}
-BATCH_N = {"max_num_batched_tokens": 256, "num_kv_blocks": 136}
+BATCH_N = {"max_num_batched_tokens": 256, "num_kv_blocks": 240}
 LORA = {"enable_lora": True, "max_loras": 1, "max_lora_rank": 8}
 
 
