@@ -404,3 +404,16 @@ def test_pool_metrics_carry_each_workers_prefix_cache_and_the_index():
     assert 'lockgate_pool_kv_index_blocks{tier="device",worker="w0"} 7.0' in text
     assert 'lockgate_pool_kv_index_staleness_seconds{worker="w0"} 0.25' in text
     assert 'lockgate_pool_kv_index_staleness_seconds{worker="w1"} -1.0' in text
+
+
+def test_bench_pool_skews_its_workload_and_averages_in_flight_over_time():
+    from lockgate.loadtests.bench_pool import _inflight_ratio, _jobs
+
+    systems = [[k] * 4 for k in range(4)]
+    jobs = _jobs(systems, [[9]] * 100, 0.7)
+    tenants = [t for t, _ in jobs]
+    assert tenants.count("t0") == 70 and {tenants.count(f"t{k}") for k in (1, 2, 3)} <= {10, 11}
+    assert all(ids == systems[int(t[1:])] + [9] for t, ids in jobs)
+    assert [t for t, _ in _jobs(systems, [[9]] * 8, None)].count("t0") == 2
+    # w0 busy 3 the whole time, w1 1 half of it: 3 / 0.5
+    assert _inflight_ratio([{"w0": 3, "w1": 1}, {"w0": 3, "w1": 0}]) == 6.0
