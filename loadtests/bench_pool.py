@@ -154,8 +154,11 @@ async def _compare_routing(make: Callable, dirs: dict[str, str], repeats: int, t
     pool.placement = None                  # keep both workers on it
     affinity_router = pool.router
     runs: dict[str, list[dict]] = {"affinity": [], "round_robin": []}
-    for _ in range(repeats):
-        for side in ("affinity", "round_robin"):
+    for warm in (RoundRobin(), affinity_router):    # a warm-up of each, not counted: the
+        pool.router = warm                           # workers' first steps of each batch shape
+        await _routing(pool, dirs["a"], tenants, per_tenant, prefix, skew)
+    for k in range(repeats):          # each side first in turn
+        for side in ("affinity", "round_robin")[::1 if k % 2 == 0 else -1]:
             pool.router = affinity_router if side == "affinity" else RoundRobin()
             runs[side].append(await _routing(pool, dirs["a"], tenants, per_tenant, prefix, skew))
     await pool.destroy()
@@ -234,7 +237,7 @@ def _print_comparisons(out: dict, echo: Callable[[str], None]) -> None:
          f"{lat['pooled']:.1f} ms   added {lat['pooled'] - lat['embedded']:.1f} ms")
 
 
-def bench_pool(*, repeats: int = 3, tenants: int = 8, per_tenant: int = 8, prefix: int = 512,
+def bench_pool(*, repeats: int = 3, tenants: int = 8, per_tenant: int = 32, prefix: int = 512,
                skew: float | None = 0.7, routing_only: bool = False,
                two_model_requests: int = 12, latency_requests: int = 30,
                echo: Callable[[str], None] = print) -> dict:

@@ -152,7 +152,7 @@ class Pool:
                     self._restarting[name] = asyncio.get_running_loop().create_task(self._restart(name))
                 return
             self._take_summary(name, report)
-            self.others[name] = max(0, report.owned - self.inflight[name])
+            self.others[name] = report.owned - report.by_owner.get(self.owner, 0)
             if report.kv_events is not None:
                 self.kv_index.apply(name, report.kv_events)
             if name in self.down:            # back after missing calls: what it may lack first

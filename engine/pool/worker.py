@@ -29,6 +29,7 @@ import asyncio
 import os
 import socket
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -71,6 +72,7 @@ class WorkerReport:
     devices: int = 0                            # lockgate_device units it holds (0: none lent)
     kv_events: EventReport | None = field(repr=False, default=None)   # its KV events since the caller's
     block_size: int = 16                        # tokens per KV block (the events' hashes cover blocks)
+    by_owner: dict[str, int] = field(default_factory=dict)   # requests in flight per gateway replica
 
     def load(self, service_class: str) -> int:
         """Work ahead of a new request of `service_class` here (every class: the step is shared)."""
@@ -234,6 +236,7 @@ class EngineWorker:
             prefixes=None if prefix_version == self.prefixes.version else self.prefixes.packed(),
             prefix_blocks=len(self.prefixes), tensor_parallel_size=self.tensor_parallel_size,
             devices=self.held_devices(), block_size=self.block_size,
+            by_owner=dict(Counter(self._owned.values())),
             kv_events=None if kv_after is None else self.kv_events.report(kv_epoch, kv_after))
 
     def kv_cached(self) -> dict[str, set[bytes]]:

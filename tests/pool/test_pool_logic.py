@@ -350,7 +350,8 @@ def test_router_weighs_the_prefill_a_cache_saves_against_the_queue_in_seconds():
     prices = {"w0": Price(1e-4, 5e-3), "w1": Price(1e-4, 5e-3)}
     cached = {"w0": 1024, "w1": 0}.get
     # w0 saves 0.1024 s; each request queued costs 0.005 + 0.0512 s there
-    for ahead, online, offline in ((1, "w0", "w0"), (2, "w1", "w0"), (6, "w1", "w1")):
+    # online: the queue weighs 1.5x the saving; offline 0.5x, the saving 1.5x
+    for ahead, online, offline in ((0, "w0", "w0"), (1, "w0", "w0"), (2, "w1", "w0"), (6, "w1", "w1")):
         load = {"w0": ahead, "w1": 0}
         for cls, want in (("online", online), ("offline", offline)):
             got, _ = Router().choose(["w0", "w1"], load.get, chain, cached=cached, prices=prices,
@@ -403,3 +404,16 @@ def test_pool_metrics_carry_each_workers_prefix_cache_and_the_index():
     assert 'lockgate_pool_kv_index_blocks{tier="device",worker="w0"} 7.0' in text
     assert 'lockgate_pool_kv_index_staleness_seconds{worker="w0"} 0.25' in text
     assert 'lockgate_pool_kv_index_staleness_seconds{worker="w1"} -1.0' in text
+
+
+def test_bench_pool_skews_its_workload_and_averages_in_flight_over_time():
+    from lockgate.loadtests.bench_pool import _inflight_ratio, _jobs
+
+    systems = [[k] * 4 for k in range(4)]
+    jobs = _jobs(systems, [[9]] * 100, 0.7)
+    tenants = [t for t, _ in jobs]
+    assert tenants.count("t0") == 70 and {tenants.count(f"t{k}") for k in (1, 2, 3)} <= {10, 11}
+    assert all(ids == systems[int(t[1:])] + [9] for t, ids in jobs)
+    assert [t for t, _ in _jobs(systems, [[9]] * 8, None)].count("t0") == 2
+    # w0 busy 3 the whole time, w1 1 half of it: 3 / 0.5
+    assert _inflight_ratio([{"w0": 3, "w1": 1}, {"w0": 3, "w1": 0}]) == 6.0
