@@ -192,6 +192,9 @@ def run_flood_side(model_dir: str, spec_on: bool, s: FloodSizes) -> dict[str, An
             if o.finished and o.request_id in flood:
                 del flood[o.request_id]
                 add_flood()
+    for rid in list(core.requests):      # the flood's last requests: not measured, given back
+        core.abort_request(rid)
+    core.shutdown()
     ttfts = sorted(st.first_token_time - due for due, st in online)
     return {"ttft_p50_s": ttfts[len(ttfts) // 2], "ttft_p99_s": ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))]}
 
