@@ -58,6 +58,9 @@ class HostKVTier:
         self._copy_s, self._copied = dc.bytes_per_block(block_size) / 4e9, 1.0
         self.num_stores = self.num_copy_ins = self.num_evictions = 0
         self.num_queries = self.num_hits = 0           # in tokens, past the device cache's hits
+        # told ("stored" | "removed", hash) as entries come and go, ("cleared", None) when all
+        # go: the same shape as the block pool's, for a pool's KV events with tier "host"
+        self.listener: Callable[[str, BlockHash | None], None] | None = None
 
     @property
     def num_held(self) -> int:
@@ -82,9 +85,13 @@ class HostKVTier:
                 return
             del self.entries[oldest]
             self.num_evictions += 1
+            if self.listener is not None:
+                self.listener("removed", oldest)
         self.entries[block_hash] = (slot, tag)
         self._stores.append((slot, block_id))
         self.num_stores += 1
+        if self.listener is not None:
+            self.listener("stored", block_hash)
 
     def count_run(self, hashes: Iterable[BlockHash]) -> int:
         """How many of `hashes`, from the first on, the tier holds; each marked recently used
@@ -114,6 +121,8 @@ class HostKVTier:
         for h in gone:
             slot, _ = self.entries.pop(h)
             (self._freed_after_flush if slot in self._loading else self.free_slots).append(slot)
+            if self.listener is not None:
+                self.listener("removed", h)
         return len(gone)
 
     def clear(self) -> None:
@@ -122,6 +131,8 @@ class HostKVTier:
         self._stores, self._loads, self._loading, self._freed_after_flush = [], [], set(), []
         self.entries.clear()
         self.free_slots = list(range(self.num_slots - 1, -1, -1))
+        if self.listener is not None:
+            self.listener("cleared", None)
 
     def flush(self) -> None:
         """Do the recorded copies: device -> host for evicted blocks, then host -> device."""

@@ -117,6 +117,8 @@ def test_host_tier_round_trips_blocks_evicts_lru_and_prices_copies():
         v.copy_(torch.randn_like(v))
     want = [(k[:, 0].clone(), v[:, 0].clone()) for k, v in dev.layers]
     tier = HostKVTier(dev, 2, 2)
+    events: list = []
+    tier.listener = lambda kind, h: events.append((kind, h))
     tag = ("m", 0, "t:a")
     tier.store(b"a", tag, 0)
     tier.store(b"b", tag, 1)
@@ -133,3 +135,6 @@ def test_host_tier_round_trips_blocks_evicts_lru_and_prices_copies():
     assert tier.worth_copying(4, None) and tier.worth_copying(4, 1.0)
     assert not tier.worth_copying(4, tier.copy_s_per_block)
     assert tier.drop(lambda t: t[2] == "t:a") == 2 and tier.num_held == 0
+    tier.clear()
+    assert events == [("stored", b"a"), ("stored", b"b"), ("removed", b"b"), ("stored", b"c"),
+                      ("removed", b"a"), ("removed", b"c"), ("cleared", None)]
