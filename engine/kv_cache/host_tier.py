@@ -64,6 +64,9 @@ class HostKVTier:
         # told ("stored" | "removed", hash) as entries come and go, ("cleared", None) when all
         # go: the same shape as the block pool's, for a pool's KV events with tier "host"
         self.listener: Callable[[str, BlockHash | None], None] | None = None
+        # tensor parallelism: the same copies on every other rank (each holds its own KV
+        # heads' tier), after this rank's
+        self.remote: Callable[[list[tuple[int, int]], list[tuple[int, int]]], None] | None = None
 
     @property
     def num_held(self) -> int:
@@ -145,6 +148,12 @@ class HostKVTier:
         self._stores, self._loads, self._loading = [], [], set()
         self.free_slots += self._freed_after_flush
         self._freed_after_flush = []
+        self.copy(stores, loads)
+        if self.remote is not None:
+            self.remote(stores, loads)
+
+    def copy(self, stores: list[tuple[int, int]], loads: list[tuple[int, int]]) -> None:
+        """The copies themselves, (slot, device block) each: `stores` out, then `loads` in."""
         dev = self.dev.device
         if stores:
             slots = torch.tensor([s for s, _ in stores], dtype=torch.long)
@@ -190,14 +199,21 @@ def recompute_price(cost: StepCostModel, num_tokens: int, computed: int) -> floa
 
 def host_tier_for(config: EngineConfig, runner: ModelRunner, num_blocks: int) -> HostKVTier | None:
     """The host tier `config` asks for, or None: off (size 0, no prefix caching, or no room
-    for a block), and for now off under tensor parallelism (the other ranks' heads would
-    need tiers of their own). A draft model's KV is kept beside the target's."""
-    if not config.enable_prefix_caching or runner.ranks is not None:
+    for a block). A draft model's KV is kept beside the target's; under tensor parallelism
+    each rank keeps its own heads' blocks in the same slots (`kv_tier_copy`)."""
+    if not config.enable_prefix_caching:
         return None
     per_block = runner.bytes_per_block(config.block_size)      # the draft's included
     slots = host_tier_slots(config.kv_offloading_size, num_blocks * per_block, per_block)
-    also = (runner.draft.kv,) if runner.draft is not None else ()
-    return HostKVTier(runner.kv, slots, config.block_size, also) if slots else None
+    if not slots:
+        return None
+    tier = HostKVTier(runner.kv, slots, config.block_size, (runner.draft.kv,) if runner.draft is not None else ())
+    if runner.ranks is not None:
+        def remote(stores: list[tuple[int, int]], loads: list[tuple[int, int]]) -> None:
+            if runner.ranks is not None:      # (rebuilt ranks: the runner's current group)
+                runner.ranks.call("kv_tier_copy", num_slots=slots, stores=stores, loads=loads)
+        tier.remote = remote
+    return tier
 
 
 def host_tier_slots(size_gib: float | None, device_cache_bytes: int, bytes_per_block: int) -> int:
