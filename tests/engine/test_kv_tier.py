@@ -174,3 +174,29 @@ def test_a_draft_models_kv_comes_back_from_the_host_tier_beside_the_targets():
     # (whether a step drafts follows the measured step costs: the counts may differ a little;
     # with the draft's KV left behind, 2 of ~100 were kept)
     assert kept_tier >= 0.9 * kept_plain
+
+
+def test_a_preempted_request_s_computed_blocks_come_back_from_the_host_tier():
+    """18 requests in 22 device blocks: requests are preempted; the full blocks they had
+    computed stay cached, go to the host tier when the device evicts them, and come back on
+    readmission: outputs equal, fewer prompt tokens recomputed than without the tier."""
+    from tests.support.helpers import MAX_TOKENS, PROMPT_LENS
+
+    d = demo_model("llama")
+    prompts = random_prompts(d, PROMPT_LENS, seed=11)
+    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in MAX_TOKENS]
+
+    def side(size: float):
+        llm = LLM(d, num_kv_blocks=22, max_num_batched_tokens=96, kv_offloading_size=size)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_progress_bar=False)
+        s = llm.engine.stats()
+        return [list(o.outputs[0].token_ids) for o in outs], s
+
+    got_on, on = side(0.01)
+    got_off, off = side(0)
+    computed = [sum(c.prefill_tokens for c in s.classes.values()) for s in (on, off)]
+    print(f"prompt tokens computed: {computed[0]} with the tier, {computed[1]} without; "
+          f"preemptions {on.num_preemptions} / {off.num_preemptions}")
+    assert got_on == got_off
+    assert on.num_preemptions > 0 and on.kv.host_copy_ins > 0
+    assert computed[0] < computed[1]
