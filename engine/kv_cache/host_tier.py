@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -36,17 +36,20 @@ GiB = 1024**3
 
 
 class HostKVTier:
-    def __init__(self, device_cache: DeviceKVCache, num_slots: int, block_size: int) -> None:
+    def __init__(self, device_cache: DeviceKVCache, num_slots: int, block_size: int,
+                 also: tuple[DeviceKVCache, ...] = ()) -> None:
+        """`also`: caches indexed by the same block ids (a draft model's), kept beside it."""
         if num_slots < 1:
             raise ValueError(f"kv_offloading_size: room for no block in the host tier ({num_slots} slots)")
         self.dev = device_cache
+        self.caches = (device_cache, *also)
         self.num_slots, self.block_size = num_slots, block_size
         dc = device_cache
-        shape = (dc.num_kv_heads, num_slots, block_size, dc.head_dim)
         pin = dc.device.type == "cuda"
-        # `empty`: host pages are touched only as slots are first filled
-        self.layers = [(torch.empty(shape, dtype=dc.dtype, pin_memory=pin),
-                        torch.empty(shape, dtype=dc.dtype, pin_memory=pin)) for _ in range(dc.num_layers)]
+        # per cache, per layer; `empty`: host pages are touched only as slots are first filled
+        self.host = [[tuple(torch.empty((c.num_kv_heads, num_slots, block_size, c.head_dim), dtype=c.dtype,
+                                        pin_memory=pin) for _ in "kv") for _ in range(c.num_layers)]
+                     for c in self.caches]
         self.entries: OrderedDict[BlockHash, tuple[int, Tag]] = OrderedDict()   # LRU first
         self.free_slots = list(range(num_slots - 1, -1, -1))
         self._stores: list[tuple[int, int]] = []      # (slot, device block) to copy out
@@ -55,9 +58,15 @@ class HostKVTier:
         self._freed_after_flush: list[int] = []        # dropped while a pending load read them
         # seconds per block copied in: copy-in time over blocks, both decayed sums over the
         # flushes (a first guess of ~4 GB/s), so large copies weigh as much as they cost
-        self._copy_s, self._copied = dc.bytes_per_block(block_size) / 4e9, 1.0
+        self._copy_s, self._copied = sum(c.bytes_per_block(block_size) for c in self.caches) / 4e9, 1.0
         self.num_stores = self.num_copy_ins = self.num_evictions = 0
         self.num_queries = self.num_hits = 0           # in tokens, past the device cache's hits
+        # told ("stored" | "removed", hash) as entries come and go, ("cleared", None) when all
+        # go: the same shape as the block pool's, for a pool's KV events with tier "host"
+        self.listener: Callable[[str, BlockHash | None], None] | None = None
+        # tensor parallelism: the same copies on every other rank (each holds its own KV
+        # heads' tier), after this rank's
+        self.remote: Callable[[list[tuple[int, int]], list[tuple[int, int]]], None] | None = None
 
     @property
     def num_held(self) -> int:
@@ -82,9 +91,13 @@ class HostKVTier:
                 return
             del self.entries[oldest]
             self.num_evictions += 1
+            if self.listener is not None:
+                self.listener("removed", oldest)
         self.entries[block_hash] = (slot, tag)
         self._stores.append((slot, block_id))
         self.num_stores += 1
+        if self.listener is not None:
+            self.listener("stored", block_hash)
 
     def count_run(self, hashes: Iterable[BlockHash]) -> int:
         """How many of `hashes`, from the first on, the tier holds; each marked recently used
@@ -114,6 +127,8 @@ class HostKVTier:
         for h in gone:
             slot, _ = self.entries.pop(h)
             (self._freed_after_flush if slot in self._loading else self.free_slots).append(slot)
+            if self.listener is not None:
+                self.listener("removed", h)
         return len(gone)
 
     def clear(self) -> None:
@@ -122,6 +137,8 @@ class HostKVTier:
         self._stores, self._loads, self._loading, self._freed_after_flush = [], [], set(), []
         self.entries.clear()
         self.free_slots = list(range(self.num_slots - 1, -1, -1))
+        if self.listener is not None:
+            self.listener("cleared", None)
 
     def flush(self) -> None:
         """Do the recorded copies: device -> host for evicted blocks, then host -> device."""
@@ -131,22 +148,33 @@ class HostKVTier:
         self._stores, self._loads, self._loading = [], [], set()
         self.free_slots += self._freed_after_flush
         self._freed_after_flush = []
+        self.copy(stores, loads)
+        if self.remote is not None:
+            self.remote(stores, loads)
+
+    def copy(self, stores: list[tuple[int, int]], loads: list[tuple[int, int]]) -> None:
+        """The copies themselves, (slot, device block) each: `stores` out, then `loads` in."""
         dev = self.dev.device
         if stores:
             slots = torch.tensor([s for s, _ in stores], dtype=torch.long)
             ids = torch.tensor([b for _, b in stores], dtype=torch.long, device=dev)
-            for (k, v), (hk, hv) in zip(self.dev.layers, self.layers, strict=True):
+            for (k, v), (hk, hv) in self._pairs():
                 hk.index_copy_(1, slots, k.index_select(1, ids).to("cpu"))
                 hv.index_copy_(1, slots, v.index_select(1, ids).to("cpu"))
         if loads:
             t0 = time.perf_counter()
             slots = torch.tensor([s for s, _ in loads], dtype=torch.long)
             ids = torch.tensor([b for _, b in loads], dtype=torch.long, device=dev)
-            for (k, v), (hk, hv) in zip(self.dev.layers, self.layers, strict=True):
+            for (k, v), (hk, hv) in self._pairs():
                 k.index_copy_(1, ids, hk.index_select(1, slots).to(dev, non_blocking=True))
                 v.index_copy_(1, ids, hv.index_select(1, slots).to(dev, non_blocking=True))
             self._copy_s = 0.95 * self._copy_s + time.perf_counter() - t0
             self._copied = 0.95 * self._copied + len(loads)
+
+    def _pairs(self) -> Iterator[tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, ...]]]:
+        """(device K and V, host K and V) of every layer of every cache."""
+        for cache, host in zip(self.caches, self.host, strict=True):
+            yield from zip(cache.layers, host, strict=True)
 
     @property
     def copy_s_per_block(self) -> float:
@@ -171,13 +199,21 @@ def recompute_price(cost: StepCostModel, num_tokens: int, computed: int) -> floa
 
 def host_tier_for(config: EngineConfig, runner: ModelRunner, num_blocks: int) -> HostKVTier | None:
     """The host tier `config` asks for, or None: off (size 0, no prefix caching, or no room
-    for a block), and for now off under tensor parallelism and with a draft model (their KV
-    beside this rank's would need copies of their own)."""
-    if not config.enable_prefix_caching or runner.ranks is not None or runner.draft is not None:
+    for a block). A draft model's KV is kept beside the target's; under tensor parallelism
+    each rank keeps its own heads' blocks in the same slots (`kv_tier_copy`)."""
+    if not config.enable_prefix_caching:
         return None
-    per_block = runner.kv.bytes_per_block(config.block_size)
+    per_block = runner.bytes_per_block(config.block_size)      # the draft's included
     slots = host_tier_slots(config.kv_offloading_size, num_blocks * per_block, per_block)
-    return HostKVTier(runner.kv, slots, config.block_size) if slots else None
+    if not slots:
+        return None
+    tier = HostKVTier(runner.kv, slots, config.block_size, (runner.draft.kv,) if runner.draft is not None else ())
+    if runner.ranks is not None:
+        def remote(stores: list[tuple[int, int]], loads: list[tuple[int, int]]) -> None:
+            if runner.ranks is not None:      # (rebuilt ranks: the runner's current group)
+                runner.ranks.call("kv_tier_copy", num_slots=slots, stores=stores, loads=loads)
+        tier.remote = remote
+    return tier
 
 
 def host_tier_slots(size_gib: float | None, device_cache_bytes: int, bytes_per_block: int) -> int:

@@ -21,6 +21,7 @@ import torch
 
 from lockgate.engine.config import DTYPES, ModelConfig
 from lockgate.engine.kv_cache.device_cache import DeviceKVCache
+from lockgate.engine.kv_cache.host_tier import HostKVTier
 from lockgate.engine.lora import LoRAManager
 from lockgate.engine.lora_files import Adapter
 from lockgate.engine.memory import MemoryBudget
@@ -83,6 +84,7 @@ class RankWorker:
         self.kv = DeviceKVCache(self.cfg.num_hidden_layers, kv_heads, self.cfg.head_dim, self.dtype, self.device)
         self.model: LlamaForCausalLM | None = None
         self.lora: LoRAManager | None = None     # its device slots only: rank 0 keeps the adapters
+        self.tier: HostKVTier | None = None      # its heads' host KV tier: rank 0 keeps the index
         self.group: RankGroup | None = None
         self.receiver = StepReceiver(conn)
 
@@ -155,7 +157,14 @@ class RankWorker:
     def kv_free(self) -> None:
         self.kv.free()
 
-    CALLS = frozenset({"load", "offload", "kv_allocate", "kv_copy", "kv_free", "lora_fill", "lora_clear"})
+    def kv_tier_copy(self, num_slots: int, stores: list[tuple[int, int]], loads: list[tuple[int, int]]) -> None:
+        """Rank 0's host-tier copies on this rank's heads (its tier made on first use)."""
+        if self.tier is None or self.tier.num_slots != num_slots:
+            self.tier = HostKVTier(self.kv, num_slots, self.spec.block_size)
+        self.tier.copy(stores, loads)
+
+    CALLS = frozenset({"load", "offload", "kv_allocate", "kv_copy", "kv_free", "kv_tier_copy", "lora_fill",
+                       "lora_clear"})
 
     # -- the loop ---------------------------------------------------------------------------
     def run(self) -> int:

@@ -96,6 +96,8 @@ def test_two_ranks_match_one_rank_and_hf(shape, tp_engines):
         assert core.timings.num_steps > sum(-(-n // 48) for n in FRESH_LENS)
         assert_all_blocks_free(core)
     assert two.engine.runner.ranks is not None and len(two.engine.runner.ranks.pids) == 1
+    # evicted prefixes came back from the host KV tier, each rank's heads from its own
+    assert two.engine.kv.stats().host_copy_ins > 0
     # an all-reduce after the embedding and after o_proj and down in each of 2 layers, and
     # a gather where a step samples: 5 or 6 collectives a step
     group = two.engine.runner.ranks.group
