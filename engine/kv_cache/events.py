@@ -87,21 +87,21 @@ class KVEventLog:
         self._pending: list[KVEvent] = []
         self._batches: deque[EventBatch] = deque(maxlen=keep)
         self._lock = threading.Lock()
-        self._sources: dict[str, Callable[[], Iterable[bytes]]] = {}
+        self._sources: dict[tuple[str, str], Callable[[], Iterable[bytes]]] = {}
         self.emitted = 0
 
-    def listener(self, model: str, cached: Callable[[], Iterable[bytes]]) -> Listener:
-        """The listener for one model's block pool; `cached()` lists its cached hashes (for a
-        snapshot)."""
-        self._sources[model] = cached
+    def listener(self, model: str, cached: Callable[[], Iterable[bytes]], tier: str = DEVICE) -> Listener:
+        """The listener for one model's block pool (or its host tier, `tier="host"`);
+        `cached()` lists the hashes it holds (for a snapshot)."""
+        self._sources[(model, tier)] = cached
 
         def on_event(kind: str, block_hash: bytes | None) -> None:
             if kind == "stored" and block_hash is not None:
-                event: KVEvent = BlockStored((block_hash,), model)
+                event: KVEvent = BlockStored((block_hash,), model, tier)
             elif kind == "removed" and block_hash is not None:
-                event = BlockRemoved((block_hash,), model)
+                event = BlockRemoved((block_hash,), model, tier)
             else:
-                event = AllCleared(model)
+                event = AllCleared(model, tier)
             with self._lock:
                 self._pending.append(event)
                 self.emitted += 1
@@ -140,4 +140,4 @@ class KVEventLog:
     def cached(self) -> dict[tuple[str, str], frozenset[bytes]]:
         """Every hash cached now, by (model, tier)."""
         # list() of a dict's keys runs without releasing the GIL: a consistent copy
-        return {(m, DEVICE): frozenset(list(src())) for m, src in self._sources.items()}
+        return {key: frozenset(list(src())) for key, src in self._sources.items()}

@@ -94,6 +94,11 @@ def _cached_of(kv: Any) -> Callable[[], Iterable[bytes]]:
     return lambda: kv.pool.cached
 
 
+def _held_of(host: Any) -> Callable[[], Iterable[bytes]]:
+    """The hashes a host KV tier holds."""
+    return lambda: host.entries
+
+
 DEFAULT_SUMMARY_BLOCKS = 16_384     # prefix blocks a summary holds before its engine reports its KV size
 
 
@@ -156,6 +161,8 @@ class EngineWorker:
         for c in getattr(core, "cores", {"": core}).values():
             kv = c.kv        # a request's hashes are salted by the core's canonical name
             kv.pool.listener = self.kv_events.listener(c.model_name, _cached_of(kv))
+            if kv.host is not None:
+                kv.host.listener = self.kv_events.listener(c.model_name, _held_of(kv.host), tier="host")
 
     def pid(self) -> int:
         return os.getpid()

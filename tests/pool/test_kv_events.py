@@ -144,3 +144,32 @@ def test_a_log_nobody_reads_stays_bounded_and_sends_a_snapshot_after():
     assert rep.snapshot is not None                  # a new epoch: the caller starts again
     index.apply("w", rep)
     assert index.fresh("w") and index.hashes("w") == set(kv.pool.cached)
+
+
+def test_a_host_tiers_blocks_reach_the_index_as_tier_host():
+    """A worker whose device cache evicts into a host tier: after random requests (and a
+    snapshot for a caller that starts late), the index's host view is the tier's entries and
+    its device view the block pool's."""
+    import torch
+
+    from lockgate.engine.kv_cache.device_cache import DeviceKVCache
+    from lockgate.engine.kv_cache.host_tier import HostKVTier
+
+    dev = DeviceKVCache(1, 1, 2, torch.float32, torch.device("cpu"))
+    dev.allocate(24, BS)
+    kv = KVCacheManager(24, BS, host_tier=HostKVTier(dev, 40, BS))
+    log = KVEventLog()
+    kv.pool.listener = log.listener("m", lambda: kv.pool.cached)
+    kv.host.listener = log.listener("m", lambda: kv.host.entries, tier="host")
+    rng = random.Random(3)  # noqa: S311 - a reproducible workload
+    index, late, live = KVIndex(), KVIndex(), []
+    for i in range(400):
+        run_request(kv, live, seq_of([rng.randrange(6) for _ in range(rng.randrange(5, 30))], f"t{i % 3}"))
+        kv.host.flush()
+        if i % 7 == 0:
+            index.apply("w", log.report(*index.cursor("w")))
+    for ix in (index, late):
+        ix.apply("w", log.report(*ix.cursor("w")))
+        assert set(ix.workers["w"].held["device"]) == set(kv.pool.cached)
+        assert set(ix.workers["w"].held["host"]) == set(kv.host.entries) and kv.host.num_held > 10
+    assert late.workers["w"].snapshots == 1
