@@ -190,3 +190,15 @@ async def test_the_live_engine_fragment_shows_classes_tenants_and_workers(gw, mo
     assert "latest step (online): 50.0 ms" in html and "median error 8.0 %" in html
     page = await c.get("/console/engine")
     assert 'data-poll="/console/engine/live"' in page.text and "<html" in page.text
+
+
+async def test_a_tenant_page_shows_whether_its_plan_speculates(gw):
+    """The plan's speculative flag, as the API sets it, on the tenant's page."""
+    _, key = await admin_key(gw, "admin", name="pages-spec")
+    c = await sign_in(gw, key)
+    for flag, shown in ((False, "off for every request"), (True, "allowed")):
+        r = await gw.admin.post("/tenants", json={"name": f"spec-{flag}", "speculative": flag})
+        assert r.status_code in (200, 201), r.text
+        page = (await c.get(f"/console/tenants/{r.json()['id']}")).text
+        fact = re.search(r"<dt>Speculative decoding</dt><dd>([^<]*)</dd>", page)
+        assert fact and fact.group(1) == shown
