@@ -223,9 +223,12 @@ class _EngineCollector(Collector):
                     running.add_sample(running.name, {"worker": name, "service_class": cls}, n)
                 kv.add_sample(kv.name, {"worker": name},
                               w["kv_used"] / w["kv_total"] if w["kv_total"] else 0.0)
-                on_device = {"worker": name, "tier": "device"}
-                queries.add_sample(queries.name + "_total", on_device, w.get("prefix_cache_queries", 0))
-                hits.add_sample(hits.name + "_total", on_device, w.get("prefix_cache_hits", 0))
+                host = w.get("kv_host", {})
+                for tier, q, h in (("device", w.get("prefix_cache_queries", 0),
+                                    max(0, w.get("prefix_cache_hits", 0) - host.get("hits", 0))),
+                                   ("host", host.get("queries", 0), host.get("hits", 0))):
+                    queries.add_sample(queries.name + "_total", {"worker": name, "tier": tier}, q)
+                    hits.add_sample(hits.name + "_total", {"worker": name, "tier": tier}, h)
         return running, waiting, kv, queries, hits, pre, lora
 
 

@@ -391,7 +391,9 @@ def _report_dict(r: WorkerReport) -> dict:
             "kv_total": r.kv_total, "owned": r.owned, "capacity": r.capacity, "at": r.at,
             "tensor_parallel_size": r.tensor_parallel_size, "devices": r.devices,
             "prefix_cache_queries": r.stats.kv.prefix_cache_queries,
-            "prefix_cache_hits": r.stats.kv.prefix_cache_hits}
+            "prefix_cache_hits": r.stats.kv.prefix_cache_hits,     # either tier's, as the engine's
+            "kv_host": {"queries": r.stats.kv.host_queries, "hits": r.stats.kv.host_hits,
+                        "held": r.stats.kv.host_held, "copy_ins": r.stats.kv.host_copy_ins}}
 
 
 def _summed(parts: dict[str, EngineStats], workers: WorkerPoolStats) -> EngineStats:

@@ -395,7 +395,8 @@ def test_pool_metrics_carry_each_workers_prefix_cache_and_the_index():
     w = {"waiting": {}, "running": {}, "kv_used": 1, "kv_total": 4, "loras": [], "down": False,
          "restarts": 0, "prefix_cache_queries": 300, "prefix_cache_hits": 120,
          "kv_index": {"blocks": {"device": 7}, "fresh": True, "staleness_s": 0.25}}
-    stale = {**w, "kv_index": {"blocks": {}, "fresh": False, "staleness_s": None}}
+    stale = {**w, "kv_index": {"blocks": {}, "fresh": False, "staleness_s": None},
+             "kv_host": {"queries": 80, "hits": 48, "held": 3, "copy_ins": 3}}
     metrics = Metrics(lambda: [])
     metrics.watch_pool(lambda: {"workers": {"w0": w, "w1": stale}})
     text = generate_latest(metrics.registry).decode()
@@ -404,6 +405,10 @@ def test_pool_metrics_carry_each_workers_prefix_cache_and_the_index():
     assert 'lockgate_pool_kv_index_blocks{tier="device",worker="w0"} 7.0' in text
     assert 'lockgate_pool_kv_index_staleness_seconds{worker="w0"} 0.25' in text
     assert 'lockgate_pool_kv_index_staleness_seconds{worker="w1"} -1.0' in text
+    # a worker with a host tier: its hits there apart from the device's (the engine's count is both)
+    assert 'vllm:prefix_cache_hits_total{tier="device",worker="w1"} 72.0' in text
+    assert 'vllm:prefix_cache_hits_total{tier="host",worker="w1"} 48.0' in text
+    assert 'vllm:prefix_cache_queries_total{tier="host",worker="w1"} 80.0' in text
 
 
 def test_bench_pool_skews_its_workload_and_averages_in_flight_over_time():
