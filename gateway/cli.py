@@ -323,6 +323,9 @@ def serve(
     speculative_config: Annotated[str | None, typer.Option("--speculative-config", help=_SPEC_HELP)] = None,
     root_path: Annotated[str | None, typer.Option(help="the path prefix a proxy serves it under: /ops")] = None,
     console: Annotated[bool | None, typer.Option("--console/--no-console", help="/console (default on)")] = None,
+    engine_process: Annotated[bool | None, typer.Option(
+        "--engine-process/--no-engine-process",
+        help="the embedded engine in a process of its own, apart from the HTTP server (default on)")] = None,
 ) -> None:
     """Run the gateway and its engine(s) (no configuration: SQLite, the in-process limiter, the demo
     model under the data directory). The engine flags are vLLM's; they win over LOCKGATE_ENGINE_KWARGS."""
@@ -332,7 +335,8 @@ def serve(
     flags = engine_flags(**{name: args[name] for name in ENGINE_FLAGS})
     settings = _settings(models=model or None, host=host, port=port, data_dir=data_dir, migrate=migrate or None,
                          shutdown_timeout_s=shutdown_timeout, private_models=private_model or None, pool=pool,
-                         max_loras=max_loras, max_lora_rank=max_lora_rank, root_path=root_path, console=console)
+                         max_loras=max_loras, max_lora_rank=max_lora_rank, root_path=root_path, console=console,
+                         engine_process=engine_process)
     settings.engine_kwargs = {**settings.engine_kwargs, **flags}
     if note := _device_note(flags, settings.pool):
         typer.echo(note, err=True)

@@ -129,6 +129,9 @@ class Settings(BaseSettings):
     # several models: one engine on one memory budget (engine.ModelPool), switching by demand;
     # False: an engine per model
     shared_engine: bool = True
+    # `lockgate serve`'s embedded engine in a process of its own (engine.ProcessEngine), out of
+    # reach of the HTTP loop's work (its GIL, its tokenizer workers); False: in this process
+    engine_process: bool = True
     memory_budget: int | None = None   # bytes for all models of the shared engine (None: all fit)
 
     # the Batch API (gateway/batch_api.py, gateway/batch_runner.py)
