@@ -55,6 +55,7 @@ class ProcessStream(RequestStream):
         super().__init__(request_id, asyncio.Queue(), abort=engine._post_abort, forget=engine._forget)
         self._accepted: asyncio.Future[None] = self.loop.create_future()
         self._held = False
+        self.prompt: tuple[str | None, list[int]] = (None, [])   # from its first output
 
     async def accepted(self) -> None:
         await asyncio.shield(self._accepted)
@@ -343,6 +344,10 @@ def _dispatch(items: list[tuple[ProcessStream, str, Any]]) -> None:
         if kind == "out":
             if not stream._accepted.done():
                 stream._accepted.set_result(None)
+            if payload.prompt_token_ids is None:      # sent once, with the first output
+                payload.prompt, payload.prompt_token_ids = stream.prompt
+            else:
+                stream.prompt = (payload.prompt, payload.prompt_token_ids)
             stream._queue.put_nowait(payload)
         elif kind == "ok":
             if not stream._accepted.done():

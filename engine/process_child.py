@@ -11,6 +11,7 @@ The parent going away (its end closed, whatever the cause) stops the engine and 
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import pickle
 import threading
@@ -58,6 +59,7 @@ class ChildEngine(AsyncEngine):
         self._batch: list[tuple[str, str, Any]] = []
         self._batch_lock = threading.Lock()
         self._stats_at = 0.0
+        self._sent: set[str] = set()    # requests whose first output (with the prompt) has gone
 
     def send(self, message: tuple) -> None:
         with self.send_lock:
@@ -91,9 +93,21 @@ class ChildEngine(AsyncEngine):
             self._forget(request_id)
             self.put(request_id, "err", error_payload(item))
             return
-        if isinstance(item, RequestOutput) and item.finished:
-            self._forget(request_id)
+        if isinstance(item, RequestOutput):
+            if request_id in self._sent:
+                # the parent keeps the prompt from the request's first output: later ones
+                # travel without it (most of their bytes on a long prompt)
+                item = copy.copy(item)
+                item.prompt, item.prompt_token_ids = None, None
+            else:
+                self._sent.add(request_id)
+            if item.finished:
+                self._forget(request_id)
         self.put(request_id, "out", item)
+
+    def _forget(self, request_id: str) -> None:
+        self._sent.discard(request_id)
+        super()._forget(request_id)
 
     def _drain_inbox(self, core: StepEngine) -> int:
         # the top of each turn of the step loop: the previous step's outputs go out now

@@ -62,6 +62,7 @@ async def run(engine, prompt, params, rid, *, stream=True, **kw):
     outs = [o async for o in s.outputs()]
     final = outs[-1]
     assert final.finished and (len(outs) > 1) == stream
+    assert all(o.prompt_token_ids == prompt for o in outs)    # each output has its prompt
     return [c.token_ids for c in final.outputs]
 
 
