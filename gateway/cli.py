@@ -276,17 +276,18 @@ _SPEC_HELP = ("speculative decoding, vLLM's JSON: {\"method\": \"ngram\", \"num_
               "model's tokenizer: {\"model\": DIR, \"num_speculative_tokens\": k} (default off)")
 
 
+_EP_HELP = "the embedded engine in a process of its own, apart from the HTTP server (default on)"
+
+
 @app.command("serve")
 def serve(
     model: Annotated[list[str] | None, typer.Option(
-        "--model", help="NAME=DIR or DIR; repeat for several (default: the demo model)",
-    )] = None,
+        "--model", help="NAME=DIR or DIR; repeat for several (default: the demo model)")] = None,
     host: Annotated[str | None, typer.Option(help="default 127.0.0.1")] = None,
     port: Annotated[int | None, typer.Option(help="default 8000")] = None,
     data_dir: Annotated[Path | None, typer.Option(help="default LOCKGATE_DATA_DIR or ~/.local/share/lockgate")] = None,
     migrate: Annotated[bool, typer.Option(
-        "--migrate", help="run migrations on LOCKGATE_DATABASE_URL at start",
-    )] = False,
+        "--migrate", help="run migrations on LOCKGATE_DATABASE_URL at start")] = False,
     shutdown_timeout: Annotated[float | None, typer.Option(help="seconds in-flight requests get after SIGTERM")] = None,
     private_model: Annotated[list[str] | None, typer.Option(
         "--private-model", help="a model served only to tenants that list it",
@@ -323,9 +324,7 @@ def serve(
     speculative_config: Annotated[str | None, typer.Option("--speculative-config", help=_SPEC_HELP)] = None,
     root_path: Annotated[str | None, typer.Option(help="the path prefix a proxy serves it under: /ops")] = None,
     console: Annotated[bool | None, typer.Option("--console/--no-console", help="/console (default on)")] = None,
-    engine_process: Annotated[bool | None, typer.Option(
-        "--engine-process/--no-engine-process",
-        help="the embedded engine in a process of its own, apart from the HTTP server (default on)")] = None,
+    engine_process: Annotated[bool | None, typer.Option("--engine-process/--no-engine-process", help=_EP_HELP)] = None,
 ) -> None:
     """Run the gateway and its engine(s) (no configuration: SQLite, the in-process limiter, the demo
     model under the data directory). The engine flags are vLLM's; they win over LOCKGATE_ENGINE_KWARGS."""
