@@ -133,7 +133,10 @@ def _lockgate(model_dir: str, data_dir: Path, engine_process: bool) -> tuple[Ser
     try:
         with httpx.Client(base_url=srv.url + "/admin/v1", timeout=30,
                           headers={"Authorization": f"Bearer {admin_key}"}) as admin:
-            t = admin.post("/tenants", json={"name": "bench"})
+            # a tenant's default quota holds 64 requests in flight: the bench sends 200 at once
+            t = admin.post("/tenants", json={"name": "bench", "quota": {
+                "max_concurrent_requests": 100_000, "requests_per_minute": 1_000_000,
+                "tokens_per_minute": 1_000_000_000}})
             t.raise_for_status()
             k = admin.post(f"/tenants/{t.json()['id']}/keys", json={"name": "bench"})
             k.raise_for_status()
@@ -161,17 +164,20 @@ def _vllm(python: Path, model_dir: str, data_dir: Path) -> tuple[ServerProcess, 
                                 env=env, cwd=data_dir, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     srv = _VllmServer(f"http://127.0.0.1:{port}", proc, log_path)
     deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"vllm serve exited with {proc.returncode}:\n{srv.log_excerpt()}")
-        try:
-            if httpx.get(srv.url + "/health", timeout=2).status_code == 200:
-                return srv, "none"
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    srv.stop()
-    raise RuntimeError(f"vllm serve was not ready within 600 s:\n{srv.log_excerpt()}")
+    try:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"vllm serve exited with {proc.returncode}:\n{srv.log_excerpt()}")
+            try:
+                if httpx.get(srv.url + "/health", timeout=2).status_code == 200:
+                    return srv, "none"
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"vllm serve was not ready within 600 s:\n{srv.log_excerpt()}")
+    except BaseException:       # an interrupt too: no server left behind
+        srv.stop()
+        raise
 
 
 def bench_serve_peer(model_dir: str | None = None, sizes: PeerServeSizes | None = None,
