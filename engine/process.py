@@ -73,7 +73,9 @@ class ProcessStream(RequestStream):
 
     def fail(self, exc: BaseException) -> None:
         if not self._accepted.done():
+            self.finished = True        # refused: nothing runs in the engine, nothing to abort
             self._accepted.set_exception(exc)
+            self._accepted.exception()  # raised by accepted() or iterating; never logged unread
         else:
             self._queue.put_nowait(exc)
 

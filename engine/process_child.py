@@ -14,6 +14,7 @@ import asyncio
 import copy
 import logging
 import pickle
+import signal
 import threading
 import time
 from multiprocessing.connection import Connection
@@ -156,7 +157,11 @@ class ChildEngine(AsyncEngine):
 
 
 def child_main(conn: Connection, model: str, kwargs: dict[str, Any]) -> None:
-    """The spawned process's entry point."""
+    """The spawned process's entry point. A terminal's Ctrl-C (the whole process group's
+    SIGINT) or a group's SIGTERM is the parent's to act on: it drains its requests, then stops
+    this child; the child going first would cut them."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s engine-process %(levelname)s %(message)s")
     try:
         asyncio.run(_serve(conn, model, kwargs))
