@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import logging
+import os
 import pickle
 import signal
 import threading
@@ -20,6 +21,7 @@ import time
 from multiprocessing.connection import Connection
 from typing import Any
 
+from lockgate.engine import threads
 from lockgate.engine.async_engine import AsyncEngine
 from lockgate.engine.errors import EngineError
 from lockgate.engine.outputs import RequestOutput
@@ -162,6 +164,9 @@ def child_main(conn: Connection, model: str, kwargs: dict[str, Any]) -> None:
     this child; the child going first would cut them."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # the server's CPU is not a neighbour's to the engine's thread governor: in one process it
+    # was the engine's own, and counting it as a stolen core narrows every step for it
+    threads.partner_pids.add(os.getppid())
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s engine-process %(levelname)s %(message)s")
     try:
         asyncio.run(_serve(conn, model, kwargs))

@@ -212,3 +212,17 @@ def test_a_failed_start_raises_its_error_and_leaves_no_process(tmp_path):
     assert "config.json" in str(exc) or "JSON" in type(exc).__name__ + str(exc)
     assert set(multiprocessing.active_children()) <= before
     assert engine.process is None and not engine.is_ready
+
+
+def test_the_servers_cpu_counts_as_the_engine_process_own():
+    from lockgate.engine import threads
+
+    t = os.times()
+    assert abs(threads.pid_cpu_s(os.getpid()) - (t.user + t.system)) < 0.1
+    assert threads.pid_cpu_s(2**22 + 12345) == 0.0          # no such process: nothing counted
+    alone = threads.own_cpu_s()
+    threads.partner_pids.add(os.getpid())       # this process as its own partner: counted twice
+    try:
+        assert threads.own_cpu_s() >= 2 * alone - 0.1
+    finally:
+        threads.partner_pids.discard(os.getpid())
