@@ -290,12 +290,10 @@ def serve(
         "--migrate", help="run migrations on LOCKGATE_DATABASE_URL at start")] = False,
     shutdown_timeout: Annotated[float | None, typer.Option(help="seconds in-flight requests get after SIGTERM")] = None,
     private_model: Annotated[list[str] | None, typer.Option(
-        "--private-model", help="a model served only to tenants that list it",
-    )] = None,
+        "--private-model", help="a model served only to tenants that list it")] = None,
     pool: Annotated[str | None, typer.Option(
         help="join an engine pool on Ray: 'auto' (a local Ray), HOST:PORT or ray://HOST:PORT "
-             "(default LOCKGATE_POOL; none: the embedded engine)",
-    )] = None,
+             "(default LOCKGATE_POOL; none: the embedded engine)")] = None,
     max_num_seqs: Annotated[int | None, typer.Option(
         min=1, help="sequences in one step (default 256)")] = None,
     max_model_len: Annotated[int | None, typer.Option(
