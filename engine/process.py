@@ -239,6 +239,12 @@ class ProcessEngine(EngineClient, EngineAdmin):
         if self._dead is None:
             self._send(("weight", tenant, float(weight)))
 
+    def purge_tenant(self, tenant: str) -> None:
+        """A deleted tenant's cached KV blocks dropped in the child, before any request sent
+        after this call looks its prefix up (one pipe: messages arrive in order)."""
+        if self._dead is None:
+            self._send(("purge", tenant))
+
     def _call(self, method: str, *args: Any) -> concurrent.futures.Future:
         fut: concurrent.futures.Future = concurrent.futures.Future()
         if self._dead is not None:

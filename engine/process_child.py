@@ -138,6 +138,10 @@ class ChildEngine(AsyncEngine):
             self._forget(message[1])
         elif kind == "weight":
             self.set_tenant_weight(message[1], message[2])
+        elif kind == "purge":
+            purge = getattr(self, "purge_tenant", None)     # engines with a KV tier to purge
+            if purge is not None:
+                purge(message[1])
         elif kind == "call":
             asyncio.get_running_loop().create_task(self._call(*message[1:]))
         elif kind == "stop":

@@ -226,3 +226,24 @@ def test_the_servers_cpu_counts_as_the_engine_process_own():
         assert threads.own_cpu_s() >= 2 * alone - 0.1
     finally:
         threads.partner_pids.discard(os.getpid())
+
+
+def test_a_purged_tenants_prefix_is_computed_again(engines, model):
+    child, local = engines
+    if not hasattr(local, "purge_tenant"):
+        pytest.skip("this engine has no tenant purge")
+    (prompt,) = random_prompts(model, [40], seed=8)
+    params = SamplingParams(max_tokens=2)
+
+    async def cached(rid: str) -> int:
+        s = child.submit({"prompt_token_ids": prompt}, params, rid, tenant="gone")
+        outs = [o async for o in s.outputs()]
+        return outs[-1].num_cached_tokens
+
+    async def main():
+        await cached("purge-1")
+        assert await cached("purge-2") > 0        # the tenant's prefix is cached...
+        child.purge_tenant("gone")
+        assert await cached("purge-3") == 0       # ...and gone once purged
+
+    asyncio.run(main())
