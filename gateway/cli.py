@@ -276,7 +276,7 @@ _SPEC_HELP = ("speculative decoding, vLLM's JSON: {\"method\": \"ngram\", \"num_
               "model's tokenizer: {\"model\": DIR, \"num_speculative_tokens\": k} (default off)")
 
 
-_EP_HELP = "the embedded engine in a process of its own, apart from the HTTP server (default on)"
+_EP_HELP = "the embedded engine in a process of its own, apart from the HTTP server (default off)"
 
 
 @app.command("serve")

@@ -101,8 +101,8 @@ def bind(host: str, port: int) -> socket.socket:
 def _serve(settings: Settings, sock: socket.socket) -> int:
     from lockgate.engine import AsyncEngine, ProcessEngine
 
-    # the embedded engine (a Ray pool's workers are processes already); its own process keeps
-    # the step loop out of reach of the HTTP loop's GIL and cores
+    # the embedded engine (a Ray pool's workers are processes already); `--engine-process` keeps
+    # its step loop out of reach of the HTTP loop's GIL
     app = create_app(settings, engine_factory=ProcessEngine if settings.engine_process else AsyncEngine)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="info",
                             timeout_graceful_shutdown=int(max(1, settings.shutdown_grace_s)),

@@ -1,6 +1,6 @@
-"""`lockgate bench serve --peer vllm`: `lockgate serve` on its defaults (the embedded engine in
-a process of its own) against the same server with its engine in process
-(`--no-engine-process`) and, where its venv exists (scripts/peer-vllm.sh), `vllm serve`
+"""`lockgate bench serve --peer vllm`: `lockgate serve --engine-process` (the embedded engine
+in a process of its own) against the same server with its engine in process
+(`--no-engine-process`, the default) and, where its venv exists (scripts/peer-vllm.sh), `vllm serve`
 (vLLM's OpenAI server, its engine core in a process of its own), on vLLM's serving workload:
 `num_prompts` random prompts of `input_len` tokens, `output_len` tokens each (ignore_eos),
 streamed from `/v1/completions`, first all at once (request rate inf), then `concurrency` at a
@@ -30,7 +30,7 @@ from typing import Any
 from lockgate.loadtests.harness.server import ServerProcess, free_port
 from lockgate.loadtests.stats import percentile
 
-SIDES = ("lockgate", "lockgate-in-process", "vllm")
+SIDES = ("engine-process", "in-process", "vllm")
 
 
 @dataclass(slots=True, frozen=True)
@@ -119,7 +119,7 @@ class _VllmServer(ServerProcess):
 
 
 def _lockgate(model_dir: str, data_dir: Path, engine_process: bool) -> tuple[ServerProcess, str]:
-    """`lockgate serve` on its defaults but the model (and the engine's place); a tenant key."""
+    """`lockgate serve` on its defaults but the model and the engine's place; a tenant key."""
     import httpx
 
     admin_key = "lg-" + secrets.token_urlsafe(32)
@@ -127,7 +127,7 @@ def _lockgate(model_dir: str, data_dir: Path, engine_process: bool) -> tuple[Ser
     env.update({"LOCKGATE_DATA_DIR": str(data_dir), "LOCKGATE_ADMIN_KEY": admin_key, "HF_HUB_OFFLINE": "1",
                 "PYTHONUNBUFFERED": "1"})
     data_dir.mkdir(parents=True, exist_ok=True)
-    args = ["--model", f"peer={model_dir}"] + ([] if engine_process else ["--no-engine-process"])
+    args = ["--model", f"peer={model_dir}", "--engine-process" if engine_process else "--no-engine-process"]
     srv = ServerProcess.launch(("lockgate.gateway.cli", "serve"), env, data_dir / "serve.log",
                                extra_args=args, timeout=300)
     try:
@@ -197,7 +197,7 @@ def bench_serve_peer(model_dir: str | None = None, sizes: PeerServeSizes | None 
                 if side == "vllm" and peer_python is not None:
                     srv, key = _vllm(peer_python, model_dir, where)
                 else:
-                    srv, key = _lockgate(model_dir, where, engine_process=side == "lockgate")
+                    srv, key = _lockgate(model_dir, where, engine_process=side == "engine-process")
                 try:
                     inf = asyncio.run(run_load(srv.url, key, "peer", prompts, s, None))
                     conc = asyncio.run(run_load(srv.url, key, "peer", prompts, s, s.concurrency))
@@ -224,14 +224,15 @@ def _report(runs: dict[str, list[dict]], s: PeerServeSizes, echo) -> dict[str, A
         for mode, m in by_mode.items():
             echo(f"  {side:<20} {mode:<4} {_line(m)}")
     ratios: dict[str, dict[str, float]] = {}
-    for other in ("lockgate-in-process", "vllm"):
+    for one, other in (("engine-process", "in-process"), ("engine-process", "vllm"), ("in-process", "vllm")):
         if other not in best:
             continue
+        pair = f"{one}/{other}"
         for mode in modes:
-            a, b = best["lockgate"][mode], best[other][mode]
+            a, b = best[one][mode], best[other][mode]
             if a.get("completed") and b.get("completed"):
-                ratios.setdefault(other, {})[mode] = a["output_tok_s"] / b["output_tok_s"]
-                ratios[other][f"{mode}_tpot_p99"] = a["tpot_ms_p99"] / b["tpot_ms_p99"]
-                echo(f"  lockgate / {other} at {mode}: {ratios[other][mode]:.2f}x output tok/s, "
+                ratios.setdefault(pair, {})[mode] = a["output_tok_s"] / b["output_tok_s"]
+                ratios[pair][f"{mode}_tpot_p99"] = a["tpot_ms_p99"] / b["tpot_ms_p99"]
+                echo(f"  {one} / {other} at {mode}: {ratios[pair][mode]:.2f}x output tok/s, "
                      f"TPOT p99 {a['tpot_ms_p99']:.1f} vs {b['tpot_ms_p99']:.1f} ms")
     return {"sizes": dataclasses.asdict(s), "runs": runs, "best": best, "ratios": ratios}

@@ -519,7 +519,7 @@ def bench_spec(
 def bench_serve(
     url: Annotated[str | None, typer.Option(help="the server's base URL, any OpenAI-compatible one")] = None,
     peer: Annotated[str | None, typer.Option(help=(
-        "instead: 'vllm': lockgate serve on defaults against --no-engine-process and vllm serve "
+        "instead: 'vllm': lockgate serve --engine-process against --no-engine-process and vllm serve "
         "(if its venv exists), vLLM's workload, alternating"))] = None,
     num_prompts: Annotated[int, typer.Option(min=1, help="with --peer: prompts per run")] = 200,
     repeats: Annotated[int, typer.Option(min=1, help="with --peer: fresh servers per side")] = 2,

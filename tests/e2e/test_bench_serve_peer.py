@@ -23,14 +23,15 @@ def _m(tok_s: float, p99: float) -> dict:
 
 def test_the_report_takes_each_sides_best_run_and_prints_the_ratios():
     s = PeerServeSizes(repeats=2)
-    runs = {"lockgate": [{"inf": _m(900, 10), "c16": _m(500, 5)}, {"inf": _m(1200, 12), "c16": _m(400, 4)}],
-            "lockgate-in-process": [{"inf": _m(1000, 11), "c16": _m(500, 5)},
+    runs = {"engine-process": [{"inf": _m(900, 10), "c16": _m(500, 5)}, {"inf": _m(1200, 12), "c16": _m(400, 4)}],
+            "in-process": [{"inf": _m(1000, 11), "c16": _m(500, 5)},
                                     {"inf": _m(600, 9), "c16": _m(250, 2)}],
             "vllm": [{"inf": {"completed": 0, "failed": 10}, "c16": _m(1000, 3)},
                      {"inf": _m(800, 20), "c16": _m(100, 1)}]}
     lines: list[str] = []
     report = _report(runs, s, lines.append)
-    assert report["ratios"]["lockgate-in-process"]["inf"] == 1.2
-    assert report["ratios"]["vllm"]["inf"] == 1.5 and report["ratios"]["vllm"]["inf_tpot_p99"] == 12 / 20
-    assert report["ratios"]["vllm"]["c16"] == 0.5
-    assert any("lockgate / vllm at inf: 1.50x" in line for line in lines)
+    assert report["ratios"]["engine-process/in-process"]["inf"] == 1.2
+    ratios = report["ratios"]["engine-process/vllm"]
+    assert ratios["inf"] == 1.5 and ratios["inf_tpot_p99"] == 12 / 20 and ratios["c16"] == 0.5
+    assert report["ratios"]["in-process/vllm"]["inf"] == 1000 / 800
+    assert any("engine-process / vllm at inf: 1.50x" in line for line in lines)
