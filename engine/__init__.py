@@ -1,9 +1,9 @@
 """Lockgate's inference engine: paged KV cache, continuous batching, chunked prefill.
 
 The public face, and all a server imports (tests/gateway/test_imports.py holds the gateway
-to it): the engines (`AsyncEngine` in this process, a Ray `Pool` of workers, `LLM` for
-offline batches), each model of one bound as a `ServedEngine` by a `ModelBinding`, behind
-the `EngineClient` / `EngineAdmin` protocols and their `RequestStream`;
+to it): the engines (`AsyncEngine` in this process, `ProcessEngine` in a process of its own,
+a Ray `Pool` of workers, `LLM` for offline batches), each model of one bound as a `ServedEngine`
+by a `ModelBinding`, behind the `EngineClient` / `EngineAdmin` protocols and their `RequestStream`;
 requests (`SamplingParams`, `StructuredOutputsParams`, `LoRARequest`), outputs, stats and
 errors; the grammar compiler structured outputs share (`grammar_compiler`); the model
 directory's own `ModelConfig` and `Tokenizer`; and the model tools the command line runs
@@ -49,6 +49,7 @@ from lockgate.engine.lora import Adapter, LoRARequest
 from lockgate.engine.lora_demo import parse_targets, write_demo_adapter
 from lockgate.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from lockgate.engine.pool import Pool, PoolConfig
+from lockgate.engine.process import ProcessEngine
 from lockgate.engine.quant.quantize import QuantizeSpec, default_group_size, quantize_model
 from lockgate.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from lockgate.engine.spec.config import SpeculativeConfig
@@ -76,7 +77,8 @@ __all__ = [
     "GrammarCompiler", "GrammarError", "GrammarTooComplex", "InvalidRequest", "KVStats", "LoRAError", "LoRARequest",
     "LoRAStats",
     "Logprob", "ModelBinding", "ModelConfig", "ModelEngine", "OverloadStats", "Pool", "PoolConfig", "PoolStats",
-    "PooledModelStats", "Prompt", "PromptTooLong", "QuantizeSpec", "QueueBounds", "QueueStats", "RankFailure",
+    "PooledModelStats", "ProcessEngine", "Prompt", "PromptTooLong", "QuantizeSpec", "QueueBounds", "QueueStats",
+    "RankFailure",
     "RankStartupError", "RequestMetrics",
     "RequestOutput", "RequestStream", "SamplingParams", "ServedEngine", "SpecClassStats", "SpecStats",
     "SpeculativeConfig", "StructuredOutputsParams", "SubmitOptions",

@@ -61,9 +61,24 @@ def cpus_busy_s(cpus: set[int], path: str = "/proc/stat") -> float | None:
     return busy / _CLK_TCK if seen else None
 
 
+# processes whose CPU time counts as this one's: an engine process's server (engine/process_child.py),
+# whose HTTP loop would be this process's own work were the engine in it, not a neighbour's
+partner_pids: set[int] = set()
+
+
 def own_cpu_s() -> float:
     t = os.times()
-    return t.user + t.system
+    return t.user + t.system + sum(pid_cpu_s(pid) for pid in partner_pids)
+
+
+def pid_cpu_s(pid: int) -> float:
+    """Another process's CPU seconds (user + system) from /proc; 0 where it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rpartition(")")[2].split()
+        return (int(fields[11]) + int(fields[12])) / _CLK_TCK
+    except (OSError, ValueError, IndexError):
+        return 0.0
 
 
 class ThreadGovernor:

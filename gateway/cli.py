@@ -278,6 +278,9 @@ _OFFLOAD_HELP = ("GiB of host memory for a second KV tier that evicted prefixes 
                  "cache's size, 1/4 of available host memory, 16 GiB); 0: off)")
 
 
+_EP_HELP = "the embedded engine in a process of its own, apart from the HTTP server (default off)"
+
+
 @app.command("serve")
 def serve(
     model: Annotated[list[str] | None, typer.Option(
@@ -289,12 +292,10 @@ def serve(
         "--migrate", help="run migrations on LOCKGATE_DATABASE_URL at start")] = False,
     shutdown_timeout: Annotated[float | None, typer.Option(help="seconds in-flight requests get after SIGTERM")] = None,
     private_model: Annotated[list[str] | None, typer.Option(
-        "--private-model", help="a model served only to tenants that list it",
-    )] = None,
+        "--private-model", help="a model served only to tenants that list it")] = None,
     pool: Annotated[str | None, typer.Option(
         help="join an engine pool on Ray: 'auto' (a local Ray), HOST:PORT or ray://HOST:PORT "
-             "(default LOCKGATE_POOL; none: the embedded engine)",
-    )] = None,
+             "(default LOCKGATE_POOL; none: the embedded engine)")] = None,
     max_num_seqs: Annotated[int | None, typer.Option(
         min=1, help="sequences in one step (default 256)")] = None,
     max_model_len: Annotated[int | None, typer.Option(
@@ -324,6 +325,7 @@ def serve(
     kv_offloading_size: Annotated[float | None, typer.Option(min=0.0, help=_OFFLOAD_HELP)] = None,
     root_path: Annotated[str | None, typer.Option(help="the path prefix a proxy serves it under: /ops")] = None,
     console: Annotated[bool | None, typer.Option("--console/--no-console", help="/console (default on)")] = None,
+    engine_process: Annotated[bool | None, typer.Option("--engine-process/--no-engine-process", help=_EP_HELP)] = None,
 ) -> None:
     """Run the gateway and its engine(s) (no configuration: SQLite, the in-process limiter, the demo
     model under the data directory). The engine flags are vLLM's; they win over LOCKGATE_ENGINE_KWARGS."""
@@ -333,7 +335,8 @@ def serve(
     flags = engine_flags(**{name: args[name] for name in ENGINE_FLAGS})
     settings = _settings(models=model or None, host=host, port=port, data_dir=data_dir, migrate=migrate or None,
                          shutdown_timeout_s=shutdown_timeout, private_models=private_model or None, pool=pool,
-                         max_loras=max_loras, max_lora_rank=max_lora_rank, root_path=root_path, console=console)
+                         max_loras=max_loras, max_lora_rank=max_lora_rank, root_path=root_path, console=console,
+                         engine_process=engine_process)
     settings.engine_kwargs = {**settings.engine_kwargs, **flags}
     if note := _device_note(flags, settings.pool):
         typer.echo(note, err=True)

@@ -99,7 +99,11 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def _serve(settings: Settings, sock: socket.socket) -> int:
-    app = create_app(settings)
+    from lockgate.engine import AsyncEngine, ProcessEngine
+
+    # the embedded engine (a Ray pool's workers are processes already); `--engine-process` keeps
+    # its step loop out of reach of the HTTP loop's GIL
+    app = create_app(settings, engine_factory=ProcessEngine if settings.engine_process else AsyncEngine)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="info",
                             timeout_graceful_shutdown=int(max(1, settings.shutdown_grace_s)),
                             lifespan="on", access_log=False,

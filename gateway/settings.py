@@ -129,6 +129,10 @@ class Settings(BaseSettings):
     # several models: one engine on one memory budget (engine.ModelPool), switching by demand;
     # False: an engine per model
     shared_engine: bool = True
+    # `lockgate serve`'s embedded engine in a process of its own (engine.ProcessEngine), out of
+    # reach of the HTTP loop's GIL; off by default: on the 2-core machine it measured 0.86-1.00x
+    # of the engine in process at 16 concurrent (docs/benchmarks.md, bench serve --peer vllm)
+    engine_process: bool = False
     memory_budget: int | None = None   # bytes for all models of the shared engine (None: all fit)
 
     # the Batch API (gateway/batch_api.py, gateway/batch_runner.py)

@@ -551,7 +551,12 @@ def bench_spec(
 
 @bench_app.command("serve")
 def bench_serve(
-    url: Annotated[str, typer.Option(help="the server's base URL, any OpenAI-compatible one")],
+    url: Annotated[str | None, typer.Option(help="the server's base URL, any OpenAI-compatible one")] = None,
+    peer: Annotated[str | None, typer.Option(help=(
+        "instead: 'vllm': lockgate serve --engine-process against --no-engine-process and vllm serve "
+        "(if its venv exists), vLLM's workload, alternating"))] = None,
+    num_prompts: Annotated[int, typer.Option(min=1, help="with --peer: prompts per run")] = 200,
+    repeats: Annotated[int, typer.Option(min=1, help="with --peer: fresh servers per side")] = 2,
     api_key: Annotated[str | None, typer.Option(
         envvar=["OPENAI_API_KEY", "LOCKGATE_KEY"], show_envvar=False,
         help="bearer key (default: $OPENAI_API_KEY or $LOCKGATE_KEY)",
@@ -583,6 +588,11 @@ def bench_serve(
     from lockgate.loadtests.bench_serve import BenchServeError, ServeConfig, parse_rates, parse_tier_mix
     from lockgate.loadtests.bench_serve import bench_serve as run
 
+    if peer is not None:
+        _bench_serve_peer(peer, num_prompts, repeats, out)
+        return
+    if url is None:
+        raise typer.BadParameter("--url: give the server's URL (or --peer vllm)")
     try:
         cfg = ServeConfig(url=url, rates=parse_rates(rates), tier_mix=parse_tier_mix(tier_mix), api_key=api_key,
                           model=model, duration_s=duration, drain_s=drain, prompt_words=prompt_tokens,
@@ -596,6 +606,24 @@ def bench_serve(
     except BenchServeError as exc:
         typer.echo(f"lockgate bench serve: {exc}", err=True)
         raise typer.Exit(2) from None
+
+
+def _bench_serve_peer(peer: str, num_prompts: int, repeats: int, out: Path | None) -> None:
+    from lockgate.loadtests.bench_peer import PeerUnavailable, peer_python
+    from lockgate.loadtests.bench_serve_peer import PeerServeSizes, bench_serve_peer
+
+    try:
+        python: Path | None = peer_python(peer)
+    except PeerUnavailable as exc:
+        if peer != "vllm":
+            raise typer.BadParameter(str(exc)) from None
+        typer.echo(f"lockgate bench serve: {exc}; the vLLM side is left out", err=True)
+        python = None
+    report = bench_serve_peer(sizes=PeerServeSizes(num_prompts=num_prompts, repeats=repeats),
+                              peer_python=python, echo=typer.echo)
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        _dump(out / "results.json", report)
 
 
 @bench_app.command("structured")
