@@ -18,7 +18,7 @@ HEAD = {"id": "x", "created": 0, "model": "m", "service_tier": "default", "syste
 
 
 def _run(prompts: int = 1) -> RequestRun:
-    principal = SimpleNamespace(tenant_id="t1", tenant_name="acme", key_id="k1", weight=1)
+    principal = SimpleNamespace(tenant_id="t1", tenant_name="acme", key_id="k1", weight=1, speculative=True)
     ticket = SimpleNamespace(principal=principal, state=SimpleNamespace(), id="r1", t0=0.0)
     inputs = RunInputs(prompts=[[1, 2, 3]] * prompts, params=[SamplingParams(max_tokens=8)] * prompts,
                        reserve_tokens=11 * prompts)
