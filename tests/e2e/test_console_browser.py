@@ -3,8 +3,8 @@ against a live `lockgate serve --root-path /ops` on PostgreSQL and Redis (one se
 module). Signing in (a tenant key refused), a tenant made and given a key (its secret shown
 once: gone on the next visit and absent from the audit log), the key revoked and the next API
 call with it refused, the engine's fragment refreshed by polling, a viewer seeing every page
-and refused every change, and every URL the browser asked for under /ops/, none answered >= 400
-on a walk of every page."""
+and refused every change, the usage CSV the browser downloads equal to the API's, and every URL
+the browser asked for under /ops/, none answered >= 400 on a walk of every page."""
 
 from __future__ import annotations
 
@@ -249,3 +249,24 @@ def test_every_page_under_the_root_path_answers(session, server):
     bad = [(s, u) for s, u in session.answers if s >= 400]
     assert not bad, bad
     assert len(session.requests) >= 12 and any(p.endswith("/console.js") for p in session.paths())
+
+
+def test_the_usage_csv_downloaded_in_the_browser_is_the_apis(session, server):
+    t, key = server.tenant()
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
+    call = httpx.post(server.url + "/v1/completions", json=body, timeout=60,
+                      headers={"Authorization": f"Bearer {key}"})
+    assert call.status_code == 200, call.text
+    for _ in range(100):                 # the usage writer commits its rows in groups, soon
+        if t["id"] in server.admin.get("/usage", params={"group_by": "tenant", "format": "csv"}).text:
+            break
+        time.sleep(0.05)
+    session.sign_in(server.admin_key)
+    session.page.wait_for_url(f"**{ROOT}/console/")
+    for group in ("tenant", "model,day"):
+        session.page.goto(f"{ROOT}/console/usage?group_by={group}")
+        with session.page.expect_download() as download:
+            session.page.click("text=Download CSV")
+        got = Path(download.value.path()).read_bytes().decode()      # as sent: CRLF rows
+        api = server.admin.get("/usage", params={"group_by": group, "format": "csv"}).text
+        assert got == api and got.count("\n") >= 2, (group, got[:300], api[:300])
