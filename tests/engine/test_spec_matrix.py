@@ -127,7 +127,10 @@ def test_batch_8_and_32(proposer, max_num_seqs, batch_n):
     s = stats.spec
     assert s is not None and s.num_accepted_tokens > s.num_draft_tokens / 2, s
     assert stats.kv.prefix_cache_hits > 0 and (stats.num_preemptions > 0 or max_num_seqs == 8)
-    assert stats.num_steps < plain_stats.num_steps
+    # the plain run is at batch 32; at batch 8 the bound is what plain decoding needs at least
+    # (one token a row a step): fewer steps than either is speculation paying
+    bound = plain_stats.num_steps if max_num_seqs == 32 else len(prompts) * 128 // max_num_seqs
+    assert stats.num_steps < bound, (stats.num_steps, bound)
     print(f"\n{proposer} batch {max_num_seqs}: {s.num_accepted_tokens}/{s.num_draft_tokens} kept, "
           f"{stats.num_steps} steps, {stats.num_preemptions} preemptions")
 
