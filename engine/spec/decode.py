@@ -103,11 +103,13 @@ class SpecDecoder:
         [] when it gets none, or they do not fit the free blocks (drafts preempt no one).
         `tokens_left`: the step's budget, less a token for each decode still to come."""
         k = self._room(seq, tokens_left - self.prefill_reserve)
-        if k > 0 and self.time_left is not None:
-            k = self._held(seq, k, self.time_left)
         if k < 1:
             return []
+        # proposed first: a row with nothing to propose (text that quotes nothing) costs
+        # its search alone, not the cost model's pricing too
         drafts = list(self.proposer(seq, k))[:k]
+        if drafts and self.time_left is not None:
+            drafts = drafts[:self._held(seq, len(drafts), self.time_left)]
         if drafts and self.kv.try_allocate(seq, 1 + len(drafts), reserve=reserve):
             if self.time_left is not None:
                 self.time_left -= self._extra_s(seq, len(drafts))

@@ -24,6 +24,10 @@ def propose(token_ids: Sequence[int], k: int, min_n: int, max_n: int) -> list[in
     num = len(token_ids)
     if k < 1 or num < min_n + 1:
         return []
+    try:      # any matching suffix ends in the last token: text that never repeats it has none
+        token_ids.index(token_ids[-1], 0, num - 1)
+    except ValueError:
+        return []
     data = array("q", token_ids).tobytes()
     # an occurrence must end before the last token, so that at least one token follows it
     end = (num - 1) * _WIDTH
