@@ -96,7 +96,7 @@ class EngineConfig:
         self.speculative_config = spec = SpeculativeConfig.of(self.speculative_config)
         if not Path(self.model).is_dir():
             raise ValueError(f"model must be a model directory; {self.model!r} is not one")
-        check_draft_model(spec, self.model, self.tensor_parallel_size)
+        check_draft_model(spec, self.model)
 
     def _check_step_settings(self) -> None:
         if self.dtype not in ("auto", *DTYPES):

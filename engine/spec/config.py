@@ -99,16 +99,15 @@ class SpeculativeConfig:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
-def check_draft_model(spec: SpeculativeConfig | None, target_dir: str, tensor_parallel_size: int) -> None:
+def check_draft_model(spec: SpeculativeConfig | None, target_dir: str) -> None:
     """A draft model must speak the target's vocabulary (the verifier compares token ids and
     distributions over the same vocabulary): the same `vocab_size` and, where both have one,
-    the same tokenizer.json. It runs unsharded on one rank, so tensor parallelism is refused."""
+    the same tokenizer.json. Under tensor parallelism it runs whole on rank 0, beside that
+    rank's shard of the target (a draft is small; splitting it would cost a collective per layer
+    for each of its k forwards a step)."""
     draft = spec.draft_model if spec is not None else None
     if draft is None:
         return
-    if tensor_parallel_size > 1:
-        raise ValueError(f"speculative_config.model: a draft model is not supported with tensor_parallel_size "
-                         f"{tensor_parallel_size}; use tensor_parallel_size 1 or the ngram method")
     sizes = [json.loads((Path(d) / "config.json").read_text()).get("vocab_size") for d in (target_dir, draft)]
     if sizes[0] != sizes[1]:
         raise ValueError(f"speculative_config.model: the draft's vocab_size {sizes[1]} differs from the "

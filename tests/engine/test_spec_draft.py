@@ -88,8 +88,6 @@ def test_bad_draft_models_are_refused_by_name(models, tmp_path):
     with pytest.raises(ValueError, match=r"speculative_config\.model: the ngram method takes no model"):
         EngineConfig(model=target, speculative_config={"method": "ngram", "model": target,
                                                        "num_speculative_tokens": 2})
-    with pytest.raises(ValueError, match=r"speculative_config\.model: .*tensor_parallel_size 2"):
-        EngineConfig(model=target, tensor_parallel_size=2, speculative_config=draft_spec(str(models[1])))
 
 
 def test_seeded_sampling_is_reproducible(models):
@@ -171,3 +169,24 @@ def test_sampled_rows_keep_the_targets_law(models, roles):
         assert keep_if_possible - keep > 8 * sd
     print(f"\nTV(observed, target) {_tv(observed, exact):.3f}; TV(target, draft) {_tv(exact, drafted):.3f}; "
           f"kept {kept:.3f}, expected {keep:.3f} (every possible draft: {keep_if_possible:.3f})")
+
+
+def test_both_proposers_at_two_ranks_equal_plain_decoding(models):
+    """Tensor parallelism: the target split over two ranks verifies; the draft model runs
+    whole on rank 0 beside its shard (its own KV on the same block tables)."""
+    target, draft = models
+    prompts = [{"prompt_token_ids": p} for p in quoting_prompts(target, 6)]
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    outs = {}
+    for name, spec in (("plain", None), ("draft", draft_spec(draft)),
+                       ("ngram", {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3})):
+        llm = LLM(target, max_num_seqs=4, tensor_parallel_size=1 if spec is None else 2, speculative_config=spec)
+        try:
+            outs[name] = token_ids(llm.generate(prompts, params, use_progress_bar=False))
+            st = llm.engine.stats()
+        finally:
+            llm.engine.shutdown()
+        if spec is not None:
+            assert st.parallel is not None and st.parallel.tensor_parallel_size == 2
+            assert st.spec is not None and st.spec.num_accepted_tokens > st.spec.num_draft_tokens / 2, st.spec
+    assert outs["draft"] == outs["plain"] and outs["ngram"] == outs["plain"]
