@@ -20,7 +20,7 @@ from typing import Any
 
 from lockgate.engine.admission import Admission, Queued
 from lockgate.engine.binding import ModelBinding
-from lockgate.engine.client import EngineAdmin, EngineClient, Prompt, RequestStream
+from lockgate.engine.client import EngineAdmin, EngineClient, Prompt, RequestStream, checked_tenant_weight
 from lockgate.engine.config import EngineConfig, ModelConfig
 from lockgate.engine.cost_model import StepShape
 from lockgate.engine.engine_core import EngineCore
@@ -120,13 +120,9 @@ class AsyncEngine(EngineClient, EngineAdmin):
     def set_tenant_weight(self, tenant: str, weight: float) -> None:
         """A tenant's share in the scheduler's fairness (1.0 when never set). Kept here and
         read by the scheduler's fairness counters."""
-        if not isinstance(tenant, str) or not tenant:
-            raise ValueError(f"tenant: must be a non-empty string, got {tenant!r}")
-        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0:
-            raise ValueError(f"weight: must be a number > 0, got {weight!r}")
-        self._tenant_weights[tenant] = float(weight)
+        weight = self._tenant_weights[tenant] = checked_tenant_weight(tenant, weight)
         if self.core is not None:   # a dict store: atomic under the GIL, read by the loop thread
-            self.core.set_tenant_weight(tenant, float(weight))
+            self.core.set_tenant_weight(tenant, weight)
 
     def purge_tenant(self, tenant: str) -> None:
         """A deleted tenant's cached KV blocks dropped from both tiers of every model (before

@@ -120,6 +120,15 @@ class EngineClient(Protocol):
         ...
 
 
+def checked_tenant_weight(tenant: str, weight: float) -> float:
+    """`set_tenant_weight`'s arguments checked (ValueError naming the field), the weight as a float."""
+    if not isinstance(tenant, str) or not tenant:
+        raise ValueError(f"tenant: must be a non-empty string, got {tenant!r}")
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0:
+        raise ValueError(f"weight: must be a number > 0, got {weight!r}")
+    return float(weight)
+
+
 @runtime_checkable
 class EngineAdmin(Protocol):
     """Life cycle, adapters and tenant weights."""

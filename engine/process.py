@@ -34,7 +34,14 @@ from multiprocessing.process import BaseProcess
 from typing import Any, Unpack
 
 from lockgate.engine.binding import ModelBinding
-from lockgate.engine.client import EngineAdmin, EngineClient, Prompt, RequestStream, SubmitOptions
+from lockgate.engine.client import (
+    EngineAdmin,
+    EngineClient,
+    Prompt,
+    RequestStream,
+    SubmitOptions,
+    checked_tenant_weight,
+)
 from lockgate.engine.config import EngineConfig
 from lockgate.engine.errors import EngineDead, EngineError, InvalidRequest, UnknownModel
 from lockgate.engine.lora import Adapter, LoRARequest
@@ -231,13 +238,9 @@ class ProcessEngine(EngineClient, EngineAdmin):
         return dict(self._tenant_weights)
 
     def set_tenant_weight(self, tenant: str, weight: float) -> None:
-        if not isinstance(tenant, str) or not tenant:
-            raise ValueError(f"tenant: must be a non-empty string, got {tenant!r}")
-        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0:
-            raise ValueError(f"weight: must be a number > 0, got {weight!r}")
-        self._tenant_weights[tenant] = float(weight)
+        weight = self._tenant_weights[tenant] = checked_tenant_weight(tenant, weight)
         if self._dead is None:
-            self._send(("weight", tenant, float(weight)))
+            self._send(("weight", tenant, weight))
 
     def purge_tenant(self, tenant: str) -> None:
         """A deleted tenant's cached KV blocks dropped in the child, before any request sent
