@@ -47,6 +47,11 @@ class KVStats:
     host_evictions: int = 0
     device_evictions: int = 0     # cached blocks the device cache evicted
 
+    @property
+    def device_hits(self) -> int:
+        """Prefix-cache hits (tokens) the device cache served itself (`prefix_cache_hits` is both tiers')."""
+        return max(0, self.prefix_cache_hits - self.host_hits)
+
 
 @dataclass(slots=True)
 class CostModelStats:

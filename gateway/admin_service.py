@@ -172,7 +172,7 @@ def engine_json(s: EngineStats) -> dict:
         # the KV tiers: blocks held and room, hits (tokens), copies and evictions (blocks)
         "kv_tiers": {
             "device": {"blocks": s.kv.used, "capacity": s.kv.total, "evictions": s.kv.device_evictions,
-                       "hits": max(0, s.kv.prefix_cache_hits - s.kv.host_hits)},
+                       "hits": s.kv.device_hits},
             "host": {"blocks": s.kv.host_held, "capacity": s.kv.host_total, "hits": s.kv.host_hits,
                      "queries": s.kv.host_queries, "copy_ins": s.kv.host_copy_ins,
                      "stores": s.kv.host_stores, "evictions": s.kv.host_evictions}},

@@ -203,7 +203,7 @@ class _EngineCollector(Collector):
             kv.add_sample(kv.name, labels, s.kv.used / s.kv.total if s.kv.total else 0.0)
             # per KV tier: a hit copied in from the host tier counts there, not on the device
             k = s.kv
-            for tier, q, h in (("device", k.prefix_cache_queries, max(0, k.prefix_cache_hits - k.host_hits)),
+            for tier, q, h in (("device", k.prefix_cache_queries, k.device_hits),
                                ("host", k.host_queries, k.host_hits)):
                 queries.add_sample(queries.name + "_total", {**labels, "tier": tier}, q)
                 hits.add_sample(hits.name + "_total", {**labels, "tier": tier}, h)
