@@ -28,6 +28,18 @@ def hash_block(parent: BlockHash | None, token_ids: list[int], extra: bytes) -> 
     return h.digest()
 
 
+def cache_scope(tenant: str, share_group: str | None) -> str:
+    """Who may share a request's cached blocks: its share group, else its tenant alone."""
+    return f"g:{share_group}" if share_group else f"t:{tenant}"
+
+
+def block_salt(model: str, variant: str, scope: str, cache_salt: str | None) -> bytes:
+    """What every block hash of a request mixes in besides its tokens; length-prefixed, so no
+    (model, adapter, scope, salt) tuple can spell another."""
+    parts = [model.encode(), variant.encode(), scope.encode(), (cache_salt or "").encode()]
+    return b"".join(len(p).to_bytes(4, "little") + p for p in parts)
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -80,17 +92,13 @@ class KVCacheManager:
     @staticmethod
     def _tag(seq: Sequence) -> Tag:
         req = seq.state.req
-        scope = f"g:{req.share_group}" if req.share_group else f"t:{req.tenant}"
-        return (req.model or "", req.lora_id, scope)
+        return (req.model or "", req.lora_id, cache_scope(req.tenant, req.share_group))
 
     def _extra_key(self, seq: Sequence) -> bytes:
         req = seq.state.req
-        scope = f"g:{req.share_group}" if req.share_group else f"t:{req.tenant}"
         lora = req.lora_request
         variant = f"{lora.lora_int_id}:{lora.lora_name}" if lora is not None else ""
-        parts = [(req.model or "").encode(), variant.encode(), scope.encode(), (req.cache_salt or "").encode()]
-        # length-prefixed, so no (model, adapter, scope, salt) tuple can spell another
-        return b"".join(len(p).to_bytes(4, "little") + p for p in parts)
+        return block_salt(req.model or "", variant, cache_scope(req.tenant, req.share_group), req.cache_salt)
 
     def update_hashes(self, seq: Sequence) -> None:
         """Extend `seq.block_hashes` over every full block of its known tokens."""

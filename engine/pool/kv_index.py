@@ -18,15 +18,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from lockgate.engine.kv_cache.events import AllCleared, BlockRemoved, BlockStored, EventReport
-from lockgate.engine.kv_cache.manager import hash_block
+from lockgate.engine.kv_cache.manager import block_salt, cache_scope, hash_block
 
 
 def engine_salt(model: str, tenant: str, cache_salt: str | None, share_group: str | None = None,
                 variant: str = "") -> bytes:
     """The engine's per-block salt (KVCacheManager._extra_key) for a request of `model`."""
-    scope = f"g:{share_group}" if share_group else f"t:{tenant}"
-    parts = [model.encode(), variant.encode(), scope.encode(), (cache_salt or "").encode()]
-    return b"".join(len(p).to_bytes(4, "little") + p for p in parts)
+    return block_salt(model, variant, cache_scope(tenant, share_group), cache_salt)
 
 
 def engine_chain(salt: bytes, ids: Sequence[int], block_size: int, max_blocks: int = 256) -> list[bytes]:
