@@ -28,14 +28,26 @@
 
 #include "lg_exp.h"
 
-typedef float v16 __attribute__((vector_size(64)));
+/* Vectors as wide as the machine's registers: AVX-512's zmm (16 floats) or AVX2's ymm (8).
+ * A vector type wider than the registers is lowered through the stack: the 64-byte vectors of
+ * an AVX-512 build ran ~25x slower than sgemm on an AVX2 machine. */
+#if defined(__AVX512F__)
+#define VL 16
+#define WIDE 1
+#else
+#define VL 8
+#define WIDE 0
+#endif
+typedef float vec __attribute__((vector_size(VL * 4)));
 
-#define NR 32      /* output columns per panel: two vectors of 16 */
-#define MR 8       /* rows per register tile */
-#define KC 512     /* the K block a tile runs over before storing */
+#define NR 32          /* output columns per panel */
+#define NV (NR / VL)   /* vectors per panel row: 2 zmm or 4 ymm */
+/* rows per register tile: 8 x 2 zmm (16 of 32 registers) or 3 x 4 ymm (12 of 16) */
+#define MR (WIDE ? 8 : 3)
+#define KC 512         /* the K block a tile runs over before storing */
 
-static inline v16 load16(const float *p) { v16 v; memcpy(&v, p, sizeof v); return v; }
-static inline void store16(float *p, v16 v) { memcpy(p, &v, sizeof v); }
+static inline __attribute__((always_inline)) vec loadv(const float *p) { vec v; memcpy(&v, p, sizeof v); return v; }
+static inline __attribute__((always_inline)) void storev(float *p, vec v) { memcpy(p, &v, sizeof v); }
 
 /* w [N][K] -> out [ceil(N/32)][K][32]: panel p, row k holds W[32p .. 32p+31][k]. */
 void lg_linear_pack_f32(const float *w, int64_t n, int64_t k, float *out)
@@ -76,21 +88,22 @@ void lg_linear_pack_pairs_f32(const float *w, int64_t inter, int64_t k, float *o
 /* One row's 32 columns of a panel into y (`ncols` of them real): stored when `first` (plus the
  * panel's bias, NULL: none), else added to what is there. */
 static inline __attribute__((always_inline)) void finish_row(
-    float *y, v16 lo, v16 hi, int64_t ncols, int first, const float *bias)
+    float *y, const vec *acc, int64_t ncols, int first, const float *bias)
 {
     float part[NR];
     float *dst = ncols == NR ? y : part;   /* a last, partial panel: via `part` */
     if (ncols != NR) {
         for (int64_t j = 0; j < NR; j++) part[j] = (!first && j < ncols) ? y[j] : 0.f;
     }
-    if (first) {
-        if (bias) { lo += load16(bias); hi += load16(bias + 16); }
-    } else {
-        lo += load16(dst);
-        hi += load16(dst + 16);
+    for (int v = 0; v < NV; v++) {
+        vec a = acc[v];
+        if (first) {
+            if (bias) a += loadv(bias + v * VL);
+        } else {
+            a += loadv(dst + v * VL);
+        }
+        storev(dst + v * VL, a);
     }
-    store16(dst, lo);
-    store16(dst + 16, hi);
     if (ncols != NR) memcpy(y, part, (size_t)ncols * sizeof(float));
 }
 
@@ -100,48 +113,52 @@ static inline __attribute__((always_inline)) void tile(
     const int mr, const float *x, int64_t ldx, int64_t kc, const float *w,
     float *y, int64_t ldy, int64_t ncols, int first, const float *bias)
 {
-    v16 acc0[MR], acc1[MR];
-    for (int r = 0; r < mr; r++) { acc0[r] = (v16){0}; acc1[r] = (v16){0}; }
+    vec acc[MR][NV];
+    for (int r = 0; r < mr; r++)
+        for (int v = 0; v < NV; v++) acc[r][v] = (vec){0};
     for (int64_t i = 0; i < kc; i++) {
-        const v16 w0 = load16(w + i * NR), w1 = load16(w + i * NR + 16);
+        vec wv[NV];
+        for (int v = 0; v < NV; v++) wv[v] = loadv(w + i * NR + v * VL);
         for (int r = 0; r < mr; r++) {
-            const v16 b = (v16){0} + x[r * ldx + i];
-            acc0[r] += b * w0;
-            acc1[r] += b * w1;
+            const vec b = (vec){0} + x[r * ldx + i];
+            for (int v = 0; v < NV; v++) acc[r][v] += b * wv[v];
         }
     }
-    for (int r = 0; r < mr; r++) finish_row(y + r * ldy, acc0[r], acc1[r], ncols, first, bias);
+    for (int r = 0; r < mr; r++) finish_row(y + r * ldy, acc[r], ncols, first, bias);
 }
 
-/* As `tile` over two panels at once (6 rows x 64 columns: 24 vector accumulators, each x
- * value broadcast once against 64 weights where an 8 x 32 tile's meets 32).
+/* AVX-512: as `tile` over two panels at once (6 rows x 64 columns: 24 vector accumulators,
+ * each x value broadcast once against 64 weights where an 8 x 32 tile's meets 32).
  * The two panels' outputs go to ya and yb (adjacent, or apart in the pairs layout). */
 #define MR2 6
 static inline __attribute__((always_inline)) void tile2(
     const int mr, const float *x, int64_t ldx, int64_t kc, const float *wa, const float *wb,
     float *ya, float *yb, int64_t ldy, int64_t na, int64_t nb, int first, const float *ba, const float *bb)
 {
-    v16 a0[MR2], a1[MR2], b0[MR2], b1[MR2];
-    for (int r = 0; r < mr; r++) { a0[r] = a1[r] = b0[r] = b1[r] = (v16){0}; }
+    vec a[MR2][NV], b[MR2][NV];
+    for (int r = 0; r < mr; r++)
+        for (int v = 0; v < NV; v++) a[r][v] = b[r][v] = (vec){0};
     for (int64_t i = 0; i < kc; i++) {
-        const v16 wa0 = load16(wa + i * NR), wa1 = load16(wa + i * NR + 16);
-        const v16 wb0 = load16(wb + i * NR), wb1 = load16(wb + i * NR + 16);
+        vec wav[NV], wbv[NV];
+        for (int v = 0; v < NV; v++) {
+            wav[v] = loadv(wa + i * NR + v * VL);
+            wbv[v] = loadv(wb + i * NR + v * VL);
+        }
         for (int r = 0; r < mr; r++) {
-            const v16 v = (v16){0} + x[r * ldx + i];
-            a0[r] += v * wa0; a1[r] += v * wa1;
-            b0[r] += v * wb0; b1[r] += v * wb1;
+            const vec xv = (vec){0} + x[r * ldx + i];
+            for (int v = 0; v < NV; v++) { a[r][v] += xv * wav[v]; b[r][v] += xv * wbv[v]; }
         }
     }
     for (int r = 0; r < mr; r++) {
-        finish_row(ya + r * ldy, a0[r], a1[r], na, first, ba);
-        finish_row(yb + r * ldy, b0[r], b1[r], nb, first, bb);
+        finish_row(ya + r * ldy, a[r], na, first, ba);
+        finish_row(yb + r * ldy, b[r], nb, first, bb);
     }
 }
 
 /* y [m][n] = x [m][k] (contiguous) times the packed weight, plus bias [n] (NULL: none).
  * inter 0: the plain panels; inter > 0: the pairs layout of a [gate; up] weight, n = 2 inter.
  * Units of work: two adjacent panels (one where the count is odd) x a chunk of MC2 rows. */
-#define MC2 60        /* rows per unit of work: whole 6-row tiles */
+#define MC2 60        /* rows per unit of work: whole 6-row (and 3-row) tiles */
 
 /* panel p's first output column, and how many of its 32 are real */
 static inline int64_t panel_col(int64_t p, int64_t n, int64_t inter) {
@@ -150,6 +167,51 @@ static inline int64_t panel_col(int64_t p, int64_t n, int64_t inter) {
 static inline int64_t panel_cols(int64_t p, int64_t n, int64_t inter) {
     const int64_t col = panel_col(p, n, inter), end = inter ? (p & 1) * inter + inter : n;
     return end - col < NR ? end - col : NR;
+}
+
+/* rows [r, row_end) of x over one panel block w [kc][32] into y's columns from `col` (`ncols`
+ * real), in tiles of MR rows and one of the rest (constant row counts: the accumulators stay
+ * in registers) */
+static void panel_rows(const float *x, int64_t k, int64_t k0, int64_t kc, const float *w, float *y,
+                       int64_t n, int64_t col, int64_t ncols, int64_t r, int64_t row_end, int first,
+                       const float *bias)
+{
+    for (; r + MR <= row_end; r += MR)
+        tile(MR, x + r * k + k0, k, kc, w, y + r * n + col, n, ncols, first, bias);
+    const float *xr = x + r * k + k0;
+    float *yr = y + r * n + col;
+    switch (row_end - r) {
+#if WIDE
+    case 7: tile(7, xr, k, kc, w, yr, n, ncols, first, bias); break;
+    case 6: tile(6, xr, k, kc, w, yr, n, ncols, first, bias); break;
+    case 5: tile(5, xr, k, kc, w, yr, n, ncols, first, bias); break;
+    case 4: tile(4, xr, k, kc, w, yr, n, ncols, first, bias); break;
+    case 3: tile(3, xr, k, kc, w, yr, n, ncols, first, bias); break;
+#endif
+    case 2: tile(2, xr, k, kc, w, yr, n, ncols, first, bias); break;
+    case 1: tile(1, xr, k, kc, w, yr, n, ncols, first, bias); break;
+    default: break;
+    }
+}
+
+/* AVX-512: rows [r, row_end) over two panels at once in `tile2`s */
+static void panel_pair_rows(const float *x, int64_t k, int64_t k0, int64_t kc, const float *wa,
+                            const float *wb, float *y, int64_t n, int64_t ca, int64_t cb, int64_t na,
+                            int64_t nb, int64_t r, int64_t row_end, int first, const float *ba,
+                            const float *bb)
+{
+    for (; r + MR2 <= row_end; r += MR2)
+        tile2(MR2, x + r * k + k0, k, kc, wa, wb, y + r * n + ca, y + r * n + cb, n, na, nb, first, ba, bb);
+    const float *xr = x + r * k + k0;
+    float *yra = y + r * n + ca, *yrb = y + r * n + cb;
+    switch (row_end - r) {
+    case 5: tile2(5, xr, k, kc, wa, wb, yra, yrb, n, na, nb, first, ba, bb); break;
+    case 4: tile2(4, xr, k, kc, wa, wb, yra, yrb, n, na, nb, first, ba, bb); break;
+    case 3: tile2(3, xr, k, kc, wa, wb, yra, yrb, n, na, nb, first, ba, bb); break;
+    case 2: tile2(2, xr, k, kc, wa, wb, yra, yrb, n, na, nb, first, ba, bb); break;
+    case 1: tile2(1, xr, k, kc, wa, wb, yra, yrb, n, na, nb, first, ba, bb); break;
+    default: break;
+    }
 }
 
 void lg_linear_f32(const float *x, int64_t m, int64_t k, const float *packed, int64_t n,
@@ -176,69 +238,73 @@ void lg_linear_f32(const float *x, int64_t m, int64_t k, const float *packed, in
             const int64_t kc = k - k0 < KC ? k - k0 : KC;
             const float *wa = packed + (pa * k + k0) * NR;
             const float *wb = pb >= 0 ? packed + (pb * k + k0) * NR : NULL;
-            const int first = k0 == 0;
-            int64_t r = c * MC2;
-            if (wb) {
-                for (; r + MR2 <= row_end; r += MR2)
-                    tile2(MR2, x + r * k + k0, k, kc, wa, wb, y + r * n + ca, y + r * n + cb, n, na, nb, first, ba, bb);
-                const float *xr = x + r * k + k0;
-                float *yra = y + r * n + ca, *yrb = y + r * n + cb;
-                switch (row_end - r) {   /* constant row counts: the accumulators stay in registers */
-                case 5: tile2(5, xr, k, kc, wa, wb, yra, yrb, n, na, nb, first, ba, bb); break;
-                case 4: tile2(4, xr, k, kc, wa, wb, yra, yrb, n, na, nb, first, ba, bb); break;
-                case 3: tile2(3, xr, k, kc, wa, wb, yra, yrb, n, na, nb, first, ba, bb); break;
-                case 2: tile2(2, xr, k, kc, wa, wb, yra, yrb, n, na, nb, first, ba, bb); break;
-                case 1: tile2(1, xr, k, kc, wa, wb, yra, yrb, n, na, nb, first, ba, bb); break;
-                default: break;
-                }
+            const int first = k0 == 0, r = c * MC2;
+            if (WIDE && wb) {
+                panel_pair_rows(x, k, k0, kc, wa, wb, y, n, ca, cb, na, nb, r, row_end, first, ba, bb);
                 continue;
             }
-            for (; r + MR <= row_end; r += MR)
-                tile(MR, x + r * k + k0, k, kc, wa, y + r * n + ca, n, na, first, ba);
-            const float *xr = x + r * k + k0;
-            float *yr = y + r * n + ca;
-            switch (row_end - r) {
-            case 7: tile(7, xr, k, kc, wa, yr, n, na, first, ba); break;
-            case 6: tile(6, xr, k, kc, wa, yr, n, na, first, ba); break;
-            case 5: tile(5, xr, k, kc, wa, yr, n, na, first, ba); break;
-            case 4: tile(4, xr, k, kc, wa, yr, n, na, first, ba); break;
-            case 3: tile(3, xr, k, kc, wa, yr, n, na, first, ba); break;
-            case 2: tile(2, xr, k, kc, wa, yr, n, na, first, ba); break;
-            case 1: tile(1, xr, k, kc, wa, yr, n, na, first, ba); break;
-            default: break;
-            }
+            panel_rows(x, k, k0, kc, wa, y, n, ca, na, r, row_end, first, ba);
+            if (wb)      /* AVX2: the second panel on its own */
+                panel_rows(x, k, k0, kc, wb, y, n, cb, nb, r, row_end, first, bb);
         }
     }
 }
 
 /* out [m][inter] = silu(x W_gate^T) * (x W_up^T), W packed in pairs (lg_linear_pack_pairs_f32):
  * a gated MLP's activation from the registers that computed it. silu(g) = g / (1 + e^-g), as
- * the pointwise kernel computes it. Tiles of 6 rows x (32 gate + 32 up) columns (24 vector
- * accumulators, so that each load of weights serves 6 rows rather than 4)
- * over the whole of K (the gate and up sums must be complete before the activation). */
-#define MR_PAIR 6
+ * the pointwise kernel computes it. Over the whole of K (the gate and up sums must be complete
+ * before the activation): on AVX-512, tiles of 6 rows x (32 gate + 32 up) columns (24 vector
+ * accumulators, so that each load of weights serves 6 rows rather than 4); on AVX2, 3 rows'
+ * gate sums then their up sums (12 accumulators each), the same sums in the same order. */
+#define MR_PAIR (WIDE ? 6 : 3)
 #define MC_PAIR 60   /* rows per unit of work: whole tiles */
+
+/* `mr` rows' sums over the whole of K against one panel w [k][32] into out[r] */
+static inline __attribute__((always_inline)) void sums_tile(
+    const int mr, const float *x, int64_t k, const float *w, float (*out)[NR])
+{
+    vec acc[MR_PAIR][NV];
+    for (int r = 0; r < mr; r++)
+        for (int v = 0; v < NV; v++) acc[r][v] = (vec){0};
+    for (int64_t i = 0; i < k; i++) {
+        vec wv[NV];
+        for (int v = 0; v < NV; v++) wv[v] = loadv(w + i * NR + v * VL);
+        for (int r = 0; r < mr; r++) {
+            const vec xv = (vec){0} + x[r * k + i];
+            for (int v = 0; v < NV; v++) acc[r][v] += xv * wv[v];
+        }
+    }
+    for (int r = 0; r < mr; r++)
+        for (int v = 0; v < NV; v++) storev(out[r] + v * VL, acc[r][v]);
+}
+
 static inline __attribute__((always_inline)) void pair_tile(
     const int mr, const float *x, int64_t k, const float *wg, const float *wu,
     float *out, int64_t inter, int64_t ncols)
 {
-    v16 g0[MR_PAIR], g1[MR_PAIR], u0[MR_PAIR], u1[MR_PAIR];
-    for (int r = 0; r < mr; r++) { g0[r] = g1[r] = u0[r] = u1[r] = (v16){0}; }
+    float g[MR_PAIR][NR], u[MR_PAIR][NR];
+#if WIDE
+    vec g0[MR_PAIR][NV], u0[MR_PAIR][NV];
+    for (int r = 0; r < mr; r++)
+        for (int v = 0; v < NV; v++) g0[r][v] = u0[r][v] = (vec){0};
     for (int64_t i = 0; i < k; i++) {
-        const v16 a0 = load16(wg + i * NR), a1 = load16(wg + i * NR + 16);
-        const v16 b0 = load16(wu + i * NR), b1 = load16(wu + i * NR + 16);
+        vec a[NV], b[NV];
+        for (int v = 0; v < NV; v++) { a[v] = loadv(wg + i * NR + v * VL); b[v] = loadv(wu + i * NR + v * VL); }
         for (int r = 0; r < mr; r++) {
-            const v16 xv = (v16){0} + x[r * k + i];
-            g0[r] += xv * a0; g1[r] += xv * a1;
-            u0[r] += xv * b0; u1[r] += xv * b1;
+            const vec xv = (vec){0} + x[r * k + i];
+            for (int v = 0; v < NV; v++) { g0[r][v] += xv * a[v]; u0[r][v] += xv * b[v]; }
         }
     }
+    for (int r = 0; r < mr; r++)
+        for (int v = 0; v < NV; v++) { storev(g[r] + v * VL, g0[r][v]); storev(u[r] + v * VL, u0[r][v]); }
+#else
+    sums_tile(mr, x, k, wg, g);
+    sums_tile(mr, x, k, wu, u);
+#endif
     for (int r = 0; r < mr; r++) {
-        float g[NR], u[NR], o[NR];
-        store16(g, g0[r]); store16(g + 16, g1[r]);
-        store16(u, u0[r]); store16(u + 16, u1[r]);
+        float o[NR];
         #pragma omp simd
-        for (int j = 0; j < NR; j++) o[j] = g[j] / (1.0f + lg_exp(-g[j])) * u[j];
+        for (int j = 0; j < NR; j++) o[j] = g[r][j] / (1.0f + lg_exp(-g[r][j])) * u[r][j];
         memcpy(out + r * inter, o, (size_t)ncols * sizeof(float));
     }
 }
@@ -259,9 +325,11 @@ void lg_linear_silu_mul_f32(const float *x, int64_t m, int64_t k, const float *p
         const float *xr = x + r * k;
         float *orow = out + r * inter + col;
         switch (row_end - r) {
+#if WIDE
         case 5: pair_tile(5, xr, k, wg, wu, orow, inter, ncols); break;
         case 4: pair_tile(4, xr, k, wg, wu, orow, inter, ncols); break;
         case 3: pair_tile(3, xr, k, wg, wu, orow, inter, ncols); break;
+#endif
         case 2: pair_tile(2, xr, k, wg, wu, orow, inter, ncols); break;
         case 1: pair_tile(1, xr, k, wg, wu, orow, inter, ncols); break;
         default: break;

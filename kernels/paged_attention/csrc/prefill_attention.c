@@ -4,7 +4,7 @@
  * positions x the query heads sharing that KV head), over blocks of 64 keys up to the causal
  * limit, scores by an outer-product micro-kernel against the key block transposed once into
  * L1, an online softmax (running max and sum per query row), and the value block added in
- * with the weights broadcast; the accumulators of 4 rows stay in registers. Work is shared out
+ * with the weights broadcast; the accumulators of a few rows stay in registers. Work is shared out
  * over torch's OpenMP threads, longest contexts first.
  *
  * Query i of a chunk of q_len new tokens sits at position ctx_len - q_len + i and sees keys
@@ -19,9 +19,21 @@
 
 #include "lg_exp.h"
 
-typedef float v16 __attribute__((vector_size(64)));
-static inline v16 load16(const float *p) { v16 v; memcpy(&v, p, sizeof v); return v; }
-static inline void store16(float *p, v16 v) { memcpy(p, &v, sizeof v); }
+/* Vectors as wide as the machine's registers (AVX-512's 16 floats, else AVX2's 8): a vector
+ * type wider than the registers is lowered through the stack. Register tiles of TR rows x TV
+ * vectors: 4 x 4 zmm (64 keys or dims) of 32 registers, 3 x 4 ymm (32) of 16. */
+#if defined(__AVX512F__)
+#define VL 16
+#define TR 4
+#else
+#define VL 8
+#define TR 3
+#endif
+#define TV 4
+#define TW (TV * VL)     /* a tile's columns */
+typedef float vec __attribute__((vector_size(VL * 4)));
+static inline __attribute__((always_inline)) vec loadv(const float *p) { vec v; memcpy(&v, p, sizeof v); return v; }
+static inline __attribute__((always_inline)) void storev(float *p, vec v) { memcpy(p, &v, sizeof v); }
 
 #define QB 16            /* query positions per work item */
 #define KB 64            /* keys per block */
@@ -56,20 +68,23 @@ static inline __attribute__((always_inline)) void attend_block(
             for (int d = 0; d < D; d++) kt[d][j] = keys[(j0 + j) * D + d];
         for (int64_t j = nk; j < KB; j++)
             for (int d = 0; d < D; d++) kt[d][j] = 0.f;
-        /* scores: 4 rows x 64 keys a tile */
-        for (int64_t r0 = 0; r0 < rows; r0 += 4) {
-            const int64_t nr = rows - r0 < 4 ? rows - r0 : 4;
-            v16 a[4][4];
-            for (int i = 0; i < 4; i++) for (int c = 0; c < 4; c++) a[i][c] = (v16){0};
-            for (int d = 0; d < D; d++) {
-                const v16 k0 = load16(&kt[d][0]), k1 = load16(&kt[d][16]), k2 = load16(&kt[d][32]), k3 = load16(&kt[d][48]);
-                for (int i = 0; i < 4; i++) {
-                    const v16 b = (v16){0} + q[r0 + (i < nr ? i : 0)][d];
-                    a[i][0] += b * k0; a[i][1] += b * k1; a[i][2] += b * k2; a[i][3] += b * k3;
+        /* scores: TR rows x TW keys a tile */
+        for (int64_t r0 = 0; r0 < rows; r0 += TR) {
+            const int64_t nr = rows - r0 < TR ? rows - r0 : TR;
+            for (int c0 = 0; c0 < KB; c0 += TW) {
+                vec a[TR][TV];
+                for (int i = 0; i < TR; i++) for (int c = 0; c < TV; c++) a[i][c] = (vec){0};
+                for (int d = 0; d < D; d++) {
+                    vec kv[TV];
+                    for (int c = 0; c < TV; c++) kv[c] = loadv(&kt[d][c0 + c * VL]);
+                    for (int i = 0; i < TR; i++) {
+                        const vec b = (vec){0} + q[r0 + (i < nr ? i : 0)][d];
+                        for (int c = 0; c < TV; c++) a[i][c] += b * kv[c];
+                    }
                 }
+                for (int64_t i = 0; i < nr; i++)
+                    for (int c = 0; c < TV; c++) storev(&s[r0 + i][c0 + c * VL], a[i][c]);
             }
-            for (int64_t i = 0; i < nr; i++)
-                for (int c = 0; c < 4; c++) store16(&s[r0 + i][c * 16], a[i][c]);
         }
         /* causal mask, online softmax: s becomes the weights, acc and l rescaled */
         for (int64_t r = 0; r < rows; r++) {
@@ -92,22 +107,25 @@ static inline __attribute__((always_inline)) void attend_block(
             if (corr != 1.f)
                 for (int d = 0; d < D; d++) acc[r][d] *= corr;
         }
-        /* acc += weights x value block: 4 rows a tile, D / 16 vectors a row in registers */
-        for (int64_t r0 = 0; r0 < rows; r0 += 4) {
-            const int64_t nr = rows - r0 < 4 ? rows - r0 : 4;
-            v16 a[4][8];
-            for (int i = 0; i < 4; i++) for (int c = 0; c < D / 16; c++) a[i][c] = load16(&acc[r0 + (i < nr ? i : 0)][c * 16]);
-            for (int64_t j = 0; j < nk; j++) {
-                const float *vr = values + (j0 + j) * D;
-                v16 vv[8];
-                for (int c = 0; c < D / 16; c++) vv[c] = load16(vr + c * 16);
-                for (int i = 0; i < 4; i++) {
-                    const v16 p = (v16){0} + s[r0 + (i < nr ? i : 0)][j];
-                    for (int c = 0; c < D / 16; c++) a[i][c] += p * vv[c];
+        /* acc += weights x value block: TR rows x TW dims a tile in registers */
+        for (int64_t r0 = 0; r0 < rows; r0 += TR) {
+            const int64_t nr = rows - r0 < TR ? rows - r0 : TR;
+            for (int d0 = 0; d0 < D; d0 += TW) {
+                vec a[TR][TV];
+                for (int i = 0; i < TR; i++)
+                    for (int c = 0; c < TV; c++) a[i][c] = loadv(&acc[r0 + (i < nr ? i : 0)][d0 + c * VL]);
+                for (int64_t j = 0; j < nk; j++) {
+                    const float *vr = values + (j0 + j) * D + d0;
+                    vec vv[TV];
+                    for (int c = 0; c < TV; c++) vv[c] = loadv(vr + c * VL);
+                    for (int i = 0; i < TR; i++) {
+                        const vec p = (vec){0} + s[r0 + (i < nr ? i : 0)][j];
+                        for (int c = 0; c < TV; c++) a[i][c] += p * vv[c];
+                    }
                 }
+                for (int64_t i = 0; i < nr; i++)
+                    for (int c = 0; c < TV; c++) storev(&acc[r0 + i][d0 + c * VL], a[i][c]);
             }
-            for (int64_t i = 0; i < nr; i++)
-                for (int c = 0; c < D / 16; c++) store16(&acc[r0 + i][c * 16], a[i][c]);
         }
     }
     for (int64_t r = 0; r < rows; r++) {
