@@ -27,7 +27,7 @@ from lockgate.engine.client import (
     ServedEngine,
     SubmitOptions,
 )
-from lockgate.engine.config import EngineConfig, ModelConfig
+from lockgate.engine.config import EngineConfig, ModelConfig, server_engine_defaults
 from lockgate.engine.demo_model import write_demo_model
 from lockgate.engine.errors import (
     AdapterInUse,
@@ -83,5 +83,6 @@ __all__ = [
     "RequestOutput", "RequestStream", "SamplingParams", "ServedEngine", "SpecClassStats", "SpecStats",
     "SpeculativeConfig", "StructuredOutputsParams", "SubmitOptions",
     "TenantClassStats", "Tokenizer", "UnknownModel", "WorkerPoolStats", "default_group_size", "grammar_compiler",
-    "parse_targets", "quantize_model", "write_copy_model", "write_demo_adapter", "write_demo_model",
+    "parse_targets", "quantize_model", "server_engine_defaults", "write_copy_model", "write_demo_adapter",
+    "write_demo_model",
 ]

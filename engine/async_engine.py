@@ -311,8 +311,7 @@ class AsyncEngine(EngineClient, EngineAdmin):
                 with self._lock:
                     for out in outputs:     # it sent something: no longer queued
                         self._admission.forget(out.request_id)
-                for out in outputs:
-                    self._deliver(out.request_id, out)
+                self._deliver_all([(out.request_id, out) for out in outputs])
                 while core.failed:   # e.g. an adapter that could not be read again
                     rid, exc = core.failed.pop()
                     self._deliver(rid, exc)
@@ -421,11 +420,23 @@ class AsyncEngine(EngineClient, EngineAdmin):
                 if final is not None:   # a caller still reading gets its last output
                     self._deliver(payload, final)
 
-    def _deliver(self, request_id: str, item: Any) -> None:
+    def _deliver_all(self, items: list[tuple[str, Any]]) -> None:
+        """A step's outputs: one wake-up of each caller's loop for all of its streams' (a
+        wake-up per output costs the loop a callback and a write to its self-pipe each)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
         with self._lock:
-            target = self._streams.get(request_id)
-        if target is None:
-            return
-        loop, queue = target
-        with contextlib.suppress(RuntimeError):  # the caller's loop may be closed
-            loop.call_soon_threadsafe(queue.put_nowait, item)
+            for request_id, item in items:
+                target = self._streams.get(request_id)
+                if target is not None:
+                    by_loop.setdefault(target[0], []).append((target[1], item))
+        for loop, found in by_loop.items():
+            with contextlib.suppress(RuntimeError):  # the caller's loop may be closed
+                loop.call_soon_threadsafe(_put_all, found)
+
+    def _deliver(self, request_id: str, item: Any) -> None:
+        self._deliver_all([(request_id, item)])
+
+
+def _put_all(found: list[tuple[asyncio.Queue, Any]]) -> None:
+    for queue, item in found:
+        queue.put_nowait(item)

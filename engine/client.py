@@ -46,7 +46,11 @@ class SubmitOptions(TypedDict, total=False):
 class RequestStream:
     """One request's outputs, as an async iterator of cumulative `RequestOutput`s; an error
     the engine hands the request (EngineDead, a shed's EngineOverloaded) is raised from it.
-    `close()` (idempotent) aborts the request unless it has finished, and forgets it."""
+    `close()` (idempotent) aborts the request unless it has finished, and forgets it.
+
+    A reader that falls behind the engine gets the outputs waiting for it as one, its deltas
+    joined (`merged`), as vLLM's output collector does: a server loop that lags its engine
+    then sends one chunk per stream for several steps instead of falling further behind."""
 
     def __init__(self, request_id: str, queue: asyncio.Queue, *, abort: Callable[[str], None],
                  forget: Callable[[str], None]) -> None:
@@ -74,6 +78,12 @@ class RequestStream:
         if isinstance(item, BaseException):
             self.close()
             raise item
+        while not item.finished and not self._queue.empty():
+            nxt = self._queue.get_nowait()
+            if isinstance(nxt, BaseException):    # after what came before it
+                self._queue.put_nowait(nxt)
+                break
+            item = merged(item, nxt)
         self.last = item
         if item.finished:
             self.finished = True
@@ -95,6 +105,17 @@ class RequestStream:
         if not self.finished:
             self._abort(self.request_id)
         self._forget(self.request_id)
+
+
+def merged(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
+    """`later` (cumulative) with each completion's delta reaching back over `earlier`'s."""
+    before = {c.index: c for c in earlier.outputs}
+    for c in later.outputs:
+        prev = before.get(c.index)
+        if prev is not None:
+            c.delta_text = prev.delta_text + c.delta_text
+            c.delta_token_ids = prev.delta_token_ids + c.delta_token_ids
+    return later
 
 
 @runtime_checkable

@@ -226,6 +226,20 @@ class EngineConfig:
         return torch.device(self.device)
 
 
+# vLLM's OpenAI server on the CPU runs at most 128 sequences a step (its offline LLM class, as
+# ours, 256): a decode step's time is every stream's time per token, and on a CPU it grows with
+# the batch about as fast as the batch's throughput does (docs/benchmarks.md, bench serve)
+SERVER_CPU_MAX_NUM_SEQS = 128
+
+
+def server_engine_defaults(device: str = "auto") -> dict[str, Any]:
+    """What an embedded server's engine takes where its settings say nothing (they win):
+    on the CPU, `max_num_seqs` 128."""
+    resolved = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
+                            "cpu" if device == "auto" else device)
+    return {"max_num_seqs": SERVER_CPU_MAX_NUM_SEQS} if resolved.type == "cpu" else {}
+
+
 @dataclass(slots=True)
 class ModelConfig:
     """What the engine needs of a Hugging Face config.json."""

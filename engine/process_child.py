@@ -88,6 +88,10 @@ class ChildEngine(AsyncEngine):
             except (OSError, ValueError):   # the parent is gone: the event loop stops us
                 logger.debug("engine process: parent gone, %d items dropped", len(items))
 
+    def _deliver_all(self, items: list[tuple[str, Any]]) -> None:
+        for request_id, item in items:      # into the step's one message (`flush`)
+            self._deliver(request_id, item)
+
     def _deliver(self, request_id: str, item: Any) -> None:
         with self._lock:
             if request_id not in self._streams:

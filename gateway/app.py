@@ -20,7 +20,7 @@ from typing import Any
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from lockgate.engine import AsyncEngine, ModelBinding, WorkerPoolStats
+from lockgate.engine import AsyncEngine, ModelBinding, WorkerPoolStats, server_engine_defaults
 from lockgate.gateway import admin, batch_api, messages_api, metrics_api, openai_api, responses_api, tokenize_api
 from lockgate.gateway.admin import vllm_lora
 from lockgate.gateway.authenticator import Authenticator
@@ -94,6 +94,12 @@ async def prepare_database(settings: Settings) -> str:
     return url
 
 
+
+def embedded_engine_kwargs(s: Settings) -> dict[str, Any]:
+    """An embedded engine's keywords: a server's defaults (`server_engine_defaults`: on the
+    CPU, 128 sequences a step as vLLM's server), then LoRA's and the settings' own."""
+    return {**server_engine_defaults(str(s.engine_kwargs.get("device", "auto"))), **s.lora_engine_kwargs()}
+
 async def load_models(s: Settings, engine_factory: EngineFactory) -> dict[str, ModelEntry]:
     """Start the engines of the configured models (the demo model when none is given)."""
     specs = parse_model_specs(s.models)
@@ -128,14 +134,14 @@ async def load_models(s: Settings, engine_factory: EngineFactory) -> dict[str, M
         (first, first_path), *rest = specs.items()
         pool = engine_factory(str(first_path), served_model_name=first,
                                     models={n: str(p) for n, p in rest}, memory_budget=s.memory_budget,
-                                    **s.lora_engine_kwargs())
+                                    **embedded_engine_kwargs(s))
         await pool.start()
         engines = {name: pool.for_model(name) for name in specs}
     else:
         engines = {}
         for name, path in specs.items():
             # the gateway's name for the model is the engine's (requests name it)
-            engine = engine_factory(str(path), **{**s.lora_engine_kwargs(), "served_model_name": name})
+            engine = engine_factory(str(path), **{**embedded_engine_kwargs(s), "served_model_name": name})
             await engine.start()
             engines[name] = ModelBinding(engine, name)
     # tokenizers, chat templates (their renderers loaded now, not on the first request) and

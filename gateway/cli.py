@@ -297,7 +297,7 @@ def serve(
         help="join an engine pool on Ray: 'auto' (a local Ray), HOST:PORT or ray://HOST:PORT "
              "(default LOCKGATE_POOL; none: the embedded engine)")] = None,
     max_num_seqs: Annotated[int | None, typer.Option(
-        min=1, help="sequences in one step (default 256)")] = None,
+        min=1, help="sequences in one step (default 128 on the CPU, as vLLM's server; else 256)")] = None,
     max_model_len: Annotated[int | None, typer.Option(
         min=2, help="context length (default: the model's)")] = None,
     max_num_batched_tokens: Annotated[int | None, typer.Option(
