@@ -123,8 +123,9 @@ class Price:
 # only ratios matter then, all workers priced alike
 DEFAULT_PRICE = Price(token_s=1e-4, request_s=1e-3, step_s=5e-3)
 # (weight of the prefill seconds a cached prefix saves, weight of the seconds queued ahead):
-# an online request's time to first token is the queue's; offline work is paid in compute
-CLASS_WEIGHTS = {"online": (1.0, 1.5), "offline": (1.5, 0.5)}
+# an online request goes where its own time to first token (the queue ahead, then its own
+# prefill) is least; offline work is paid in compute, so saving it weighs more
+CLASS_WEIGHTS = {"online": (1.0, 1.0), "offline": (1.5, 0.5)}
 CAP_RATIO, CAP_SLACK = 2, 3      # in flight on a worker at most CAP_RATIO x the least loaded's + CAP_SLACK
 
 

@@ -350,7 +350,7 @@ def test_router_weighs_the_prefill_a_cache_saves_against_the_queue_in_seconds():
     prices = {"w0": Price(1e-4, 5e-3), "w1": Price(1e-4, 5e-3)}
     cached = {"w0": 1024, "w1": 0}.get
     # w0 saves 0.1024 s; each request queued costs 0.005 + 0.0512 s there
-    # online: the queue weighs 1.5x the saving; offline 0.5x, the saving 1.5x
+    # online: the queue weighs as much as the saving (its own TTFT); offline 0.5x, the saving 1.5x
     for ahead, online, offline in ((0, "w0", "w0"), (1, "w0", "w0"), (2, "w1", "w0"), (6, "w1", "w1")):
         load = {"w0": ahead, "w1": 0}
         for cls, want in (("online", online), ("offline", offline)):
