@@ -28,13 +28,12 @@ BlockHash = bytes
 
 
 class KVBlock:
-    __slots__ = ("block_hash", "block_id", "next_free", "prev_free", "ref_cnt", "reused", "tag", "tier")
+    __slots__ = ("block_hash", "block_id", "next_free", "prev_free", "ref_cnt", "tag", "tier")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.tier = 0
         self.ref_cnt = 0
-        self.reused = False       # its cached contents served a later request (a prefix hit)
         self.block_hash: BlockHash | None = None
         self.tag: Any = None      # who cached it (see KVCacheManager._tag), for invalidation
         self.prev_free: KVBlock | None = None
@@ -231,14 +230,10 @@ class BlockPool:
                 self.free_queues[block.tier].remove(block)
                 self.clean[block.block_id] = 0
             block.ref_cnt += 1
-            block.reused = True
 
     def free(self, blocks: Iterable[KVBlock], tier: int = 0) -> None:
         """Drop one reference from each block; blocks that reach zero go back to a queue:
-        cached ones to the tail of `tier`'s (of tier 0's while no later request has used them:
-        a request's own last blocks, its unique question, are seldom asked for again, and
-        under a stream of them a prefix that tenants share again and again would otherwise
-        be evicted first for being older), empty ones to the head of tier 0.
+        cached ones to the tail of `tier`'s, empty ones to the head of tier 0.
 
         Pass a request's blocks tail first so that, under pressure, the tail of a prefix is
         evicted before its head.
@@ -250,8 +245,8 @@ class BlockPool:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 if block.block_hash is not None:
-                    block.tier = tier if block.reused else 0
-                    self.free_queues[block.tier].append(block)
+                    block.tier = tier
+                    self.free_queues[tier].append(block)
                 else:
                     block.tier = 0
                     self.free_queue.appendleft(block)
@@ -263,7 +258,7 @@ class BlockPool:
             return
         if block_hash in self.cached:  # another request filled the same prefix first
             return
-        block.block_hash, block.tag, block.reused = block_hash, tag, False
+        block.block_hash, block.tag = block_hash, tag
         self.cached[block_hash] = block
         if self.listener is not None:
             self.listener("stored", block_hash)

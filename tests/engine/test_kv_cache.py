@@ -46,30 +46,6 @@ def test_pool_refcounts_double_free_and_eviction_order():
     pool.check_integrity()
 
 
-def test_blocks_no_later_request_used_are_evicted_before_reused_ones_whatever_their_age():
-    """A shared prefix freed long ago outlives a stream of one-off blocks freed since (a
-    request's unique last block): a block goes to its class's queue only once a later request
-    has hit it, and to the first-evicted queue till then."""
-    pool = BlockPool(6, num_tiers=2)
-    prefix = pool.allocate(2)
-    for i, b in enumerate(prefix):
-        pool.cache_block(b, bytes([i]) * 32)
-    pool.free(reversed(prefix), tier=1)
-    pool.touch(prefix)                       # a second request hits the prefix
-    pool.free(reversed(prefix), tier=1)      # ... and is done: the oldest free blocks now
-    ones = []
-    for k in range(3):                       # later requests' own blocks, used once each
-        ones += pool.allocate(1)
-        pool.cache_block(ones[-1], bytes([10 + k]) * 32)
-        pool.free(ones[-1:], tier=1)
-    got = pool.allocate(4)                   # the fresh block, then the one-offs, oldest first
-    assert [b.block_id for b in got[1:]] == [b.block_id for b in ones]
-    assert all(pool.get_cached_block(bytes([i]) * 32) is b for i, b in enumerate(prefix))
-    pool.free(got)
-    assert pool.allocate(6) is not None      # and the prefix goes last
-    assert pool.get_cached_block(bytes([0]) * 32) is None
-
-
 def seq_of(tokens, salt=None, model=None, max_tokens=16):
     req = EngineRequest("r", tokens, SamplingParams(max_tokens=max_tokens), cache_salt=salt, model=model)
     state = RequestState(req=req, class_rank=0)
