@@ -94,11 +94,11 @@ async def prepare_database(settings: Settings) -> str:
     return url
 
 
-
 def embedded_engine_kwargs(s: Settings) -> dict[str, Any]:
     """An embedded engine's keywords: a server's defaults (`server_engine_defaults`: on the
     CPU, 128 sequences a step as vLLM's server), then LoRA's and the settings' own."""
     return {**server_engine_defaults(str(s.engine_kwargs.get("device", "auto"))), **s.lora_engine_kwargs()}
+
 
 async def load_models(s: Settings, engine_factory: EngineFactory) -> dict[str, ModelEntry]:
     """Start the engines of the configured models (the demo model when none is given)."""
