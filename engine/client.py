@@ -50,7 +50,11 @@ class RequestStream:
 
     A reader that falls behind the engine gets the outputs waiting for it as one, its deltas
     joined (`merged`), as vLLM's output collector does: a server loop that lags its engine
-    then sends one chunk per stream for several steps instead of falling further behind."""
+    then sends one chunk per stream for several steps instead of falling further behind.
+    `merge_waiting` False: every output as it came (an engine that queues them all at once,
+    e.g. the load tests' instant engine, whose point is one chunk per token)."""
+
+    merge_waiting = True
 
     def __init__(self, request_id: str, queue: asyncio.Queue, *, abort: Callable[[str], None],
                  forget: Callable[[str], None]) -> None:
@@ -78,7 +82,7 @@ class RequestStream:
         if isinstance(item, BaseException):
             self.close()
             raise item
-        while not item.finished and not self._queue.empty():
+        while self.merge_waiting and not item.finished and not self._queue.empty():
             nxt = self._queue.get_nowait()
             if isinstance(nxt, BaseException):    # after what came before it
                 self._queue.put_nowait(nxt)

@@ -249,7 +249,9 @@ class InstantEngine(ModelEngine):
         task = self._feed(queue, self._outputs(request_id, text, ids, sampling_params, tok))
         self._streams[request_id] = (service_class, tenant, queue, task)
         self.num_submitted += 1
-        return RequestStream(request_id, queue, abort=self._abort_now, forget=self._forget)
+        stream = RequestStream(request_id, queue, abort=self._abort_now, forget=self._forget)
+        stream.merge_waiting = False        # every token queued at once: one output each, as a step's
+        return stream
 
     def _overloaded(self, service_class: str) -> EngineOverloaded:
         """The refusal of a request while `max_waiting_per_class` are open."""
