@@ -199,19 +199,26 @@ class BlockPool:
 
     def _run_at_eviction_head(self, want: int, tries: int = 4) -> int | None:
         """The start of a free, unreserved run of `want` blocks that ends or starts at one
-        of the next `tries` blocks to evict. A request's blocks are freed tail first, so the
-        eviction head is usually the last block of the oldest request: the run ending there
-        is that request's own."""
-        queue = next((q for q in self.free_queues if q.num_free), None)
-        if queue is None:
-            return None
-        for n, head in enumerate(queue):
-            if n == tries:
+        of the next `tries` blocks to evict, and whose cached blocks are all among the next
+        2 x `want` to evict. A request's blocks are freed tail first, so the eviction head is
+        usually the last block of the oldest request: the run ending there is that request's
+        own. The bound keeps the run from reaching into a prefix freed (or hit) recently that
+        happens to lie beside the head: that is a tenant's shared prefix, and evicting it
+        out of turn makes its next request compute it again."""
+        soon: set[int] = set()
+        heads: list[KVBlock] = []
+        for block in (b for q in self.free_queues for b in q):
+            if len(soon) == 2 * want:
                 break
+            soon.add(block.block_id)
+            if len(heads) < tries:
+                heads.append(block)
+        blocks, reserved = self.blocks, self.reserved_by
+        for head in heads:
             for start in (head.block_id - want + 1, head.block_id):
                 if start >= 0 and start + want <= self.num_blocks and all(
-                        self.blocks[i].ref_cnt == 0 and not self.reserved_by[i]
-                        and self.blocks[i].tier <= head.tier for i in range(start, start + want)):
+                        blocks[i].ref_cnt == 0 and not reserved[i]
+                        and (blocks[i].block_hash is None or i in soon) for i in range(start, start + want)):
                     return start
         return None
 

@@ -238,3 +238,24 @@ def test_truncate_releases_the_slots_past_the_kept_tokens():
     kv.free(seq)
     assert kv.num_free_blocks == 8
     kv.check_integrity()
+
+
+def test_a_run_at_the_eviction_head_never_reaches_into_a_recently_used_prefix():
+    """The run found at the eviction head may evict only blocks that are next in line
+    anyway: a tenant's prefix freed a moment ago that lies beside the oldest block stays
+    cached, and the run is taken further down the line instead."""
+    pool = BlockPool(16)
+    blocks = pool.allocate(16)
+    assert blocks is not None
+    for b in blocks:
+        pool.cache_block(b, bytes([b.block_id]))
+    by_id = {b.block_id: b for b in blocks}
+    pool.free([by_id[3], by_id[2]])                       # the oldest request's (0, 1 still held)
+    pool.free([by_id[i] for i in range(15, 7, -1)])       # then others'
+    pool.free([by_id[i] for i in range(7, 3, -1)])        # a shared prefix, used last
+    assert [b.block_id for b in pool.free_queue][:3] == [3, 2, 15]
+    got = pool.allocate_run(2, 4, owner=1)
+    assert [b.block_id for b in got] == [12, 13]          # (before: 3, 4, evicting the prefix)
+    assert all(pool.get_cached_block(bytes([i])) is by_id[i] for i in range(4, 8))
+    assert pool.get_cached_block(bytes([12])) is None and pool.get_cached_block(bytes([3])) is not None
+    pool.check_integrity()
