@@ -474,8 +474,8 @@ def bench_flood(
 @bench_app.command("pool")
 def bench_pool(
     repeats: Annotated[int, typer.Option(min=1, help="runs of each side; the best counts")] = 3,
-    tenants: Annotated[int, typer.Option(min=1, help="tenants, each with its own shared prompt")] = 8,
-    per_tenant: Annotated[int, typer.Option(min=1, help="requests per tenant in the routing runs")] = 32,
+    tenants: Annotated[int, typer.Option(min=1, help="tenants, each with its own shared prompt")] = 16,
+    per_tenant: Annotated[int, typer.Option(min=1, help="requests per tenant in the routing runs")] = 16,
     prefix: Annotated[int, typer.Option(min=16, help="tokens of each tenant's shared prompt")] = 512,
     skew: Annotated[float, typer.Option(
         min=0.0, max=1.0, help="share of the routing workload's requests on one tenant's prefix; "
