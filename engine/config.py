@@ -221,9 +221,14 @@ class EngineConfig:
         return min(bounds) if bounds else None
 
     def resolve_device(self) -> torch.device:
-        if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        return torch.device(self.device)
+        return resolve_device(self.device)
+
+
+def resolve_device(device: str) -> torch.device:
+    """"auto": CUDA where there is one, else the CPU; any other name as torch reads it."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
 
 
 # vLLM's OpenAI server on the CPU runs at most 128 sequences a step (its offline LLM class, as
@@ -235,9 +240,7 @@ SERVER_CPU_MAX_NUM_SEQS = 128
 def server_engine_defaults(device: str = "auto") -> dict[str, Any]:
     """What an embedded server's engine takes where its settings say nothing (they win):
     on the CPU, `max_num_seqs` 128."""
-    resolved = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
-                            "cpu" if device == "auto" else device)
-    return {"max_num_seqs": SERVER_CPU_MAX_NUM_SEQS} if resolved.type == "cpu" else {}
+    return {"max_num_seqs": SERVER_CPU_MAX_NUM_SEQS} if resolve_device(device).type == "cpu" else {}
 
 
 @dataclass(slots=True)

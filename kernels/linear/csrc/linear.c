@@ -259,25 +259,6 @@ void lg_linear_f32(const float *x, int64_t m, int64_t k, const float *packed, in
 #define MR_PAIR (WIDE ? 6 : 3)
 #define MC_PAIR 60   /* rows per unit of work: whole tiles */
 
-/* `mr` rows' sums over the whole of K against one panel w [k][32] into out[r] */
-static inline __attribute__((always_inline)) void sums_tile(
-    const int mr, const float *x, int64_t k, const float *w, float (*out)[NR])
-{
-    vec acc[MR_PAIR][NV];
-    for (int r = 0; r < mr; r++)
-        for (int v = 0; v < NV; v++) acc[r][v] = (vec){0};
-    for (int64_t i = 0; i < k; i++) {
-        vec wv[NV];
-        for (int v = 0; v < NV; v++) wv[v] = loadv(w + i * NR + v * VL);
-        for (int r = 0; r < mr; r++) {
-            const vec xv = (vec){0} + x[r * k + i];
-            for (int v = 0; v < NV; v++) acc[r][v] += xv * wv[v];
-        }
-    }
-    for (int r = 0; r < mr; r++)
-        for (int v = 0; v < NV; v++) storev(out[r] + v * VL, acc[r][v]);
-}
-
 static inline __attribute__((always_inline)) void pair_tile(
     const int mr, const float *x, int64_t k, const float *wg, const float *wu,
     float *out, int64_t inter, int64_t ncols)
@@ -298,8 +279,9 @@ static inline __attribute__((always_inline)) void pair_tile(
     for (int r = 0; r < mr; r++)
         for (int v = 0; v < NV; v++) { storev(g[r] + v * VL, g0[r][v]); storev(u[r] + v * VL, u0[r][v]); }
 #else
-    sums_tile(mr, x, k, wg, g);
-    sums_tile(mr, x, k, wu, u);
+    /* each sum over the whole of K in one tile (no bias, nothing to add to) */
+    tile(mr, x, k, k, wg, g[0], NR, NR, 1, NULL);
+    tile(mr, x, k, k, wu, u[0], NR, NR, 1, NULL);
 #endif
     for (int r = 0; r < mr; r++) {
         float o[NR];
