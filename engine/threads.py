@@ -10,6 +10,15 @@ It runs on the cores that are left, rounded, never fewer than one thread nor mor
 started with, and returns to full width once they come back. A change waits for `confirm`
 windows that agree, so one burst does not make it flap.
 
+Cores left are not the whole story: a width's steps can wait on a thread the process's own
+other work (an embedded server's HTTP loop, its client on the same machine) deschedules, and
+small steps (a few sequences' decode) gain little from a second thread while paying its waits
+at every op. So every so often the governor measures: `PROBE_PAIRS` steps alternating one
+thread narrower and the width it has, and it keeps the narrower width while that step's median
+time against its wider neighbour's is at most `NARROW_GAIN`; steps of a similar size follow
+each other, so pairing them compares like with like. A probe that confirms the choice doubles
+the time to the next (up to `PROBE_MAX_S`), so a steady load pays for few probes.
+
 Only where the thread count is the engine's own to choose: `num_threads` set (or a pool
 worker's share) is an override and is never touched, and tensor-parallel ranks each own a
 share of the cores, which would count each other as neighbours.
@@ -81,6 +90,11 @@ def pid_cpu_s(pid: int) -> float:
         return 0.0
 
 
+PROBE_PAIRS = 8            # steps at each width in one probe, alternating
+NARROW_GAIN = 0.95         # the narrower width is kept when its steps take at most this of the wider's
+PROBE_FIRST_S, PROBE_MAX_S = 2.0, 64.0     # time to the first probe; the most between two
+
+
 class ThreadGovernor:
     """Sets torch's intra-op thread count at step boundaries from the free cores; `tick()`
     is cheap between windows (a clock read)."""
@@ -103,41 +117,82 @@ class ThreadGovernor:
         self._pending: int | None = None
         self._votes = 0
         self._mark: tuple[float, float, float] | None = None
+        self.base = self.max_threads      # the width the free cores give (`threads` may be one less)
+        self.narrow = False               # measured: one thread fewer runs this load's steps faster
+        self._probe: list[float] | None = None    # step seconds so far in a probe: narrow, wide, ...
+        self._probe_in_s = PROBE_FIRST_S
+        self._next_probe: float | None = None     # None until a step's time was observed
 
     def tick(self) -> int:
         """Called before a step: the thread count that step runs with."""
         if not self.enabled:
             return self.threads
         now = self._clock()
-        if self._mark is not None and now - self._mark[0] < self.window_s:
-            return self.threads
+        if self._mark is None or now - self._mark[0] >= self.window_s:
+            self._read_window(now)
+        width = self._measured_width(now)
+        if width != self.threads:
+            self._set(width)
+            self.threads = width
+        return self.threads
+
+    def observe(self, seconds: float) -> None:
+        """After a step that ran at `tick()`'s width: its wall time, for the probes."""
+        if not self.enabled:
+            return
+        if self._probe is None:
+            if self._next_probe is None:
+                self._next_probe = self._clock() + self._probe_in_s
+            return
+        self._probe.append(seconds)
+        if len(self._probe) < 2 * PROBE_PAIRS:
+            return
+        pairs = zip(self._probe[::2], self._probe[1::2], strict=True)
+        ratios = sorted(narrow / wide for narrow, wide in pairs if wide > 0)
+        narrow = bool(ratios) and ratios[len(ratios) // 2] <= NARROW_GAIN
+        self._probe_in_s = min(PROBE_MAX_S, self._probe_in_s * 2) if narrow == self.narrow else PROBE_FIRST_S
+        self.narrow, self._probe = narrow, None
+        self._next_probe = self._clock() + self._probe_in_s
+
+    def _measured_width(self, now: float) -> int:
+        if self.base == 1:
+            return 1
+        if self._probe is None and self._next_probe is not None and now >= self._next_probe:
+            self._probe = []
+        if self._probe is not None:        # narrow first, then wide, in turn
+            return self.base - 1 if len(self._probe) % 2 == 0 else self.base
+        return self.base - 1 if self.narrow else self.base
+
+    def _read_window(self, now: float) -> None:
         busy = self._read_busy()
         if busy is None:              # nothing to read (not Linux): keep the width it has
-            return self.threads
+            return
         own = self._read_own()
         if self._mark is not None:
             t0, busy0, own0 = self._mark
             self.others_cores = max(0.0, ((busy - busy0) - (own - own0)) / max(now - t0, 1e-9))
             self._vote(self.wanted())
         self._mark = (now, busy, own)
-        return self.threads
 
     def wanted(self) -> int:
         free = len(self.cpus) - self.others_cores
         return max(1, min(self.max_threads, int(free + 0.5)))
 
     def _vote(self, want: int) -> None:
-        if want == self.threads:
+        if want == self.base:
             self._pending, self._votes = None, 0
             return
         self._votes = self._votes + 1 if want == self._pending else 1
         self._pending = want
         if self._votes >= self.confirm:
             logger.info("intra-op threads %d -> %d (other processes used %.2f of %d cores)",
-                        self.threads, want, self.others_cores, len(self.cpus))
-            self._set(want)
-            self.threads, self.changes = want, self.changes + 1
+                        self.base, want, self.others_cores, len(self.cpus))
+            self.base, self.changes = want, self.changes + 1
             self._pending, self._votes = None, 0
+            # the measurement was of the old width: measure the new one afresh
+            self.narrow, self._probe, self._probe_in_s = False, None, PROBE_FIRST_S
+            if self._next_probe is not None:
+                self._next_probe = self._clock() + self._probe_in_s
 
     def stats(self) -> ThreadStats | None:
         if not self.enabled:

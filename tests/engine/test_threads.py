@@ -70,6 +70,38 @@ def test_one_burst_does_not_change_the_width_and_ticks_within_a_window_read_noth
     assert calls == [] and len(reads) == 3
 
 
+def test_a_narrower_width_whose_steps_measure_faster_is_kept_until_it_no_longer_is():
+    """Cores all free, yet one thread runs this load's steps faster (a second one waits on the
+    process's own other work): a probe finds it and keeps it; once the wider steps are faster
+    again, the next probe goes back. A steady load pays for few probes."""
+    m, calls = Machine(), []
+    g = ThreadGovernor(2, cpus={0, 1}, window_s=0.5, confirm=2, read_busy=lambda: m.busy,
+                       read_own=lambda: m.own, set_threads=calls.append, clock=lambda: m.t)
+    step_s = {1: 0.005, 2: 0.008}
+    widths = []
+
+    def run(seconds: float) -> None:
+        end = m.t + seconds
+        while m.t < end:
+            w = g.tick()
+            widths.append(w)
+            m.run(step_s[w], own_cores=w, other_cores=0)
+            g.observe(step_s[w])
+
+    run(1.0)
+    assert set(widths) == {2} and calls == []          # no probe before the first interval
+    run(2.0)
+    assert g.threads == 1 and g.narrow and g.base == 2
+    assert calls[:4] == [1, 2, 1, 2] and calls[-1] == 1   # the probe alternated, then kept one
+    widths.clear()
+    run(120.0)                                           # steady: probes back off
+    assert widths.count(2) / len(widths) < 0.01 and g.threads == 1
+    step_s.update({1: 0.006, 2: 0.003})                  # the second thread pays again
+    run(140.0)
+    assert g.threads == 2 and not g.narrow
+    assert g.stats().changes == 0                        # the free cores never changed
+
+
 def test_a_fixed_thread_count_is_an_override_the_governor_never_touches():
     old = torch.get_num_threads()
     try:
