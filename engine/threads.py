@@ -16,8 +16,9 @@ small steps (a few sequences' decode) gain little from a second thread while pay
 at every op. So every so often the governor measures: `PROBE_PAIRS` steps alternating one
 thread narrower and the width it has, and it keeps the narrower width while that step's median
 time against its wider neighbour's is at most `NARROW_GAIN`; steps of a similar size follow
-each other, so pairing them compares like with like. A probe that confirms the choice doubles
-the time to the next (up to `PROBE_MAX_S`), so a steady load pays for few probes.
+each other, so pairing them compares like with like. A probe ends after `PROBE_EARLY` pairs
+whose narrow steps were all clearly slower (a full batch's), and one that confirms the choice
+doubles the time to the next (up to `PROBE_MAX_S`), so a steady load pays for few probes.
 
 Only where the thread count is the engine's own to choose: `num_threads` set (or a pool
 worker's share) is an override and is never touched, and tensor-parallel ranks each own a
@@ -91,6 +92,7 @@ def pid_cpu_s(pid: int) -> float:
 
 
 PROBE_PAIRS = 8            # steps at each width in one probe, alternating
+PROBE_EARLY = 2            # pairs after which a probe whose narrow steps were all clearly slower ends
 NARROW_GAIN = 0.95         # the narrower width is kept when its steps take at most this of the wider's
 PROBE_FIRST_S, PROBE_MAX_S = 2.0, 64.0     # time to the first probe; the most between two
 
@@ -145,11 +147,16 @@ class ThreadGovernor:
                 self._next_probe = self._clock() + self._probe_in_s
             return
         self._probe.append(seconds)
-        if len(self._probe) < 2 * PROBE_PAIRS:
+        if len(self._probe) % 2:
             return
         pairs = zip(self._probe[::2], self._probe[1::2], strict=True)
         ratios = sorted(narrow / wide for narrow, wide in pairs if wide > 0)
-        narrow = bool(ratios) and ratios[len(ratios) // 2] <= NARROW_GAIN
+        # every pair so far clearly slower narrow (large steps, where the second thread pays):
+        # each more narrow step would only cost
+        lost = len(ratios) >= PROBE_EARLY and ratios[0] >= 1 / NARROW_GAIN
+        if not lost and len(self._probe) < 2 * PROBE_PAIRS:
+            return
+        narrow = not lost and bool(ratios) and ratios[len(ratios) // 2] <= NARROW_GAIN
         self._probe_in_s = min(PROBE_MAX_S, self._probe_in_s * 2) if narrow == self.narrow else PROBE_FIRST_S
         self.narrow, self._probe = narrow, None
         self._next_probe = self._clock() + self._probe_in_s

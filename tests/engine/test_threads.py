@@ -102,6 +102,23 @@ def test_a_narrower_width_whose_steps_measure_faster_is_kept_until_it_no_longer_
     assert g.stats().changes == 0                        # the free cores never changed
 
 
+def test_a_probe_whose_narrow_steps_are_all_clearly_slower_ends_early():
+    """Large steps, where the second thread pays: the probe stops after its first pairs."""
+    from lockgate.engine.threads import PROBE_EARLY
+
+    m, calls = Machine(), []
+    g = ThreadGovernor(2, cpus={0, 1}, window_s=0.5, confirm=2, read_busy=lambda: m.busy,
+                       read_own=lambda: m.own, set_threads=calls.append, clock=lambda: m.t)
+    step_s = {1: 0.06, 2: 0.04}
+    widths = []
+    while m.t < 3.5:
+        w = g.tick()
+        widths.append(w)
+        m.run(step_s[w], own_cores=w, other_cores=0)
+        g.observe(step_s[w])
+    assert widths.count(1) == PROBE_EARLY and g.threads == 2 and not g.narrow
+
+
 def test_a_fixed_thread_count_is_an_override_the_governor_never_touches():
     old = torch.get_num_threads()
     try:
