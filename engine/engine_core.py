@@ -369,7 +369,7 @@ class EngineCore:
         t3 = time.perf_counter()
         self.timings.detokenize += t3 - t2
         cost.observe(sched.shape, t3 - t0, predicted)
-        self.threads.observe(t3 - t0)
+        self.threads.observe(t3 - t0, self)
         self.last_step_predicted_s, self.last_step_s = predicted, t3 - t0
         return outputs
 

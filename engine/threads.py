@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable
 
@@ -121,14 +122,23 @@ class ThreadGovernor:
         self._mark: tuple[float, float, float] | None = None
         self.base = self.max_threads      # the width the free cores give (`threads` may be one less)
         self.narrow = False               # measured: one thread fewer runs this load's steps faster
-        self._probe: list[float] | None = None    # step seconds so far in a probe: narrow, wide, ...
+        self._probe: list[float] | None = None    # step seconds so far in a probe, in `_narrow_at` order
         self._probe_in_s = PROBE_FIRST_S
         self._next_probe: float | None = None     # None until a step's time was observed
+        # the one engine whose steps the probes time: a second engine in the process (another
+        # model, stepping on its own thread or in turn) would pair its steps with the first's
+        self._engine: int | None = None
+        self.probing = True
+        self._lock = threading.Lock()             # engines on several threads share the governor
 
     def tick(self) -> int:
         """Called before a step: the thread count that step runs with."""
         if not self.enabled:
             return self.threads
+        with self._lock:
+            return self._tick()
+
+    def _tick(self) -> int:
         now = self._clock()
         if self._mark is None or now - self._mark[0] >= self.window_s:
             self._read_window(now)
@@ -138,10 +148,25 @@ class ThreadGovernor:
             self.threads = width
         return self.threads
 
-    def observe(self, seconds: float) -> None:
-        """After a step that ran at `tick()`'s width: its wall time, for the probes."""
-        if not self.enabled:
+    def observe(self, seconds: float, engine: object = None) -> None:
+        """After `engine`'s step that ran at `tick()`'s width: its wall time, for the probes."""
+        if not self.enabled or not self.probing:
             return
+        with self._lock:
+            if self._engine is None:
+                self._engine = id(engine)
+            elif self._engine != id(engine):       # two engines: their steps do not pair
+                self.probing, self.narrow, self._probe, self._next_probe = False, False, None, None
+                return
+            self._observe(seconds)
+
+    @staticmethod
+    def _narrow_at(position: int) -> bool:
+        """Whether a probe's step at `position` runs narrow: pairs narrow-wide, then wide-narrow,
+        in turn, so that a drift in step times (a batch filling up) favours neither."""
+        return (position % 2 == 0) == (position // 2 % 2 == 0)
+
+    def _observe(self, seconds: float) -> None:
         if self._probe is None:
             if self._next_probe is None:
                 self._next_probe = self._clock() + self._probe_in_s
@@ -149,7 +174,8 @@ class ThreadGovernor:
         self._probe.append(seconds)
         if len(self._probe) % 2:
             return
-        pairs = zip(self._probe[::2], self._probe[1::2], strict=True)
+        pairs = [(a, b) if self._narrow_at(k) else (b, a)      # (narrow, wide)
+                 for k, a, b in zip(range(0, len(self._probe), 2), self._probe[::2], self._probe[1::2], strict=True)]
         ratios = sorted(narrow / wide for narrow, wide in pairs if wide > 0)
         # every pair so far clearly slower narrow (large steps, where the second thread pays):
         # each more narrow step would only cost
@@ -166,8 +192,8 @@ class ThreadGovernor:
             return 1
         if self._probe is None and self._next_probe is not None and now >= self._next_probe:
             self._probe = []
-        if self._probe is not None:        # narrow first, then wide, in turn
-            return self.base - 1 if len(self._probe) % 2 == 0 else self.base
+        if self._probe is not None:
+            return self.base - 1 if self._narrow_at(len(self._probe)) else self.base
         return self.base - 1 if self.narrow else self.base
 
     def _read_window(self, now: float) -> None:

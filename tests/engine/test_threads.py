@@ -119,6 +119,29 @@ def test_a_probe_whose_narrow_steps_are_all_clearly_slower_ends_early():
     assert widths.count(1) == PROBE_EARLY and g.threads == 2 and not g.narrow
 
 
+def test_probes_pair_like_with_like_and_stop_for_a_second_engine():
+    """Steps that slow down as a batch fills up favour neither width (pairs narrow-wide, then
+    wide-narrow); a second engine's steps would pair with the first's, so probing stops."""
+    m, calls = Machine(), []
+    g = ThreadGovernor(2, cpus={0, 1}, window_s=0.5, confirm=2, read_busy=lambda: m.busy,
+                       read_own=lambda: m.own, set_threads=calls.append, clock=lambda: m.t)
+    one, other = object(), object()
+    step = 0.004
+    while m.t < 6.0:                 # the same cost at either width, 6% more each step
+        w = g.tick()
+        m.run(step, own_cores=w, other_cores=0)
+        g.observe(step, one)
+        step *= 1.06
+    assert 1 in calls and not g.narrow and g.threads == 2
+    g.observe(0.004, other)
+    assert not g.probing and g.tick() == 2
+    for _ in range(2000):
+        w = g.tick()
+        m.run(0.004, own_cores=w, other_cores=0)
+        g.observe(0.002 if w == 1 else 0.004, one)
+    assert g.threads == 2 and not g.narrow
+
+
 def test_a_fixed_thread_count_is_an_override_the_governor_never_touches():
     old = torch.get_num_threads()
     try:
