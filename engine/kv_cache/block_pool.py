@@ -200,18 +200,17 @@ class BlockPool:
     def _run_at_eviction_head(self, want: int, tries: int = 4) -> int | None:
         """The start of a free, unreserved run of `want` blocks that ends or starts at one
         of the next `tries` blocks to evict, and whose cached blocks are all among the next
-        2 x `want` cached ones to evict. A request's blocks are freed tail first, so the eviction head is
+        2 x `want` to evict. A request's blocks are freed tail first, so the eviction head is
         usually the last block of the oldest request: the run ending there is that request's
         own. The bound keeps the run from reaching into a prefix freed (or hit) recently that
         happens to lie beside the head: that is a tenant's shared prefix, and evicting it
         out of turn makes its next request compute it again."""
-        soon: set[int] = set()          # cached ones only: empty blocks at the head may go anyway
+        soon: set[int] = set()
         heads: list[KVBlock] = []
-        for n, block in enumerate(b for q in self.free_queues for b in q):
-            if len(soon) == 2 * want or n == 8 * want:
+        for block in (b for q in self.free_queues for b in q):
+            if len(soon) == 2 * want:
                 break
-            if block.block_hash is not None:
-                soon.add(block.block_id)
+            soon.add(block.block_id)
             if len(heads) < tries:
                 heads.append(block)
         blocks, reserved = self.blocks, self.reserved_by

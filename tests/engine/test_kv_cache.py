@@ -260,22 +260,3 @@ def test_a_run_at_the_eviction_head_never_reaches_into_a_recently_used_prefix():
     assert pool.get_cached_block(bytes([12])) is None and pool.get_cached_block(bytes([3])) is not None
     pool.check_integrity()
 
-
-def test_empty_blocks_at_the_eviction_head_do_not_use_up_the_runs_horizon():
-    """Freed empty blocks wait at the head, scattered (no clean run): the horizon counts the
-    cached blocks next in line, so a run from an empty head block into them is still found."""
-    pool = BlockPool(16)
-    blocks = pool.allocate(16)
-    assert blocks is not None
-    by_id = {b.block_id: b for b in blocks}
-    for i in (6, 8, 9, 15):
-        pool.cache_block(by_id[i], bytes([i]))
-    for i in (13, 11, 4, 2, 0, 7):                    # empty: to the head, 7 first in line
-        pool.free([by_id[i]])
-    for i in (8, 9, 6, 15):                           # cached, next in line after them
-        pool.free([by_id[i]])
-    assert pool.clean.find(b"\x01" * 2) < 0           # 1, 3, 5, 10, 12, 14 still held
-    got = pool.allocate_run(3, 3, owner=1)
-    assert [b.block_id for b in got] == [7, 8, 9]     # (counting the empty ones: no run at all)
-    assert pool.get_cached_block(bytes([6])) is by_id[6]
-    pool.check_integrity()
