@@ -7,7 +7,7 @@ device of one CPU thread), three comparisons printed side by side in one run:
    together (16 x 32 blocks) fill a worker's device cache twice, its device and host tiers
    together once, so a worker that sees every tenant (round-robin) cannot keep them all, and
    one that sees half can. (With every prompt fitting every worker, perfect caches bound the
-   ratio at (2 x prompts + tails) / (prompts + tails): 1.5x for 8 tenants, whatever the router.);
+   ratio at (2 x prompts + tails) / (prompts + tails): 1.5x for 8 tenants, whatever the router);
 2. two models on one worker vs on two workers (budgets that hold one model each): the time
    for an alternating two-model workload;
 3. the latency a pooled request adds over an embedded one (an `AsyncEngine` in this

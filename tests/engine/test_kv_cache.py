@@ -259,4 +259,3 @@ def test_a_run_at_the_eviction_head_never_reaches_into_a_recently_used_prefix():
     assert all(pool.get_cached_block(bytes([i])) is by_id[i] for i in range(4, 8))
     assert pool.get_cached_block(bytes([12])) is None and pool.get_cached_block(bytes([3])) is not None
     pool.check_integrity()
-
